@@ -1,0 +1,2 @@
+"""GroupQueryAttention rules (placeholder: being written)."""
+RULES: list = []

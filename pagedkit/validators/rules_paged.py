@@ -1,0 +1,2 @@
+"""PagedAttention rules (placeholder: being written)."""
+RULES: list = []
