@@ -1,1 +1,5 @@
-"""pagedkit.kernels"""
+"""pagedkit.kernels: the torch reference kernels and the shared quantization helpers."""
+
+from .reference import paged_attention
+
+__all__ = ["paged_attention"]
