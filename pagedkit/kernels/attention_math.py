@@ -58,12 +58,14 @@ def attend(
     bias: torch.Tensor | None = None,
     sink: torch.Tensor | None = None,
     smooth: bool = False,
+    bias_after_softcap: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention of one sequence, one query row and one head at a time.
 
     q [Sq, H, D]; k [Sk, Hkv, D]; v [Sk, Hkv, Dv]; allowed [Sq, Sk] bool (True = key admitted);
     bias [H or 1, Sq, Sk] or None (added after scale, before softcap); sink [H] or None (one extra
-    logit in the softmax denominator only); smooth: a zero-valued sink (GQA smooth_softmax).
+    logit in the softmax denominator only); smooth: a zero-valued sink (GQA smooth_softmax);
+    bias_after_softcap: add bias after softcap instead (onnxruntime's GQA CPU kernel does this).
     Returns out [Sq, H, Dv], scores [H, Sq, Sk] (scaled, biased, soft-capped; 0 where masked) and
     probs [H, Sq, Sk] (0 where masked). A row with no admitted key gets output 0.
     """
@@ -78,10 +80,13 @@ def attend(
         for i in range(sq):
             keys = allowed[i].nonzero().flatten()
             s = (k[keys, kvh, :] @ q[i, head, :]) * scale  # [n]
-            if bias is not None:
-                s = s + bias[head if bias.shape[0] > 1 else 0, i, keys]
+            b = None if bias is None else bias[head if bias.shape[0] > 1 else 0, i, keys]
+            if b is not None and not bias_after_softcap:
+                s = s + b
             if softcap > 0:
                 s = softcap * torch.tanh(s / softcap)
+            if b is not None and bias_after_softcap:
+                s = s + b
             scores[head, i, keys] = s
             if keys.numel() == 0:
                 continue
