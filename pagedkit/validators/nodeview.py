@@ -56,7 +56,8 @@ def onnx_dtype_of(x: Any) -> int:
         import torch
 
         if isinstance(x, torch.Tensor):
-            return _TORCH_TO_ONNX[x.dtype]
+            # an element type ONNX cannot express is UNDEFINED (reported by the dtype rule), never a crash
+            return _TORCH_TO_ONNX.get(x.dtype, TensorProto.UNDEFINED)
     except ImportError:  # pragma: no cover - torch is a dependency
         pass
     arr = np.asarray(x)
@@ -64,7 +65,10 @@ def onnx_dtype_of(x: Any) -> int:
         return TensorProto.BFLOAT16
     if arr.dtype.name == "float8_e4m3fn":
         return TensorProto.FLOAT8E4M3FN
-    return onnx.helper.np_dtype_to_tensor_dtype(arr.dtype)
+    try:
+        return onnx.helper.np_dtype_to_tensor_dtype(arr.dtype)
+    except Exception:
+        return TensorProto.UNDEFINED
 
 
 def _torch_map() -> dict:
@@ -76,7 +80,8 @@ def _torch_map() -> dict:
         torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16, torch.bfloat16: TensorProto.BFLOAT16,
         torch.float64: TensorProto.DOUBLE, torch.int8: TensorProto.INT8, torch.uint8: TensorProto.UINT8,
         torch.int32: TensorProto.INT32, torch.int64: TensorProto.INT64, torch.bool: TensorProto.BOOL,
-        torch.float8_e4m3fn: TensorProto.FLOAT8E4M3FN,
+        torch.float8_e4m3fn: TensorProto.FLOAT8E4M3FN, torch.int16: TensorProto.INT16,
+        torch.float8_e5m2: TensorProto.FLOAT8E5M2, torch.complex64: TensorProto.COMPLEX64,
     }
 
 
@@ -118,7 +123,9 @@ class TensorInfo:
 
     @classmethod
     def of(cls, name: str, x: Any) -> "TensorInfo":
-        """From a concrete torch tensor or numpy array."""
+        """From a concrete torch tensor or numpy array (anything else is viewed through numpy)."""
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            x = np.asarray(x)
         return cls(name, onnx_dtype_of(x), tuple(int(d) for d in x.shape), _values_of(x))
 
 
