@@ -1,0 +1,195 @@
+"""Persistent step buffers and the StepPlan that views them.
+
+All per-step int32 inputs of a PagedAttention model live in ONE flat device buffer allocated once at
+capacity (max batch, max tokens, block-table width per group), so a captured CUDA graph sees the same
+addresses on every replay. A plan writes the host values into a pinned staging buffer and issues one
+non-blocking host-to-device copy per segment; staging buffers rotate and each is reused only after
+the copy that last read it has completed (an event wait on the host in `plan`, never in `run`).
+On a CPU device the flat buffer is written directly.
+
+`attention_metadata` [3] is CPU-resident (ORT's OrtMemTypeCPUInput), also persistent.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .kv_config import KVCacheConfig
+
+# model input names (onnxruntime-genai paged layout; contract-decisions §5, §8)
+CU_SEQLENS = "cumulative_sequence_lengths"
+PAST_SEQLENS = "past_sequence_lengths"
+METADATA = "attention_metadata"
+QUERY_POSITIONS = "query_positions"
+
+
+@dataclass
+class StepPlan:
+    """One step's inputs: views into persistent buffers (valid until the next `plan`).
+
+    block_tables[group]  [B, max_blocks] int32, indexed by absolute position, -1 = unmapped
+    slot_mappings[group] [T] int32, flat slot block * block_size + offset (or -1: no write)
+    cumulative_sequence_length [B + 1], past_seqlens [B], query_positions [T]  (int32, run device)
+    attention_metadata [3] int32 on the CPU: max_query_len_bound, max_kv_len_bound, max_kv_len_lower_bound
+    host_slots[group]: the slot mapping as a Python list (host bookkeeping, tests).
+    """
+
+    plan_id: int
+    seq_ids: tuple
+    query_lens: tuple[int, ...]
+    past_lens: tuple[int, ...]
+    draft_lens: tuple[int, ...]
+    block_tables: dict[str, torch.Tensor]
+    slot_mappings: dict[str, torch.Tensor]
+    cumulative_sequence_length: torch.Tensor
+    past_seqlens: torch.Tensor
+    query_positions: torch.Tensor
+    attention_metadata: torch.Tensor
+    host_slots: dict[str, list[int]]
+    table_names: dict[str, str] = field(default_factory=dict)  # group -> model input name
+    slot_names: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    def feeds(self, names=None, slot_mapping: bool = True, query_positions: bool = False) -> dict[str, torch.Tensor]:
+        """Model inputs by name. `names` (e.g. a session's input names) keeps only those the model has."""
+        out = {CU_SEQLENS: self.cumulative_sequence_length, PAST_SEQLENS: self.past_seqlens,
+               METADATA: self.attention_metadata}
+        for g, t in self.block_tables.items():
+            out[self.table_names[g]] = t
+        if slot_mapping:
+            for g, t in self.slot_mappings.items():
+                out[self.slot_names[g]] = t
+        if query_positions:
+            out[QUERY_POSITIONS] = self.query_positions
+        if names is not None:
+            keep = set(names)
+            out = {k: v for k, v in out.items() if k in keep}
+        return out
+
+
+def step_metadata(query_lens, kv_lens, bounds) -> list[int]:
+    """attention_metadata: the replay-wide bounds when given (checked against this step), else exact."""
+    exact = [max(query_lens), max(kv_lens), max(kv_lens)]
+    if bounds is None:
+        return exact
+    q_hi, kv_hi, kv_lo = (int(x) for x in bounds)
+    if (q_hi and exact[0] > q_hi) or (kv_hi and exact[1] > kv_hi) or (kv_lo and exact[1] < kv_lo):
+        raise ValueError(
+            f"attention_metadata bounds {tuple(bounds)} do not hold for this step: max_query_len {exact[0]}, "
+            f"max_kv_len {exact[1]} (need max_query_len <= bounds[0] and bounds[2] <= max_kv_len <= bounds[1]; "
+            "0 = unknown)")
+    return [q_hi, kv_hi, kv_lo]
+
+
+class PlanBuffers:
+    """The flat persistent int32 buffer and its segments: ("table", g), ("slots", g), "cu", "past", "qpos"."""
+
+    def __init__(self, config: KVCacheConfig, staging_depth: int = 3):
+        self.config = config
+        self.device = torch.device(config.device)
+        max_b, max_t = config.max_batch_size, config.max_num_tokens
+        shapes: dict[object, tuple[int, ...]] = {}
+        for g in config.groups:
+            shapes[("table", g.name)] = (max_b, config.max_blocks_per_seq(g))
+        for g in config.groups:
+            shapes[("slots", g.name)] = (max_t,)
+        shapes["cu"] = (max_b + 1,)
+        shapes["past"] = (max_b,)
+        shapes["qpos"] = (max_t,)
+        self.shapes = shapes
+        self.offsets: dict[object, int] = {}
+        total = 0
+        for key, shape in shapes.items():
+            self.offsets[key] = total
+            total += math.prod(shape)
+        self.total = total
+        self.on_cuda = self.device.type == "cuda"
+        self.dev = torch.full((total,), -1, dtype=torch.int32, device=self.device)
+        if self.on_cuda:
+            self.staging = [torch.full((total,), -1, dtype=torch.int32, pin_memory=True) for _ in range(staging_depth)]
+            self.events: list[torch.cuda.Event | None] = [None] * staging_depth
+        else:
+            self.staging = [self.dev]
+            self.events = [None]
+        self._next = 0
+        self._current = 0
+        self.metadata = torch.zeros(3, dtype=torch.int32)  # CPU-resident by contract
+
+    def _view(self, flat: torch.Tensor, key) -> torch.Tensor:
+        off, shape = self.offsets[key], self.shapes[key]
+        return flat[off : off + math.prod(shape)].view(shape)
+
+    def begin(self) -> dict[object, np.ndarray]:
+        """Host views (numpy, writable) of the next staging buffer, once its previous copy is done."""
+        k = self._next
+        self._next = (k + 1) % len(self.staging)
+        self._current = k
+        if self.events[k] is not None:
+            self.events[k].synchronize()  # the copy that last read this staging buffer has finished
+            self.events[k] = None
+        return {key: self._view(self.staging[k], key).numpy() for key in self.shapes}
+
+    def finish(self, used_rows: dict[object, int]) -> dict[object, torch.Tensor]:
+        """Copy the used leading rows of each segment to the device; return device views sliced to them."""
+        out = {}
+        src = self.staging[self._current]
+        for key, rows in used_rows.items():
+            shape = self.shapes[key]
+            n = rows * (math.prod(shape[1:]) if len(shape) > 1 else 1)
+            off = self.offsets[key]
+            if self.on_cuda and n:
+                self.dev[off : off + n].copy_(src[off : off + n], non_blocking=True)
+            out[key] = self._view(self.dev, key)[:rows]
+        if self.on_cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+            self.events[self._current] = ev
+        return out
+
+    def write(self, plan_id: int, seq_ids, query_lens, past_lens, draft_lens, tables, slots, bounds) -> StepPlan:
+        """Fill the buffers for one step. tables[group] = one block-table row (list) per sequence,
+        slots[group] = the flat slot mapping [T]."""
+        cfg = self.config
+        host = self.begin()
+        B, T = len(seq_ids), sum(query_lens)
+        host["cu"][0] = 0
+        host["cu"][1 : B + 1] = np.cumsum(query_lens)
+        host["past"][:B] = past_lens
+        host["qpos"][:T] = np.concatenate([np.arange(p, p + q) for p, q in zip(past_lens, query_lens)])
+        for g in cfg.groups:
+            table = host[("table", g.name)]
+            table[:B] = -1
+            for b, row in enumerate(tables[g.name]):
+                table[b, : len(row)] = row
+            host[("slots", g.name)][:T] = slots[g.name]
+        meta = step_metadata(query_lens, [p + q for p, q in zip(past_lens, query_lens)], bounds)
+        self.metadata.copy_(torch.tensor(meta, dtype=torch.int32))
+        used = {("table", g.name): B for g in cfg.groups} | {("slots", g.name): T for g in cfg.groups}
+        dev = self.finish(used | {"cu": B + 1, "past": B, "qpos": T})
+        return StepPlan(
+            plan_id=plan_id,
+            seq_ids=tuple(seq_ids),
+            query_lens=tuple(query_lens),
+            past_lens=tuple(past_lens),
+            draft_lens=tuple(draft_lens),
+            block_tables={g.name: dev[("table", g.name)] for g in cfg.groups},
+            slot_mappings={g.name: dev[("slots", g.name)] for g in cfg.groups},
+            cumulative_sequence_length=dev["cu"],
+            past_seqlens=dev["past"],
+            query_positions=dev["qpos"],
+            attention_metadata=self.metadata,
+            host_slots={g.name: list(slots[g.name]) for g in cfg.groups},
+            table_names={g.name: g.block_table_name for g in cfg.groups},
+            slot_names={g.name: g.slot_name for g in cfg.groups},
+        )
