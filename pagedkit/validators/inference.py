@@ -20,7 +20,8 @@ PagedAttention
   outputs 3/4 from inputs 17/18 (scale caches); an output whose source input is absent is left alone.
   output 5 (output_qk): (num_heads, T, block_table.shape[1] * key_cache.shape[1]); element type float
     unless the graph declares one of QK's types. Through onnx the hook cannot see declared types, so
-    there it sets only the shape and the declared type stands (declare output_qk's type in the graph).
+    there it sets only the shape and the declared type stands: declare output_qk's type in the graph
+    (graph outputs always are); undeclared, onnx records it with an UNDEFINED element type.
 GroupQueryAttention (onnxruntime's bert_defs.cc logic, with "unknown" wherever ORT would guess)
   output 0: query's shape unpacked; packed QKV (B, S, num_heads * head_size).
   present_key/value (1/2): with past: type of past_key/past_value, shape (B, Hkv, L, past dim 3) with
@@ -279,11 +280,15 @@ def _onnx_hook(contract: OpContract):
             proto = ctx.get_attribute(a.name)
             if proto is not None:
                 attrs[a.name] = helper.get_attribute_value(proto)
-        # The hook cannot see declared output types: output_qk's element type is left to the graph.
+        # The hook cannot see declared output types, so PagedAttention's output_qk gets its shape only
+        # and the graph's declared type stands. Any other output is set only with a known element type
+        # (an UNDEFINED element type in value_info makes onnxruntime refuse the model).
         res = _infer(contract, attrs, ins, vals, qk_elem=None)
+        shape_only = 5 if contract.name == "PagedAttention" else None
         for i in range(min(ctx.get_num_outputs(), len(contract.outputs))):
-            if ctx.has_output(i) and res.get(i, _UNKNOWN) != _UNKNOWN:
-                ctx.set_output_type(i, _to_type_proto(res[i]))
+            elem, shape = res.get(i, _UNKNOWN)
+            if ctx.has_output(i) and (elem is not None or (i == shape_only and shape is not None)):
+                ctx.set_output_type(i, _to_type_proto((elem, shape)))
 
     return infer
 
