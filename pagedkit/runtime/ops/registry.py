@@ -1,0 +1,120 @@
+"""The op table: (domain, op_type) -> torch implementation, and the context an implementation gets.
+
+An implementation is `fn(inputs, attrs, ctx) -> list[torch.Tensor]`:
+- `inputs`: the node's inputs in ONNX order, torch tensors on the run device; an absent optional
+  input (empty name, or fewer inputs than the schema allows) is None.
+- `attrs`: python values as `onnx.helper.get_attribute_value` gives them, with strings decoded
+  (`node_attributes` below does that); TENSOR attributes stay `onnx.TensorProto` (convert with
+  `tensor_from_proto`), GRAPH attributes stay `onnx.GraphProto`.
+- `ctx`: an `OpContext` (opset of the node's domain, node name, number of node outputs, device, and
+  `run_subgraph` supplied by the session for control flow).
+It returns the outputs in ONNX order. Outputs may be views of inputs (Reshape, Transpose, Slice,
+Expand, Identity...): implementations never write into their inputs, and a caller that mutates an
+output in place must copy first. Optional outputs the node does not request may still be returned
+(the session drops them) or be None.
+
+Shape-like inputs (Reshape shape, Slice starts/ends/axes/steps, Unsqueeze axes, TopK k, Range
+bounds, ...) are int64 tensors read on the host with `.tolist()`: these ops are host-side shape
+bookkeeping, the only host reads the table does. Data-dependent output shapes (NonZero) and `If`'s
+condition are the other inherent host reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import onnx
+import torch
+
+OpImpl = Callable[[list[torch.Tensor | None], dict[str, Any], "OpContext"], list[torch.Tensor | None]]
+
+# ai.onnx is keyed by "", the spelling ONNX graphs use for the default domain.
+ONNX_DOMAIN = ""
+MS_DOMAIN = "com.microsoft"
+# Highest ai.onnx opset whose semantics the implementations were written against.
+MAX_ONNX_OPSET = 23
+
+
+@dataclass
+class OpContext:
+    """What an op implementation may know besides its inputs and attributes."""
+
+    opset: int = MAX_ONNX_OPSET  # opset version of the node's domain in the model
+    node_name: str = ""
+    num_outputs: int = 1  # len(node.output): Split without sizes splits into this many pieces
+    device: torch.device | str = "cpu"  # device for outputs made from attributes only (Constant)
+    # run_subgraph(graph, feeds) -> graph outputs in order. Supplied by the session; it resolves
+    # names the subgraph takes from the enclosing scope itself (feeds only bind the subgraph's inputs).
+    run_subgraph: Callable[[onnx.GraphProto, dict[str, torch.Tensor]], list[torch.Tensor]] | None = None
+
+
+OPS: dict[tuple[str, str], OpImpl] = {}
+# (domain, op_type) -> newest ai.onnx opset whose version of the op is implemented
+_MAX_SINCE: dict[tuple[str, str], int] = {}
+
+
+def normalize_domain(domain: str | None) -> str:
+    return ONNX_DOMAIN if domain in (None, "", "ai.onnx") else domain
+
+
+def register(*op_types: str, domain: str = ONNX_DOMAIN, max_since: int = MAX_ONNX_OPSET):
+    """Decorator: register `fn` for each op type in `domain`.
+
+    For ai.onnx ops, `max_since` is the newest schema version (`since_version`) the implementation
+    follows; `lookup` refuses a model whose opset selects a newer version of the op.
+    """
+    domain = normalize_domain(domain)
+
+    def deco(fn: OpImpl) -> OpImpl:
+        for op_type in op_types:
+            key = (domain, op_type)
+            if key in OPS:
+                raise RuntimeError(f"op {domain or 'ai.onnx'}::{op_type} registered twice")
+            OPS[key] = fn
+            _MAX_SINCE[key] = max_since
+        return fn
+
+    return deco
+
+
+def _where(op_type: str, domain: str, node_name: str | None) -> str:
+    where = f"{domain or 'ai.onnx'}::{op_type}"
+    return f"{where} (node {node_name!r})" if node_name else where
+
+
+def lookup(domain: str | None, op_type: str, opset: int | None = None, node_name: str | None = None) -> OpImpl:
+    """The implementation of `op_type` in `domain` at `opset`; NotImplementedError naming the op if none."""
+    domain = normalize_domain(domain)
+    fn = OPS.get((domain, op_type))
+    if fn is None:
+        raise NotImplementedError(
+            f"pagedkit runtime has no implementation of {_where(op_type, domain, node_name)}; "
+            f"supported ops: see docs/runtime-ops.md or pagedkit.runtime.ops.supported_ops()")
+    if domain == ONNX_DOMAIN and opset is not None:
+        since = _schema_since(op_type, opset)
+        if since is not None and since > _MAX_SINCE[(domain, op_type)]:
+            raise NotImplementedError(
+                f"{_where(op_type, domain, node_name)} at opset {opset} selects version {since} of the op; "
+                f"pagedkit implements it up to version {_MAX_SINCE[(domain, op_type)]}")
+    return fn
+
+
+def _schema_since(op_type: str, opset: int) -> int | None:
+    try:
+        return onnx.defs.get_schema(op_type, opset, ONNX_DOMAIN).since_version
+    except onnx.defs.SchemaError:
+        return None  # op unknown to the installed onnx at that opset (e.g. ORT's SimplifiedLayerNormalization)
+
+
+def node_attributes(node: onnx.NodeProto) -> dict[str, Any]:
+    """A node's attributes as python values, strings decoded to str (the form implementations get)."""
+    out: dict[str, Any] = {}
+    for a in node.attribute:
+        v = onnx.helper.get_attribute_value(a)
+        if isinstance(v, bytes):
+            v = v.decode("utf-8")
+        elif isinstance(v, list) and v and isinstance(v[0], bytes):
+            v = [s.decode("utf-8") for s in v]
+        out[a.name] = v
+    return out
