@@ -56,6 +56,8 @@ RULE_DOCS = {
     "MODEL-genai-config": "genai_config.json beside the model must be readable JSON.",
 }
 
+PAGED_ONLY_RULES = ("MODEL-attention-metadata-graph-input", "MODEL-extension-input")
+
 # (input index, output index, genai name kind) of each cache pair
 _CACHE_PAIRS = {
     "PagedAttention": ((3, 1, "key"), (4, 2, "value"), (17, 3, "key_scale"), (18, 4, "value_scale")),
