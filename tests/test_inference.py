@@ -448,3 +448,32 @@ def test_infer_node_outputs_never_raises_on_bad_attributes_or_ranks():
     res = infer_node_outputs("PagedAttention", {"num_heads": 3, "kv_num_heads": 2},
                              {"query": (F16, ("T", 100))})  # 100 % 7 != 0 -> unknown width
     assert res[0] == (F16, ("T", None))
+
+
+# ------------------------------- every design configuration of tests/nodes.py (expected shapes written there)
+
+def _config_cases():
+    from nodes import GQA_CONFIGS, PAGED_CONFIGS, gqa_case, paged_case
+
+    return [paged_case(n) for n in PAGED_CONFIGS] + [gqa_case(n) for n in GQA_CONFIGS]
+
+
+@pytest.mark.parametrize("case", _config_cases(), ids=lambda c: f"{c.op_type}-{c.name}")
+def test_every_design_configuration_infers_its_expected_outputs(case):
+    """Integer inputs as initializers (so total_sequence_length is a constant); outputs declared untyped
+    except PagedAttention's output_qk, whose type the graph must declare."""
+    node, info = case.node()
+    consts = case.constants()
+    inits = [onnx.numpy_helper.from_array(consts[n], n) for n in node.input if n in consts]
+    ins = [helper.make_tensor_value_info(n, *info[n]) for n in node.input if n and n not in consts]
+    outs = [helper.make_tensor_value_info(n, TP.FLOAT, None) if (n == "output_qk" and case.op_type == "PagedAttention")
+            else onnx.ValueInfoProto(name=n) for n in node.output if n]
+    graph = helper.make_graph([node], "g", ins, outs, initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    got = inferred(model)
+    for name in case.outputs:
+        assert got[name] == case.out_info[name], name
+    # the pure function agrees, given the same types and constants
+    res = infer_node_outputs(case.op_type, case.attrs, {n: info[n] for n in case.inputs}, outputs=case.outputs,
+                             input_values=consts)
+    assert {case.contract.outputs[i].name: t for i, t in res.items()} == {n: case.out_info[n] for n in case.outputs}

@@ -67,7 +67,7 @@ def _coerce(contract: OpContract, name: str, value: Any) -> Any:
             raise TypeError
         return float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{contract.name}: attribute '{name}' expects a {attr.type}, got "
+        raise ValueError(f"{contract.name}: attribute '{name}' expects type {attr.type}, got "
                          f"{type(value).__name__} {value!r}") from None
 
 
