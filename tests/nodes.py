@@ -49,10 +49,11 @@ class Case:
     outputs: list  # requested contract output names
     out_info: dict = field(default_factory=dict)  # output name -> (onnx dtype, shape), static form
     name: str = ""
+    node_hook: object = None  # callable(node) applied to the static node (e.g. to add surplus inputs)
 
     def copy(self) -> "Case":
         return Case(self.op_type, copy.deepcopy(self.attrs), dict(self.inputs), list(self.outputs),
-                    dict(self.out_info), self.name)
+                    dict(self.out_info), self.name, self.node_hook)
 
     @property
     def contract(self):
@@ -77,6 +78,8 @@ class Case:
             info = {n: (dt, tuple(f"{n}_d{i}" if symbolic == "all" or i in dyn.get(n, ()) else d
                                   for i, d in enumerate(shape)))
                     for n, (dt, shape) in info.items()}
+        if self.node_hook is not None:
+            self.node_hook(node)
         return node, info
 
     def constants(self) -> dict:
@@ -98,6 +101,45 @@ class Case:
         graph = helper.make_graph([node], f"{self.op_type}_single_node", ins, outs)
         return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                        helper.make_opsetid("com.microsoft", 1)])
+
+
+# ------------------------------------------------------------------------------------------------
+# mutations (in place on a Case copy): used by the negative tests and the fuzz test
+# ------------------------------------------------------------------------------------------------
+
+
+def random_like(shape, dtype, seed=1):
+    """A fresh random tensor (never all zeros) of the given shape and dtype."""
+    g = _gen(seed)
+    if dtype in (torch.int32, torch.int64, torch.int16):
+        return torch.randint(1, 5, tuple(shape), generator=g, dtype=dtype)
+    if dtype in (torch.uint8, torch.int8, torch.float8_e4m3fn):
+        return _codes(g, tuple(shape), dtype)
+    if dtype == torch.bool:
+        return torch.rand(tuple(shape), generator=g) > 0.5
+    return (torch.rand(tuple(shape), generator=g) + 0.5).to(dtype)
+
+
+def with_shape(case: Case, name: str, shape, seed=1) -> None:
+    case.inputs[name] = random_like(shape, case.inputs[name].dtype, seed)
+
+
+def with_dtype(case: Case, name: str, dtype) -> None:
+    t = case.inputs[name]
+    case.inputs[name] = t.to(dtype) if t.is_floating_point() or dtype.is_floating_point else t.to(dtype)
+
+
+def with_values(case: Case, name: str, values) -> None:
+    case.inputs[name] = torch.tensor(values, dtype=case.inputs[name].dtype)
+
+
+def add_input(case: Case, name: str, shape, dtype, seed=2) -> None:
+    case.inputs[name] = random_like(shape, dtype, seed)
+
+
+def drop(case: Case, *names: str) -> None:
+    for n in names:
+        case.inputs.pop(n, None)
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -68,10 +68,12 @@ def view_of_node(
     outputs = {i: info(n) for i, n in enumerate(node.output) if n and i < len(contract.outputs)}
     if len(node.input) > len(contract.inputs):
         extra.append(Issue(name, "node", "too-many-inputs", f"at most {len(contract.inputs)} inputs",
-                           str(len(node.input))))
+                           str(len(node.input)), f"{contract.name} has {len(contract.inputs)} inputs, the node "
+                           f"lists {len(node.input)}"))
     if len(node.output) > len(contract.outputs):
         extra.append(Issue(name, "node", "too-many-outputs", f"at most {len(contract.outputs)} outputs",
-                           str(len(node.output))))
+                           str(len(node.output)), f"{contract.name} has {len(contract.outputs)} outputs, the node "
+                           f"lists {len(node.output)}"))
     return NodeView(contract, name, attrs, inputs, outputs, len(node.input), len(node.output), False, extra)
 
 

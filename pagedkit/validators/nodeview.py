@@ -195,7 +195,8 @@ class NodeView:
                 idx = contract.input_index(key)
             except KeyError:
                 extra.append(Issue(node_name or contract.name, f"input '{key}'", "unknown-input",
-                                   f"one of {list(contract.input_names)}", repr(key)))
+                                   f"one of {list(contract.input_names)}", repr(key),
+                                   f"Input '{key}' is not an input of {contract.name}"))
                 continue
             view_inputs[idx] = TensorInfo.of(key, x)
         outs = None
@@ -206,7 +207,8 @@ class NodeView:
                     outs[contract.output_index(key)] = TensorInfo(key)
                 except KeyError:
                     extra.append(Issue(node_name or contract.name, f"output '{key}'", "unknown-output",
-                                       f"one of {list(contract.output_names)}", repr(key)))
+                                       f"one of {list(contract.output_names)}", repr(key),
+                                       f"Output '{key}' is not an output of {contract.name}"))
         num_inputs = max(view_inputs, default=-1) + 1
         num_outputs = None if outs is None else max(outs, default=-1) + 1
         return cls(contract, node_name, dict(attrs), view_inputs, outs, num_inputs, num_outputs, True, extra)

@@ -362,7 +362,8 @@ def head_size_rules(view: NodeView, p: str, hidden: int | None, packed: bool | N
     hs = hidden // div
     if hs % 8 != 0:
         yield view.issue(inp("query"), f"{p}-head-size-multiple-8", "head_size a multiple of 8", f"head_size {hs}",
-                         f"head_size must be a multiple of 8. Got head_size % 8 == {hs % 8}")
+                         f"head_size (from input 'query' dimension {view_hidden_axis(view)}: {hidden} / {div}) "
+                         f"must be a multiple of 8. Got head_size % 8 == {hs % 8}")
 
 
 def view_hidden_axis(view: NodeView) -> int:

@@ -164,7 +164,7 @@ def latent(view: NodeView) -> Iterator[Issue]:
     d = paged_dims(view)
     vhs = int_attr(view, "v_head_size")
     if d.layout != LATENT:
-        if d.layout is not None and vhs is not None and vhs != 0 and d.head_size is not None and vhs != d.head_size:
+        if d.layout is not None and vhs is not None and vhs > 0 and d.head_size is not None and vhs != d.head_size:
             yield view.issue(attr_at("v_head_size"), f"{P}-v-head-size-separate", f"0 or head_size ({d.head_size}) "
                              "unless kv_cache_layout is LATENT", vhs, "Attribute 'v_head_size' may differ from "
                              f"head_size ({d.head_size}) only when kv_cache_layout is LATENT")
