@@ -159,44 +159,51 @@ _SHARED_ATTRS = ("num_heads", "kv_num_heads", "scale", "softcap", "local_window_
 
 @dataclass
 class PagedLayout:
-    """Where paged token t lives in the padded GQA batch: (batch entry, row)."""
+    """Where the paged tokens live in the padded GQA batch."""
 
-    csl: list
-    past: list
-    seq: int  # S = the longest step
+    sequences: list  # GQA batch entry i is paged sequence sequences[i]
+    csl: list  # the paged call's cumulative_sequence_length
+    past: list  # the paged call's past_seqlens
+    seq: int  # S = the longest step among the chosen sequences
 
     def rows(self):
-        for b in range(len(self.past)):
+        """(paged token t, GQA batch entry i, row j) of every chosen token."""
+        for i, b in enumerate(self.sequences):
             for j in range(self.csl[b + 1] - self.csl[b]):
-                yield self.csl[b] + j, b, j
+                yield self.csl[b] + j, i, j
 
 
-def _cache_bits(attrs: dict, cache: torch.Tensor) -> int:
+def _cache_bits(cache: torch.Tensor) -> int:
     if cache.dtype == torch.uint8:
         return 4
     return 8 if cache.dtype in (torch.int8, torch.float8_e4m3fn) else 0
 
 
-def gqa_from_paged(inputs: dict, attrs: dict):
-    """Equivalent GQA call of a SEPARATE-layout PagedAttention call without PER_TOKEN, rotation,
-    slot_mapping or query_positions: (gqa_inputs, gqa_attrs, layout). Each sequence's context is
-    gathered through its block_table row into a BNSH past of capacity max(P) + S (shared-capacity
-    buffer), its new tokens become a right-padded chunk (query_seqlens; padding rows are NaN, never
-    read), and attention_bias is cut to (.., S, total_sequence_length)."""
+def gqa_from_paged(inputs: dict, attrs: dict, sequences: list | None = None):
+    """The GQA call equivalent to a SEPARATE-layout PagedAttention call without PER_TOKEN, rotation,
+    slot_mapping or query_positions, for the chosen sequences (default all): (gqa_inputs, gqa_attrs,
+    layout). Each sequence's context is gathered through its block_table row into a BNSH past of
+    capacity max(P) + S (a shared-capacity buffer); its new tokens become a right-padded chunk (padding
+    rows are NaN, never read) described by query_seqlens; attention_bias is cut to (.., S, total).
+    GQA allows query_seqlens only with causal=1: an is_causal=0 call converts one sequence at a time
+    (sequences=[b]), where no query_seqlens is needed."""
     csl = inputs["cumulative_sequence_length"].long().tolist()
-    past = inputs["past_seqlens"].long().tolist()
-    bsz = len(past)
-    q_len = [csl[b + 1] - csl[b] for b in range(bsz)]
-    s = max(max(q_len), 1)
-    layout = PagedLayout(csl, past, s)
+    past_all = inputs["past_seqlens"].long().tolist()
+    sequences = list(range(len(past_all))) if sequences is None else list(sequences)
+    past = [past_all[b] for b in sequences]
+    q_len = [csl[b + 1] - csl[b] for b in sequences]
+    bsz, s = len(sequences), max(max(q_len), 1)
+    causal = int(attrs.get("is_causal", 1))
+    if not causal and bsz != 1:
+        raise ValueError("is_causal=0 converts one sequence at a time (GQA's query_seqlens needs causal=1)")
+    layout = PagedLayout(sequences, csl, past_all, s)
     t_len = [p + n for p, n in zip(past, q_len)]
     total = max(t_len)
-    cap = max(past) + s
 
     def pad(x):  # [N, W] -> [B, S, W]
         out = torch.full((bsz, s, x.shape[1]), float("nan"), dtype=x.dtype)
-        for b in range(bsz):
-            out[b, : q_len[b]] = x[csl[b]:csl[b + 1]]
+        for i, b in enumerate(sequences):
+            out[i, : q_len[i]] = x[csl[b]:csl[b + 1]]
         return out
 
     g = {"query": pad(inputs["query"])}
@@ -206,39 +213,44 @@ def gqa_from_paged(inputs: dict, attrs: dict):
     for src, dst in (("key_cache", "past_key"), ("value_cache", "past_value")):
         cache = inputs[src]  # [NB, BS, Hkv, Dc]
         bs = cache.shape[1]
-        out = torch.zeros(bsz, cache.shape[2], cap, cache.shape[3], dtype=cache.dtype)
-        for b in range(bsz):
-            for i in range(past[b]):
-                out[b, :, i] = cache[table[b, i // bs], i % bs]
+        out = torch.zeros(bsz, cache.shape[2], max(past) + s, cache.shape[3], dtype=cache.dtype)
+        for i, b in enumerate(sequences):
+            for pos in range(past[i]):
+                out[i, :, pos] = cache[table[b, pos // bs], pos % bs]
         g[dst] = out
     g["seqlens_k"] = torch.tensor([t - 1 for t in t_len], dtype=torch.int32)
     g["total_sequence_length"] = torch.tensor([total], dtype=torch.int32)
-    g["query_seqlens"] = torch.tensor(q_len, dtype=torch.int32)
+    if causal:
+        g["query_seqlens"] = torch.tensor(q_len, dtype=torch.int32)
     for name in ("cos_cache", "sin_cache", "head_sink", "q_norm_weight", "k_norm_weight", "k_scale", "v_scale"):
         if inputs.get(name) is not None:
             g[name] = inputs[name]
     if inputs.get("attention_bias") is not None:
-        g["attention_bias"] = inputs["attention_bias"][:, :, :s, :total]
+        bias = inputs["attention_bias"]
+        if bias.shape[0] > 1:
+            bias = bias[sequences]
+        g["attention_bias"] = bias[:, :, :s, :total]
     ga = {k: attrs[k] for k in _SHARED_ATTRS if k in attrs}
-    ga["causal"] = int(attrs.get("is_causal", 1))
-    bits = _cache_bits(attrs, inputs["key_cache"])
+    ga["causal"] = causal
+    bits = _cache_bits(inputs["key_cache"])
     if bits and (attrs.get("k_quant_type", "NONE") != "NONE" or attrs.get("v_quant_type", "NONE") != "NONE"):
         ga["kv_cache_bit_width"] = bits
     return g, ga, layout
 
 
-def gqa_output_as_paged(output: torch.Tensor, layout: PagedLayout) -> torch.Tensor:
-    """GQA output [B, S, W] -> the paged token order [N, W]."""
-    rows = list(layout.rows())
-    return torch.stack([output[b, j] for _, b, j in rows]) if rows else output.new_zeros(0, output.shape[-1])
+def gqa_output_as_paged(output: torch.Tensor, layout: PagedLayout, into: torch.Tensor | None = None) -> torch.Tensor:
+    """GQA output [B, S, W] -> paged token order [N, W] (rows of other sequences: `into`'s, else 0)."""
+    out = into.clone() if into is not None else output.new_zeros(layout.csl[-1], output.shape[-1])
+    for t, i, j in layout.rows():
+        out[t] = output[i, j]
+    return out
 
 
 def gqa_qk_as_paged(qk: torch.Tensor, layout: PagedLayout, context_capacity: int) -> torch.Tensor:
     """GQA output_qk [B, H, S, total] -> paged output_qk [H, N, context_capacity] (0 beyond total)."""
-    rows = list(layout.rows())
-    out = qk.new_zeros(qk.shape[1], len(rows), context_capacity)
-    for t, b, j in rows:
-        out[:, t, : qk.shape[3]] = qk[b, :, j]
+    out = qk.new_zeros(qk.shape[1], layout.csl[-1], context_capacity)
+    for t, i, j in layout.rows():
+        out[:, t, : qk.shape[3]] = qk[i, :, j]
     return out
 
 
@@ -248,8 +260,8 @@ def gqa_present_as_paged(present: torch.Tensor, cache: torch.Tensor, block_table
     [NB, BS, Hkv, Dc] through block_table: the cache a PagedAttention call should leave."""
     out = cache.clone()
     bs = cache.shape[1]
-    for b in range(len(layout.past)):
+    for i, b in enumerate(layout.sequences):
         t = layout.past[b] + layout.csl[b + 1] - layout.csl[b]
-        for i in range(t):
-            out[int(block_table[b, i // bs]), i % bs] = present[b, :, i]
+        for pos in range(t):
+            out[int(block_table[b, pos // bs]), pos % bs] = present[i, :, pos]
     return out
