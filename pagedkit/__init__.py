@@ -1,3 +1,19 @@
-"""pagedkit: a toolkit for ONNX Runtime's com.microsoft::PagedAttention and GroupQueryAttention."""
+"""pagedkit: a toolkit for ONNX Runtime's com.microsoft::PagedAttention and GroupQueryAttention.
+
+Public API (imported lazily so that `paged-validate` does not pay for torch):
+    pagedkit.InferenceSession      onnxruntime-like session on torch (runtime/)
+    pagedkit.validators            contracts, validate_node / validate_model / check_inputs
+    pagedkit.kernels               reference kernels: paged_attention, group_query_attention
+"""
 
 __version__ = "0.1.0"
+
+__all__ = ["InferenceSession", "__version__"]
+
+
+def __getattr__(name):
+    if name == "InferenceSession":
+        from .runtime.session import InferenceSession
+
+        return InferenceSession
+    raise AttributeError(f"module 'pagedkit' has no attribute {name!r}")

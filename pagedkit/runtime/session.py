@@ -43,30 +43,27 @@ def _node_arg(vi: onnx.ValueInfoProto) -> NodeArg:
     return NodeArg(vi.name, shape, f"tensor({dtype})")
 
 
-class _Ctx:
-    """Per-node context handed to op implementations."""
+@dataclass
+class _Step:
+    """One node, compiled at session creation (protobuf wrappers are not stable dict keys)."""
 
-    def __init__(self, session: "InferenceSession", node: onnx.NodeProto, opset: int):
-        self.session = session
-        self.node = node
-        self.node_name = node.name or node.op_type
-        self.opset = opset
-        self.device = session.device
+    node: onnx.NodeProto
+    name: str
+    inputs: list[str]
+    outputs: list[str]
+    attrs: dict[str, Any]
+    impl: Any = None  # op-table implementation
+    variant: Any = None  # attention kernel variant
+    ctx: Any = None
+    folded: bool = False  # evaluated once at creation (depends on constants only)
 
-    def run_subgraph(self, graph: onnx.GraphProto, feeds: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        return self.session._run_graph(graph, dict(feeds), outer=feeds)
 
+class _Graph:
+    """A compiled (sub)graph: its steps and output names."""
 
-def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
-    out = {}
-    for a in node.attribute:
-        v = onnx.helper.get_attribute_value(a)
-        if isinstance(v, bytes):
-            v = v.decode("utf-8")
-        elif isinstance(v, list) and v and isinstance(v[0], bytes):
-            v = [s.decode("utf-8") for s in v]
-        out[a.name] = v
-    return out
+    def __init__(self, steps: list[_Step], outputs: list[str]):
+        self.steps = steps
+        self.outputs = outputs
 
 
 class InferenceSession:
@@ -104,36 +101,41 @@ class InferenceSession:
         init_names = {i.name for i in graph.initializer}
         self._inputs = [_node_arg(vi) for vi in graph.input if vi.name not in init_names]
         self._outputs = [_node_arg(vi) for vi in graph.output]
-        self._impls: dict[int, Any] = {}
-        self._resolve(graph)
-        self._consts: dict[str, torch.Tensor] = {}
-        for init in graph.initializer:
-            self._consts[init.name] = self._place(to_torch(onnx.numpy_helper.to_array(init, self._base_dir)))
-        self._fold_constants(graph)
         self.attention_variants: dict[str, str] = {}  # node name -> variant chosen at creation
-        self._plan_attention(graph)
-
-    # ---- creation-time work -------------------------------------------------------------------
-    def _resolve(self, graph: onnx.GraphProto) -> None:
-        from . import ops
-
-        missing = []
-        for node in graph.node:
-            domain = node.domain if node.domain not in ("", "ai.onnx") else ""
-            if (domain, node.op_type) in ATTENTION_OPS:
-                continue
-            try:
-                self._impls[id(node)] = ops.lookup(domain, node.op_type, self._opsets.get(domain, 1))
-            except NotImplementedError:
-                missing.append(f"{node.op_type} (domain '{domain or 'ai.onnx'}', node '{node.name}')")
-            for a in node.attribute:
-                if a.type == onnx.AttributeProto.GRAPH:
-                    try:
-                        self._resolve(a.g)
-                    except NotImplementedError as exc:
-                        missing.append(str(exc))
+        missing: list[str] = []
+        self._graph = self._compile(graph, missing)
         if missing:
             raise NotImplementedError("pagedkit cannot run these ops: " + "; ".join(missing))
+        self._consts: dict[str, torch.Tensor] = {}
+        for init in graph.initializer:
+            self._consts[init.name] = self._place(to_torch(onnx.numpy_helper.to_array(init, self._base_dir or "")))
+        self._fold_constants()
+
+    # ---- creation-time work -------------------------------------------------------------------
+    def _compile(self, graph: onnx.GraphProto, missing: list[str]) -> _Graph:
+        from ..kernels.dispatch import select_variant
+        from .ops import OpContext, lookup, node_attributes
+
+        steps = []
+        for node in graph.node:
+            domain = node.domain if node.domain not in ("", "ai.onnx") else ""
+            step = _Step(node, node.name or node.op_type, list(node.input), list(node.output), node_attributes(node))
+            if (domain, node.op_type) in ATTENTION_OPS:
+                step.variant = select_variant(node, self._model, self.device, self.allow_reference_fallback)
+                self.attention_variants[step.name] = step.variant.name
+            else:
+                try:
+                    step.impl = lookup(domain, node.op_type, self._opsets.get(domain, 1), node.name)
+                except NotImplementedError as exc:
+                    missing.append(str(exc).split(";")[0])
+                for key, value in list(step.attrs.items()):
+                    if isinstance(value, onnx.GraphProto):
+                        step.attrs[key] = self._compile(value, missing)
+                step.ctx = OpContext(opset=self._opsets.get(domain, 1), node_name=node.name,
+                                     num_outputs=len(node.output), device=self.device,
+                                     run_subgraph=self._run_subgraph)
+            steps.append(step)
+        return _Graph(steps, [o.name for o in graph.output])
 
     def _place(self, t: torch.Tensor) -> torch.Tensor:
         # small integer tensors stay on the host: they are shape bookkeeping (no device syncs later)
@@ -141,29 +143,16 @@ class InferenceSession:
             return t
         return t.to(self.device)
 
-    def _fold_constants(self, graph: onnx.GraphProto) -> None:
+    def _fold_constants(self) -> None:
         """Evaluate once every node whose inputs are all initializers / constants."""
-        self._folded: set[int] = set()
-        for node in graph.node:
-            key = (node.domain or "", node.op_type)
-            if key in ATTENTION_OPS or any(a.type == onnx.AttributeProto.GRAPH for a in node.attribute):
+        for step in self._graph.steps:
+            if step.variant is not None or any(isinstance(v, _Graph) for v in step.attrs.values()):
                 continue
-            if all((not n) or n in self._consts for n in node.input):
-                outs = self._run_node(node, self._consts)
-                for name, t in zip(node.output, outs):
-                    if name:
+            if all((not n) or n in self._consts for n in step.inputs):
+                for name, t in zip(step.outputs, self._run_step(step, self._consts)):
+                    if name and t is not None:
                         self._consts[name] = t
-                self._folded.add(id(node))
-
-    def _plan_attention(self, graph: onnx.GraphProto) -> None:
-        from ..kernels.dispatch import select_variant
-
-        self._variants = {}
-        for node in graph.node:
-            if (node.domain, node.op_type) in ATTENTION_OPS:
-                variant = select_variant(node, self._model, self.device, self.allow_reference_fallback)
-                self._variants[id(node)] = variant
-                self.attention_variants[node.name or node.op_type] = variant.name
+                step.folded = True
 
     # ---- ORT-compatible API ---------------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
@@ -185,8 +174,9 @@ class InferenceSession:
         for name, value in input_feed.items():
             t = to_torch(value, "cpu", copy=True)
             feeds[name] = t if self._is_host_input(name, t) else t.to(self.device)
-        outs = self.run_torch(feeds, output_names)
-        return [to_numpy(outs[n]) for n in (output_names or [o.name for o in self._outputs])]
+        names = list(output_names or [o.name for o in self._outputs])
+        outs = self.run_torch(feeds, names)
+        return [to_numpy(outs[n]) for n in names]
 
     def run_torch(self, feeds: Mapping[str, torch.Tensor], output_names: Sequence[str] | None = None
                   ) -> dict[str, torch.Tensor]:
@@ -200,52 +190,54 @@ class InferenceSession:
         missing = [i.name for i in self._inputs if i.name not in feeds]
         if missing:
             raise ValueError(f"missing input(s) {missing}")
-        values = self._run_graph(self._model.graph, dict(feeds), None, names)
-        return {n: values[n] for n in names}
+        env = self._execute(self._graph, dict(feeds))
+        unknown = [n for n in names if n not in env]
+        if unknown:
+            raise ValueError(f"unknown output(s) {unknown}")
+        return {n: env[n] for n in names}
 
     # ---- execution ------------------------------------------------------------------------------
     def _is_host_input(self, name: str, t: torch.Tensor) -> bool:
-        return name == "attention_metadata" or t.dtype == torch.int64 and t.numel() <= 64 and t.dim() <= 1
+        return name == "attention_metadata"
 
-    def _run_graph(self, graph, feeds, outer=None, wanted=None):
+    def _run_subgraph(self, graph: "_Graph", feeds: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        env = self._execute(graph, dict(feeds), outer=self._scope[-1] if self._scope else None)
+        return [env[n] for n in graph.outputs]
+
+    _scope: list = []
+
+    def _execute(self, graph: _Graph, feeds: dict, outer: Mapping | None = None) -> dict[str, torch.Tensor]:
         env: dict[str, torch.Tensor] = dict(self._consts)
         if outer:
             env.update(outer)
         env.update(feeds)
-        top = graph is self._model.graph
-        for node in graph.node:
-            if top and id(node) in self._folded:
-                continue
-            outs = self._run_node(node, env)
-            for name, t in zip(node.output, outs):
-                if name:
-                    env[name] = t
-        if wanted is None:
-            return [env[o.name] for o in graph.output]
-        missing = [n for n in wanted if n not in env]
-        if missing:
-            raise ValueError(f"unknown output(s) {missing}")
+        self._scope = self._scope + [env]
+        try:
+            for step in graph.steps:
+                if step.folded:
+                    continue
+                for name, t in zip(step.outputs, self._run_step(step, env)):
+                    if name:
+                        env[name] = t
+        finally:
+            self._scope = self._scope[:-1]
         return env
 
-    def _run_node(self, node: onnx.NodeProto, env: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        inputs = [env[n] if n else None for n in node.input]
-        missing = [n for n, t in zip(node.input, inputs) if n and t is None]
-        if missing:
-            raise RuntimeError(f"node '{node.name}' ({node.op_type}): no value for input(s) {missing}")
-        attrs = _attrs(node)
-        variant = self._variants.get(id(node)) if hasattr(self, "_variants") else None
-        if variant is not None:
-            return variant.run(node, inputs, attrs)
-        devices = {t.device for t in inputs if isinstance(t, torch.Tensor)}
-        if len(devices) > 1:
-            inputs = [t.to(self.device) if isinstance(t, torch.Tensor) and t.device.type == "cpu"
-                      and not _is_shape_operand(node, i) else t for i, t in enumerate(inputs)]
-        domain = node.domain if node.domain not in ("", "ai.onnx") else ""
-        ctx = _Ctx(self, node, self._opsets.get(domain, 1))
+    def _run_step(self, step: _Step, env: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         try:
-            return list(self._impls[id(node)](inputs, attrs, ctx))
+            inputs = [env[n] if n else None for n in step.inputs]
+        except KeyError as exc:
+            raise RuntimeError(f"node '{step.name}' ({step.node.op_type}): no value for input {exc}") from None
+        if step.variant is not None:
+            return step.variant.run(step.node, inputs, step.attrs)
+        if any(isinstance(t, torch.Tensor) and t.device != self.device for t in inputs) and \
+                any(isinstance(t, torch.Tensor) and t.device == self.device for t in inputs):
+            inputs = [t.to(self.device) if isinstance(t, torch.Tensor) and not _is_shape_operand(step.node, i)
+                      else t for i, t in enumerate(inputs)]
+        try:
+            return list(step.impl(inputs, step.attrs, step.ctx))
         except Exception as exc:
-            raise RuntimeError(f"node '{node.name}' ({node.op_type}) failed: {exc}") from exc
+            raise RuntimeError(f"node '{step.name}' ({step.node.op_type}) failed: {exc}") from exc
 
 
 # inputs that are read on the host (shape-like operands) stay where they are

@@ -34,7 +34,9 @@ def to_torch(x, device: torch.device | str = "cpu", copy: bool = True) -> torch.
     """numpy array (bf16 / fp8 from ml_dtypes included) or python scalar -> torch tensor on device."""
     if isinstance(x, torch.Tensor):
         return x.to(device)
-    arr = np.asarray(x)
+    arr = np.array(x, copy=True) if copy else np.asarray(x)
+    if not arr.flags.writeable:
+        arr = arr.copy()
     name = arr.dtype.name
     if name == "bfloat16":
         t = torch.from_numpy(np.ascontiguousarray(arr).view(np.uint16)).view(torch.bfloat16)
@@ -42,8 +44,6 @@ def to_torch(x, device: torch.device | str = "cpu", copy: bool = True) -> torch.
         t = torch.from_numpy(np.ascontiguousarray(arr).view(np.uint8)).view(torch.float8_e4m3fn)
     else:
         t = torch.from_numpy(np.ascontiguousarray(arr)) if arr.ndim else torch.tensor(arr)
-    if copy:
-        t = t.clone()
     return t.to(device)
 
 
