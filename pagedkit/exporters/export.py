@@ -1,0 +1,146 @@
+"""Export orchestration: Hugging Face model -> model.onnx + genai_config.json (+ tokenizer files), checked
+by `onnx.checker.check_model(full_check=True)` and pagedkit's `validate_model` before success is declared.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+import torch
+
+from .config import ModelSpec, with_decoded_pagedkit, genai_config, write_genai_config
+from .families.base import ExportContext, ExportOptions
+from .registry import family_for
+from .weights import copy_tokenizer_files, load_model
+
+EXTERNAL_DATA_BYTES = 256 << 20  # models with more initializer bytes keep them in model.onnx.data
+_CACHE_BYTES = {"float16": 2.0, "bfloat16": 2.0, "int8": 1.0, "float8e4m3fn": 1.0, "int4": 0.5}
+
+
+class ExportError(RuntimeError):
+    """The exported graph failed the ONNX checker or pagedkit's validator; the message lists why."""
+
+
+@dataclass
+class ExportResult:
+    output_dir: Path
+    model_path: Path
+    spec: ModelSpec
+    parameters: int
+    file_bytes: int
+    kv_bytes_per_token: float
+    weights: str  # "safetensors" | "gguf" | "random"
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        lines = [
+            f"exported {self.spec.model_type} ({len(self.spec.layers)} layers, {self.weights} weights) "
+            f"-> {self.model_path}",
+            f"  parameters:           {self.parameters:,}",
+            f"  file size:            {self.file_bytes / 2**20:,.1f} MiB",
+            f"  KV cache per token:   {self.kv_bytes_per_token:,.0f} bytes "
+            f"({describe_caches(self.spec)}, block_size {self.spec.block_size})",
+        ]
+        return "\n".join(lines + [f"  {n}" for n in self.notes])
+
+
+def describe_caches(spec: ModelSpec) -> str:
+    kinds = sorted({(l.k_cache.dtype, l.k_cache.quant, l.v_cache.dtype if l.v_cache else None,
+                     l.v_cache.quant if l.v_cache else None) for l in spec.layers}, key=str)
+    out = []
+    for kd, kq, vd, vq in kinds:
+        k = kd + ("" if kq == "NONE" else f" {kq}")
+        v = "" if vd is None else vd + ("" if vq == "NONE" else f" {vq}")
+        out.append(f"K {k}" + (f" / V {v}" if v else ""))
+    return "; ".join(out)
+
+
+def kv_bytes_per_token(spec: ModelSpec) -> float:
+    """Cache bytes one token occupies over all layers (scale caches included)."""
+    total = 0.0
+    for l in spec.layers:
+        for c in (l.k_cache, l.v_cache):
+            if c is None:
+                continue
+            total += l.kv_num_heads * l.head_size * _CACHE_BYTES[c.dtype]
+            if c.quant == "PER_TOKEN":
+                total += l.kv_num_heads * 2  # float16 scale per token and KV head
+    return total
+
+
+def build_model(hf_model: torch.nn.Module, opts: ExportOptions | None = None, *, progress: bool = False
+                ) -> tuple[onnx.ModelProto, ModelSpec]:
+    """The PagedAttention graph of an in-memory Hugging Face causal LM, and its ModelSpec."""
+    opts = opts or ExportOptions()
+    family = family_for(hf_model.config)
+    ctx = ExportContext(family, hf_model, opts)
+    layers = range(len(family.layers(hf_model)))
+    if progress:
+        from tqdm.auto import tqdm
+
+        layers = tqdm(layers, desc="layers", unit="layer", file=sys.stderr)
+    with torch.no_grad():
+        family.build(ctx, layers)
+    doc = f"pagedkit export of {hf_model.config.model_type} (family {family.name})"
+    return ctx.g.model("pagedkit_" + family.name, "pagedkit", doc), ctx.spec
+
+
+def save_model(proto: onnx.ModelProto, out_dir: Path, filename: str = "model.onnx") -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / filename
+    data = out_dir / f"{filename}.data"
+    if data.exists():
+        data.unlink()
+    size = sum(len(t.raw_data) for t in proto.graph.initializer)
+    onnx.save_model(proto, path, save_as_external_data=size > EXTERNAL_DATA_BYTES, all_tensors_to_one_file=True,
+                    location=data.name, size_threshold=1024)
+    return path
+
+
+def check_exported(path: Path, config: dict) -> None:
+    """onnx.checker (full_check) and pagedkit's validate_model; raises ExportError listing every problem."""
+    from ..validators import validate_model
+
+    problems = []
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except Exception as exc:  # onnx raises ValidationError / InferenceError
+        problems.append(f"onnx.checker: {exc}")
+    issues = validate_model(str(path), genai_config=with_decoded_pagedkit(config))
+    problems += [str(i) for i in issues]
+    if problems:
+        raise ExportError(f"{path}: the exported model is invalid:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def export_hf_model(hf_model: torch.nn.Module, output_dir: str | os.PathLike, opts: ExportOptions | None = None, *,
+                    weights: str = "in-memory", source: dict | None = None, tokenizer_dir: Path | None = None,
+                    validate: bool = True) -> ExportResult:
+    """Export an in-memory HF model to output_dir (model.onnx, genai_config.json, tokenizer files)."""
+    opts = opts or ExportOptions()
+    out = Path(output_dir)
+    proto, spec = build_model(hf_model, opts, progress=opts.progress)
+    spec.source = dict(source or {}) | {"weights": weights}
+    path = save_model(proto, out, spec.filename)
+    del proto
+    write_genai_config(out, spec)
+    copy_tokenizer_files(tokenizer_dir, out)
+    if validate:
+        check_exported(path, genai_config(spec))
+    files = [path] + ([path.with_name(path.name + ".data")] if path.with_name(path.name + ".data").exists() else [])
+    params = sum(p.numel() for p in hf_model.parameters())
+    return ExportResult(out, path, spec, params, sum(f.stat().st_size for f in files), kv_bytes_per_token(spec),
+                        weights)
+
+
+def export(model: str | os.PathLike, output_dir: str | os.PathLike, opts: ExportOptions | None = None, *,
+           num_layers: int | None = None, num_experts: int | None = None, seed: int = 0,
+           validate: bool = True) -> ExportResult:
+    """`paged-export`'s work: load (local safetensors / GGUF / built-in config), export, check, summarize."""
+    loaded = load_model(model, num_layers=num_layers, num_experts=num_experts, seed=seed)
+    source = {"model": str(model), "num_hidden_layers": loaded.config.num_hidden_layers}
+    return export_hf_model(loaded.model, output_dir, opts, weights=loaded.weights, source=source,
+                           tokenizer_dir=loaded.source_dir, validate=validate)

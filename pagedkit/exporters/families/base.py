@@ -1,0 +1,337 @@
+"""The decoder-only family every exporter family specializes.
+
+A family declares what it supports (`model_types`, `features`) and overrides the few hooks where its
+architecture differs from Llama: how Q/K/V weights are laid out (`qkv_weights`), per-layer window
+(`layer_window`), QK-norm, head sinks, softcaps, norm placement (`decoder_layer`), the MLP (`mlp`), the
+embedding scale and the LM head. `build` walks the Hugging Face module tree and writes the graph with
+the helpers of `graph.py`; the attention node comes from the contract's node builder.
+
+Graph interface (onnxruntime-genai's paged layout, contract-decisions §5 and §8):
+  input_ids [num_tokens] int64, block_table [batch_size, max_num_blocks] int32,
+  block_table_windowed (windowed layers, when the model mixes windowed and full layers),
+  cumulative_sequence_lengths [batch_size + 1], past_sequence_lengths [batch_size], attention_metadata [3],
+  optional slot_mapping / query_positions [num_tokens] int32,
+  past_key_values.{i}.key/value [num_blocks, block_size, kv_heads, head_size] -> present.{i}.key/value,
+  PER_TOKEN: past_key_values.{i}.key_scale/value_scale [num_blocks, block_size, kv_heads] float16,
+  logits [num_tokens, vocab] (float32 for bf16 models, as onnxruntime-genai).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from onnx import TensorProto
+
+from ..config import CacheSpec, LayerSpec, ModelSpec, PAST_KEY, PAST_KEY_SCALE, PAST_VALUE, PAST_VALUE_SCALE, \
+    PRESENT_KEY, PRESENT_KEY_SCALE, PRESENT_VALUE, PRESENT_VALUE_SCALE, genai_type_of
+from ..graph import GraphBuilder, GraphInputs, Residual, cast, gated_mlp, linear, paged_attention, rotary_tables
+
+FLOAT_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
+CACHE_ELEM_TYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16, "int8": TensorProto.INT8,
+                    "float8e4m3fn": TensorProto.FLOAT8E4M3FN, "int4": TensorProto.UINT8}
+
+
+@dataclass
+class KVOptions:
+    """Cache dtype / quantization per side ("" dtype = the activation dtype)."""
+
+    k_dtype: str = ""
+    v_dtype: str = ""
+    k_quant: str = "NONE"
+    v_quant: str = "NONE"
+    rotate: bool = False  # qk_rotation and v_rotation
+
+
+@dataclass
+class ExportOptions:
+    dtype: str = "fp16"  # activation dtype: fp16 | bf16
+    block_size: int = 16
+    max_seq_len: int | None = None  # rotary table length / context_length; default max_position_embeddings
+    kv: KVOptions = field(default_factory=KVOptions)
+    slot_mapping: bool = False  # add the optional pagedkit graph inputs (contract-decisions §8)
+    query_positions: bool = False
+    # static K/V scales per layer (PER_TENSOR [1] / PER_CHANNEL [kv_heads, 1, head_size], float32), from calibration
+    kv_scales: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=dict)
+    progress: bool = True
+
+
+class ExportContext:
+    """What a family's hooks work with while one graph is built."""
+
+    def __init__(self, family: "DecoderFamily", model: torch.nn.Module, opts: ExportOptions):
+        self.family, self.model, self.opts = family, model, opts
+        self.config = model.config
+        self.g = GraphBuilder(FLOAT_TYPES[opts.dtype])
+        self.io = GraphInputs(slot_mapping="slot_mapping" if opts.slot_mapping else None,
+                              query_positions="query_positions" if opts.query_positions else None)
+        self.spec = family.model_spec(model, opts)
+        self.rope: dict[str, tuple[str, str]] = {}
+
+
+def _rows() -> str:
+    return "num_tokens"
+
+
+class DecoderFamily:
+    """Llama-shaped decoder: pre-norm, Q/K/V/O projections, gated MLP, RMSNorm, RoPE."""
+
+    name = "llama"
+    model_types: tuple[str, ...] = ("llama",)
+    # what the family supports, in words (for docs and `paged-export --list`)
+    features: tuple[str, ...] = ("RoPE (default, linear, llama3, YaRN scaling via the model's rotary module)",
+                                 "GQA", "tied or separate LM head")
+
+    # ---- per-model facts ---------------------------------------------------------------------
+    def check(self, config) -> None:
+        """Raise NotImplementedError for a configuration this family cannot export faithfully."""
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        if kind in ("dynamic", "longrope"):
+            raise NotImplementedError(f"rope_type {kind!r} depends on the sequence length at run time; "
+                                      "pagedkit exports static cos/sin caches only")
+
+    def decoder(self, model):
+        return model.model
+
+    def layers(self, model) -> list:
+        return list(self.decoder(model).layers)
+
+    def head_size(self, attn, config) -> int:
+        return int(getattr(attn, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+    def layer_window(self, config, i: int, attn) -> int:
+        """local_window_size of layer i (-1 = full). Default: what the HF attention module says."""
+        w = getattr(attn, "sliding_window", None)
+        return int(w) if w else -1
+
+    def rope_key(self, config, i: int) -> str | None:
+        return "cos_cache"
+
+    def rope_tables(self, model, max_positions: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {"cos_cache": rotary_tables(self.decoder(model).rotary_emb, max_positions)}
+
+    def model_spec(self, model, opts: ExportOptions) -> ModelSpec:
+        config = model.config
+        self.check(config)
+        act = "float16" if opts.dtype == "fp16" else "bfloat16"
+        layers = []
+        for i, layer in enumerate(self.layers(model)):
+            attn = layer.self_attn
+            k = CacheSpec(opts.kv.k_dtype or act, opts.kv.k_quant, opts.kv.rotate)
+            v = CacheSpec(opts.kv.v_dtype or act, opts.kv.v_quant, opts.kv.rotate)
+            for c in (k, v):
+                c.scale_dtype = "float16" if c.quant == "PER_TOKEN" else None
+            layers.append(LayerSpec(layer=i, num_heads=config.num_attention_heads,
+                                    kv_num_heads=config.num_key_value_heads, head_size=self.head_size(attn, config),
+                                    window=self.layer_window(config, i, attn), k_cache=k, v_cache=v,
+                                    rope=self.rope_key(config, i)))
+        windowed = [l.window > 0 for l in layers]
+        if any(windowed) and not all(windowed):  # onnxruntime-genai: a ring table for the windowed layers
+            for l in layers:
+                l.windowed_table = l.window > 0
+        context = opts.max_seq_len or config.max_position_embeddings
+        gen = getattr(model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        return ModelSpec(
+            model_type=genai_type_of(getattr(config, "architectures", None) or [type(model).__name__],
+                                     config.model_type),
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads, kv_num_heads=config.num_key_value_heads,
+            head_size=layers[0].head_size, context_length=context, layers=layers, block_size=opts.block_size,
+            dtype=act, bos_token_id=config.bos_token_id,
+            eos_token_id=eos if eos is not None else config.eos_token_id,
+            pad_token_id=config.pad_token_id if config.pad_token_id is not None else None,
+            slot_mapping="slot_mapping" if opts.slot_mapping else None,
+            query_positions="query_positions" if opts.query_positions else None,
+            rope=self.rope_info(config))
+
+    def rope_info(self, config) -> dict[str, Any]:
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        info = dict(rope) if isinstance(rope, dict) else {}
+        if getattr(config, "rope_theta", None) is not None:
+            info.setdefault("rope_theta", config.rope_theta)
+        return {k: v for k, v in info.items() if isinstance(v, (int, float, str, bool, list)) or v is None}
+
+    # ---- weights ------------------------------------------------------------------------------
+    def qkv_weights(self, attn) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Packed QKV projection: weight [(Hq + 2 Hkv) * D, hidden], bias or None."""
+        ws = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+        bs = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        bias = torch.cat([b if b is not None else torch.zeros(w.shape[0]) for w, b in zip(ws, bs)]) \
+            if any(b is not None for b in bs) else None
+        return torch.cat(ws, 0), bias
+
+    def norm_weight(self, norm) -> torch.Tensor:
+        """The multiplicative RMSNorm gain (Gemma: 1 + w)."""
+        return norm.weight.detach().float()
+
+    def norm_eps(self, norm) -> float:
+        return float(getattr(norm, "variance_epsilon", None) or getattr(norm, "eps"))
+
+    def qk_norm(self, attn) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        return None
+
+    def head_sink(self, attn) -> torch.Tensor | None:
+        return None
+
+    def attention_softcap(self, config) -> float:
+        return 0.0
+
+    def attention_scale(self, attn, config) -> float:
+        return float(attn.scaling)
+
+    def rotary_interleaved(self, config) -> int:
+        return 0
+
+    # ---- graph --------------------------------------------------------------------------------
+    def build(self, ctx: ExportContext, progress: Iterable[int] | None = None) -> None:
+        g, model = ctx.g, ctx.model
+        self.make_inputs(ctx)
+        self.make_rope(ctx)
+        h = self.embed(ctx)
+        res = Residual(g, h)
+        layers = self.layers(model)
+        for i in (progress if progress is not None else range(len(layers))):
+            self.decoder_layer(ctx, i, layers[i], res)
+        final = self.decoder(model).norm
+        x = res.norm(self.norm_weight(final), self.norm_eps(final),
+                     f"/model/layers.{len(layers)}/final_norm_layernorm", "model.norm.weight")
+        self.lm_head(ctx, x)
+
+    def make_inputs(self, ctx: ExportContext) -> None:
+        g, spec, io = ctx.g, ctx.spec, ctx.io
+        i32 = TensorProto.INT32
+        g.input("input_ids", TensorProto.INT64, (_rows(),))
+        g.input(io.block_table, i32, ("batch_size", "max_num_blocks"))
+        if spec.windowed_layers:
+            g.input(io.block_table_windowed, i32, ("batch_size", "max_num_blocks"))
+        g.input(io.cumulative_sequence_lengths, i32, ("batch_size + 1",))
+        g.input(io.past_sequence_lengths, i32, ("batch_size",))
+        g.input(io.attention_metadata, i32, (3,))
+        for extra in (io.slot_mapping, io.query_positions):
+            if extra:
+                g.input(extra, i32, (_rows(),))
+        for l in spec.layers:
+            blocks = "num_blocks_windowed" if l.windowed_table else "num_blocks"
+            for side, cache, past, present in (("key", l.k_cache, PAST_KEY, PRESENT_KEY),
+                                               ("value", l.v_cache, PAST_VALUE, PRESENT_VALUE)):
+                if cache is None:
+                    continue
+                head = (l.head_size + 1) // 2 if cache.dtype == "int4" else l.head_size
+                shape = (blocks, "block_size", l.kv_num_heads, head)
+                g.input(past % l.layer, CACHE_ELEM_TYPES[cache.dtype], shape)
+            for cache, past in ((l.k_cache, PAST_KEY_SCALE), (l.v_cache, PAST_VALUE_SCALE)):
+                if cache is not None and cache.quant == "PER_TOKEN":
+                    g.input(past % l.layer, TensorProto.FLOAT16, (blocks, "block_size", l.kv_num_heads))
+
+    def make_rope(self, ctx: ExportContext) -> None:
+        keys = {l.rope for l in ctx.spec.layers if l.rope}
+        if not keys:
+            return
+        tables = self.rope_tables(ctx.model, ctx.spec.context_length)
+        for key in sorted(keys):
+            cos, sin = tables[key]
+            sin_name = key.replace("cos", "sin", 1)
+            ctx.rope[key] = (ctx.g.initializer(key, cos), ctx.g.initializer(sin_name, sin))
+
+    def embed(self, ctx: ExportContext) -> str:
+        g = ctx.g
+        emb = self.decoder(ctx.model).embed_tokens
+        w = g.initializer("model.embed_tokens.weight", emb.weight.detach())
+        return g.node("Gather", [w, "input_ids"], "/model/embed_tokens/Gather", out_type=g.float_type,
+                      out_shape=(_rows(), ctx.config.hidden_size))
+
+    def decoder_layer(self, ctx: ExportContext, i: int, layer, res: Residual) -> None:
+        p = f"/model/layers.{i}"
+        x = res.norm(self.norm_weight(layer.input_layernorm), self.norm_eps(layer.input_layernorm),
+                     f"{p}/input_layernorm", f"model.layers.{i}.input_layernorm.weight")
+        res.add(self.attention(ctx, i, layer.self_attn, x), f"{p}/attn")
+        x = res.norm(self.norm_weight(layer.post_attention_layernorm),
+                     self.norm_eps(layer.post_attention_layernorm),
+                     f"{p}/post_attention_layernorm", f"model.layers.{i}.post_attention_layernorm.weight")
+        res.add(self.mlp(ctx, i, layer.mlp, x), f"{p}/mlp")
+
+    def mlp(self, ctx: ExportContext, i: int, mlp, x: str) -> str:
+        def wb(lin):
+            return lin.weight, lin.bias
+        act = getattr(ctx.config, "hidden_activation", None) or ctx.config.hidden_act
+        return gated_mlp(ctx.g, x, wb(mlp.gate_proj), wb(mlp.up_proj), wb(mlp.down_proj), act, i)
+
+    def attention(self, ctx: ExportContext, i: int, attn, x: str) -> str:
+        g, l, config = ctx.g, ctx.spec.layers[i], ctx.config
+        p, ip = f"/model/layers.{i}/attn", f"model.layers.{i}.attn"
+        w, b = self.qkv_weights(attn)
+        qkv = linear(g, x, w, b, f"{p}/qkv_proj", f"{ip}.qkv_proj")
+        extra: dict[str, str] = {}
+        attrs: dict[str, Any] = dict(num_heads=l.num_heads, kv_num_heads=l.kv_num_heads,
+                                     scale=self.attention_scale(attn, config),
+                                     softcap=self.attention_softcap(config), local_window_size=l.window)
+        if l.rope:
+            attrs.update(do_rotary=1, rotary_interleaved=self.rotary_interleaved(config))
+        qk = self.qk_norm(attn)
+        if qk is not None:
+            extra["q_norm_weight"] = g.initializer(f"{ip}.q_norm.weight", qk[0])
+            extra["k_norm_weight"] = g.initializer(f"{ip}.k_norm.weight", qk[1])
+            attrs["qk_norm_epsilon"] = qk[2]
+        sink = self.head_sink(attn)
+        if sink is not None:
+            extra["head_sink"] = g.initializer(f"{ip}.sinks", sink.detach())
+        caches = self.cache_io(ctx, l, extra, attrs)
+        out = paged_attention(g, layer=i, io=ctx.io, query=qkv, key=None, value=None, caches=caches,
+                              windowed_table=l.windowed_table, rope=ctx.rope.get(l.rope) if l.rope else None,
+                              extra_inputs=extra, attrs=attrs, out_width=l.num_heads * l.head_size)
+        o = attn.o_proj
+        return linear(g, out, o.weight, o.bias, f"{p}/o_proj", f"{ip}.o_proj")
+
+    def cache_io(self, ctx: ExportContext, l: LayerSpec, extra: dict, attrs: dict) -> dict[str, str]:
+        """Cache inputs/outputs of layer l's node and their quantization attributes / static scales."""
+        g, i = ctx.g, l.layer
+        caches = {"key_cache": PAST_KEY % i, "key_cache_out": PRESENT_KEY % i}
+        g.output(PRESENT_KEY % i, *g.vi[PAST_KEY % i])
+        sides = [("k", "key", l.k_cache, PAST_KEY_SCALE, PRESENT_KEY_SCALE)]
+        if l.v_cache is not None:
+            caches.update(value_cache=PAST_VALUE % i, value_cache_out=PRESENT_VALUE % i)
+            g.output(PRESENT_VALUE % i, *g.vi[PAST_VALUE % i])
+            sides.append(("v", "value", l.v_cache, PAST_VALUE_SCALE, PRESENT_VALUE_SCALE))
+        static = ctx.opts.kv_scales.get(i, (None, None))
+        for j, (s, side, cache, past_scale, present_scale) in enumerate(sides):
+            if cache.dtype == "int4":
+                attrs[f"{s}_cache_dtype"] = "int4"
+            if cache.quant != "NONE":
+                attrs[f"{s}_quant_type"] = cache.quant
+            if cache.quant == "PER_TOKEN":
+                caches[f"{s}_scale_cache"] = past_scale % i
+                caches[f"{s}_scale_cache_out"] = present_scale % i
+                g.output(present_scale % i, *g.vi[past_scale % i])
+            elif cache.quant in ("PER_TENSOR", "PER_CHANNEL"):
+                scale = static[j]
+                if scale is None:
+                    raise ValueError(f"layer {i}: {side} cache {cache.quant} needs calibrated scales "
+                                     "(run the export with calibration)")
+                extra[f"{s}_scale"] = g.initializer(f"model.layers.{i}.attn.{s}_scale", scale, TensorProto.FLOAT)
+            if cache.rotation:
+                attrs["qk_rotation" if s == "k" else "v_rotation"] = 1
+        return caches
+
+    def lm_head(self, ctx: ExportContext, x: str) -> str:
+        g, model, config = ctx.g, ctx.model, ctx.config
+        head = model.lm_head
+        emb = self.decoder(model).embed_tokens
+        vocab = config.vocab_size
+        if head.weight.data_ptr() == emb.weight.data_ptr():  # tied: reuse the embedding table [V, H]
+            y = g.node("Gemm", [x, "model.embed_tokens.weight"], "/lm_head/Gemm", transB=1,
+                       out_type=g.float_type, out_shape=(_rows(), vocab))
+        else:
+            y = linear(g, x, head.weight, getattr(head, "bias", None), "/lm_head", "lm_head")
+        y = self.final_softcap(ctx, y)
+        if g.float_type == TensorProto.BFLOAT16:  # onnxruntime-genai: float32 logits for bf16 models
+            y = cast(g, y, TensorProto.FLOAT, "/lm_head/Cast")
+        g.nodes[-1].output[0] = "logits"
+        g.vi["logits"] = g.vi[y]
+        g.output("logits", g.vi[y][0], (_rows(), vocab))
+        return "logits"
+
+    def final_softcap(self, ctx: ExportContext, y: str) -> str:
+        return y

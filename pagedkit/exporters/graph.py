@@ -1,0 +1,273 @@
+"""Small graph-building helpers shared by every exporter family.
+
+`GraphBuilder` collects nodes, initializers, graph inputs/outputs and the known type/shape of every
+tensor it makes (handed to the PagedAttention node builder, which validates the node against the
+contract). The helpers build the pieces every decoder has: linear layers (`[T, in] @ [in, out]`),
+RMSNorm (ONNX `RMSNormalization`, opset 23) and the residual stream with onnxruntime's fused
+`SkipSimplifiedLayerNormalization`, activations, the gated MLP, rotary cos/sin caches computed by the
+model's own Hugging Face rotary-embedding module, and the paged attention block.
+
+Tensor names follow onnxruntime-genai's builder: node `/model/layers.{i}/attn/qkv_proj/MatMul`,
+its output `/model/layers.{i}/attn/qkv_proj/MatMul/output_0`, initializer
+`model.layers.{i}.attn.qkv_proj.MatMul.weight`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto
+
+ONNX_OPSET = 23  # RMSNormalization
+MS_DOMAIN = "com.microsoft"
+
+_TORCH_OF = {
+    TensorProto.FLOAT: torch.float32, TensorProto.FLOAT16: torch.float16, TensorProto.BFLOAT16: torch.bfloat16,
+    TensorProto.INT64: torch.int64, TensorProto.INT32: torch.int32, TensorProto.INT8: torch.int8,
+    TensorProto.UINT8: torch.uint8, TensorProto.FLOAT8E4M3FN: torch.float8_e4m3fn,
+}
+Shape = tuple  # of int | str
+
+
+def tensor_proto(name: str, value: torch.Tensor | np.ndarray, elem_type: int) -> onnx.TensorProto:
+    """An initializer of `elem_type` from a torch tensor / numpy array (bf16 and fp8 included, raw bytes)."""
+    t = torch.as_tensor(value).detach().to("cpu")
+    t = t.to(_TORCH_OF[elem_type]).contiguous()
+    proto = onnx.TensorProto()
+    proto.name = name
+    proto.data_type = elem_type
+    proto.dims.extend(t.shape)
+    proto.raw_data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return proto
+
+
+class GraphBuilder:
+    """Collects one ONNX graph. `vi` maps every tensor name to (elem_type, shape) where known."""
+
+    def __init__(self, float_type: int):
+        self.float_type = float_type  # the activation type T (fp16 / bf16)
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self.vi: dict[str, tuple[int, Shape]] = {}
+        self._consts: dict[tuple, str] = {}
+
+    # ---- tensors -------------------------------------------------------------------------------
+    def initializer(self, name: str, value, elem_type: int | None = None) -> str:
+        if name in self.vi:
+            raise ValueError(f"tensor name {name!r} defined twice")
+        elem_type = self.float_type if elem_type is None else elem_type
+        proto = tensor_proto(name, value, elem_type)
+        self.initializers.append(proto)
+        self.vi[name] = (elem_type, tuple(proto.dims))
+        return name
+
+    def const(self, values: Sequence[float | int] | float | int, elem_type: int) -> str:
+        """A small shared constant initializer (shape [] for a scalar)."""
+        arr = np.asarray(values)
+        key = (elem_type, arr.shape, tuple(arr.reshape(-1).tolist()))
+        if key not in self._consts:
+            name = f"/model/constants/{onnx.TensorProto.DataType.Name(elem_type)}/{arr.reshape(-1).tolist()}"
+            self._consts[key] = self.initializer(name, torch.as_tensor(arr), elem_type)
+        return self._consts[key]
+
+    def input(self, name: str, elem_type: int, shape: Shape) -> str:
+        self.inputs.append(onnx.helper.make_tensor_value_info(name, elem_type, list(shape)))
+        self.vi[name] = (elem_type, tuple(shape))
+        return name
+
+    def output(self, name: str, elem_type: int, shape: Shape) -> str:
+        self.outputs.append(onnx.helper.make_tensor_value_info(name, elem_type, list(shape)))
+        return name
+
+    # ---- nodes ---------------------------------------------------------------------------------
+    def node(self, op_type: str, inputs: Sequence[str], name: str, *, domain: str = "",
+             outputs: Sequence[str] | None = None, out_type: int | None = None, out_shape: Shape | None = None,
+             **attrs: Any) -> str:
+        """Add a node; returns its first output (named `{name}/output_0` unless `outputs` is given)."""
+        outputs = list(outputs) if outputs is not None else [f"{name}/output_0"]
+        self.nodes.append(onnx.helper.make_node(op_type, list(inputs), outputs, name=name, domain=domain, **attrs))
+        if out_type is not None:
+            self.vi[outputs[0]] = (out_type, tuple(out_shape) if out_shape is not None else None)
+        return outputs[0]
+
+    def add(self, node: onnx.NodeProto) -> None:
+        self.nodes.append(node)
+
+    def shape_of(self, name: str) -> Shape:
+        return self.vi[name][1]
+
+    def model(self, name: str, producer: str, doc: str = "") -> onnx.ModelProto:
+        graph = onnx.helper.make_graph(self.nodes, name, self.inputs, self.outputs, self.initializers)
+        model = onnx.helper.make_model(
+            graph, producer_name=producer, doc_string=doc, ir_version=10,
+            opset_imports=[onnx.helper.make_opsetid("", ONNX_OPSET), onnx.helper.make_opsetid(MS_DOMAIN, 1)])
+        return model
+
+
+# ---- building blocks ---------------------------------------------------------------------------------
+
+def linear(g: GraphBuilder, x: str, weight: torch.Tensor, bias: torch.Tensor | None, prefix: str,
+           init_prefix: str) -> str:
+    """y[T, out] = x[T, in] @ W^T (+ b); `weight` is torch's [out, in] (stored transposed, [in, out])."""
+    rows = g.shape_of(x)[0]
+    out_features = weight.shape[0]
+    w = g.initializer(f"{init_prefix}.MatMul.weight", weight.detach().t())
+    y = g.node("MatMul", [x, w], f"{prefix}/MatMul", out_type=g.float_type, out_shape=(rows, out_features))
+    if bias is not None:
+        b = g.initializer(f"{init_prefix}.Add.bias", bias.detach())
+        y = g.node("Add", [y, b], f"{prefix}/Add", out_type=g.float_type, out_shape=(rows, out_features))
+    return y
+
+
+def cast(g: GraphBuilder, x: str, to: int, name: str) -> str:
+    if g.vi[x][0] == to:
+        return x
+    return g.node("Cast", [x], name, to=to, out_type=to, out_shape=g.shape_of(x))
+
+
+def rms_norm(g: GraphBuilder, x: str, weight: torch.Tensor, eps: float, prefix: str, init_name: str) -> str:
+    """RMSNorm over the last axis, computed in float32 (stash_type=1), weight of x's type."""
+    elem_type, shape = g.vi[x]
+    w = g.initializer(init_name, weight.detach(), elem_type)
+    return g.node("RMSNormalization", [x, w], f"{prefix}/RMSNormalization", axis=-1, epsilon=float(eps),
+                  stash_type=1, out_type=elem_type, out_shape=shape)
+
+
+class Residual:
+    """The residual stream h with a pending sublayer output: `norm()` fuses "h += pending; RMSNorm(h)"
+    into one SkipSimplifiedLayerNormalization (onnxruntime contrib op, as onnxruntime-genai does)."""
+
+    def __init__(self, g: GraphBuilder, h: str):
+        self.g, self.h, self.pending = g, h, None
+
+    @property
+    def elem_type(self) -> int:
+        return self.g.vi[self.h][0]
+
+    def add(self, delta: str, prefix: str) -> None:
+        delta = cast(self.g, delta, self.elem_type, f"{prefix}/residual/Cast")
+        if self.pending is not None:
+            self.flush(prefix)
+        self.pending = delta
+
+    def flush(self, prefix: str) -> str:
+        if self.pending is not None:
+            self.h = self.g.node("Add", [self.h, self.pending], f"{prefix}/residual/Add",
+                                 out_type=self.elem_type, out_shape=self.g.shape_of(self.h))
+            self.pending = None
+        return self.h
+
+    def norm(self, weight: torch.Tensor, eps: float, prefix: str, init_name: str) -> str:
+        g = self.g
+        if self.pending is None:
+            return rms_norm(g, self.h, weight, eps, prefix, init_name)
+        w = g.initializer(init_name, weight.detach(), self.elem_type)
+        name = f"{prefix}/SkipLayerNorm"
+        outs = [f"{name}/output_0", "", "", f"{name}/output_3"]
+        g.node("SkipSimplifiedLayerNormalization", [self.pending, self.h, w], name, domain=MS_DOMAIN,
+               outputs=outs, epsilon=float(eps))
+        shape = g.shape_of(self.h)
+        g.vi[outs[0]] = g.vi[outs[3]] = (self.elem_type, shape)
+        self.h, self.pending = outs[3], None
+        return outs[0]
+
+
+def activation(g: GraphBuilder, x: str, act: str, prefix: str) -> str:
+    """Hugging Face ACT2FN names -> ONNX ops."""
+    t, shape = g.vi[x]
+    if act in ("silu", "swish"):
+        s = g.node("Sigmoid", [x], f"{prefix}/Sigmoid", out_type=t, out_shape=shape)
+        return g.node("Mul", [x, s], f"{prefix}/Mul", out_type=t, out_shape=shape)
+    if act in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
+        return g.node("Gelu", [x], f"{prefix}/Gelu", approximate="tanh", out_type=t, out_shape=shape)
+    if act == "gelu":
+        return g.node("Gelu", [x], f"{prefix}/Gelu", out_type=t, out_shape=shape)
+    if act == "relu":
+        return g.node("Relu", [x], f"{prefix}/Relu", out_type=t, out_shape=shape)
+    raise NotImplementedError(f"hidden activation {act!r} is not supported (silu, gelu, gelu_pytorch_tanh, relu)")
+
+
+def gated_mlp(g: GraphBuilder, x: str, gate: tuple, up: tuple, down: tuple, act: str, layer: int) -> str:
+    """down(act(gate(x)) * up(x)); gate/up/down are (weight [out, in], bias or None)."""
+    p, ip = f"/model/layers.{layer}/mlp", f"model.layers.{layer}.mlp"
+    a = linear(g, x, *gate, f"{p}/gate_proj", f"{ip}.gate_proj")
+    b = linear(g, x, *up, f"{p}/up_proj", f"{ip}.up_proj")
+    a = activation(g, a, act, f"{p}/act_fn")
+    m = g.node("Mul", [a, b], f"{p}/Mul", out_type=g.float_type, out_shape=g.shape_of(b))
+    return linear(g, m, *down, f"{p}/down_proj", f"{ip}.down_proj")
+
+
+# ---- rotary ------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def rotary_tables(rotary_emb: torch.nn.Module, max_positions: int, layer_type: str | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin caches [max_positions, rotary_dim / 2] (float32) from the model's own rotary module run on
+    positions 0..max_positions-1: its scaling (linear, llama3, YaRN incl. the attention factor folded
+    into cos/sin, ...) is exactly what the model computes."""
+    pos = torch.arange(max_positions, dtype=torch.int64)[None, :]
+    probe = torch.zeros(1, dtype=torch.float32)
+    params = inspect.signature(rotary_emb.forward).parameters
+    if "layer_type" in params:
+        cos, sin = rotary_emb(probe, pos, layer_type=layer_type)
+    else:
+        cos, sin = rotary_emb(probe, pos)
+    cos, sin = cos[0].float(), sin[0].float()  # [P, rotary_dim], halves repeated (rotate_half form)
+    half = cos.shape[-1] // 2
+    if not torch.equal(cos[:, :half], cos[:, half:]):
+        raise NotImplementedError("rotary embedding whose cos table is not [freqs, freqs] (rotate_half form)")
+    return cos[:, :half].contiguous(), sin[:, :half].contiguous()
+
+
+# ---- attention ---------------------------------------------------------------------------------------
+
+@dataclass
+class GraphInputs:
+    """Names of the shared graph inputs the attention nodes read."""
+
+    cumulative_sequence_lengths: str = "cumulative_sequence_lengths"
+    past_sequence_lengths: str = "past_sequence_lengths"
+    block_table: str = "block_table"
+    block_table_windowed: str = "block_table_windowed"
+    attention_metadata: str = "attention_metadata"
+    slot_mapping: str | None = None
+    query_positions: str | None = None
+
+
+def paged_attention(g: GraphBuilder, *, layer: int, io: GraphInputs, query: str, key: str | None,
+                    value: str | None, caches: dict[str, str], windowed_table: bool, rope: tuple[str, str] | None,
+                    extra_inputs: dict[str, str], attrs: dict[str, Any], out_width: int) -> str:
+    """One com.microsoft PagedAttention node built (and validated) by the contract's node builder.
+
+    caches: contract names -> tensor names for key_cache / value_cache / k_scale_cache / v_scale_cache and
+    the matching *_out outputs. extra_inputs: head_sink, q_norm_weight, k_norm_weight, k_scale, v_scale.
+    """
+    from ..validators.builders import make_paged_attention_node
+
+    name = f"/model/layers.{layer}/attn/PagedAttention"
+    inputs = {
+        "query": query, "key": key, "value": value,
+        "cumulative_sequence_length": io.cumulative_sequence_lengths,
+        "past_seqlens": io.past_sequence_lengths,
+        "block_table": io.block_table_windowed if windowed_table else io.block_table,
+        "attention_metadata": io.attention_metadata,
+        "slot_mapping": io.slot_mapping,
+        "query_positions": io.query_positions,
+        **{k: v for k, v in caches.items() if not k.endswith("_out")},
+        **extra_inputs,
+    }
+    if rope is not None:
+        inputs["cos_cache"], inputs["sin_cache"] = rope
+    out = f"{name}/output_0"
+    outputs = {"output": out, **{k: v for k, v in caches.items() if k.endswith("_out")}}
+    node = make_paged_attention_node(inputs, outputs, name=name, value_info=g.vi, **attrs)
+    g.add(node)
+    g.vi[out] = (g.float_type, (g.shape_of(query)[0], out_width))
+    return out
