@@ -44,14 +44,14 @@ def _attrs(attributes: Mapping) -> dict:
 def _split_qkv(x: dict, num_heads: int, kv_num_heads: int, cd: torch.dtype):
     """query [B, S, H*D] (+ key/value [B, S, Hkv*D]) or packed [B, S, (H + 2*Hkv)*D] -> q [B, S, H, D],
     k / v [B, S, Hkv, D] in the compute dtype."""
-    query = x["query"].to(cd)
+    query = x["query"].to(cd, copy=True)  # RoPE writes rows in place: never into the caller's tensor
     b, s, width = query.shape
     if x["key"] is None:
         d = width // (num_heads + 2 * kv_num_heads)
         q, k, v = query.split([num_heads * d, kv_num_heads * d, kv_num_heads * d], dim=-1)
     else:
         d = width // num_heads
-        q, k, v = query, x["key"].to(cd), x["value"].to(cd)
+        q, k, v = query, x["key"].to(cd, copy=True), x["value"].to(cd, copy=True)
     return (q.reshape(b, s, num_heads, d), k.reshape(b, s, kv_num_heads, d), v.reshape(b, s, kv_num_heads, d))
 
 
