@@ -182,7 +182,8 @@ def past(view: NodeView) -> Iterator[Issue]:
     if int_attr(view, "sliding_window_cache") == 1 and w is not None and w > 0 and d.capacity is not None \
             and d.capacity < w:
         yield view.issue(inp("past_key"), f"{P}-sliding-window-capacity", f">= {w} (local_window_size)", d.capacity,
-                         f"sliding_window_cache: KV cache capacity ({d.capacity}) must be at least "
+                         f"sliding_window_cache: KV cache capacity (input 'past_key' dimension 2 = {d.capacity}) "
+                         "must be at least "
                          f"local_window_size ({w})")
 
 
