@@ -36,6 +36,7 @@ class GqaSpec:
     head_size: int = 16
     capacity: int | None = None
     query_seqlens: bool = False  # feed query_seqlens (right-padded chunks)
+    shared_kv: bool = False  # key/value with 0 rows: the past already holds all T = P tokens
     has_past: bool = True
     packed: bool = False
     rotary: str | None = None  # "half" | "interleaved"
@@ -82,6 +83,8 @@ def make_gqa_inputs(spec: GqaSpec, seed: int = 0):
     bsz = len(past)
     q_len = np.array(spec.q if spec.q is not None else [s] * bsz, np.int64)
     t_len = past + q_len
+    if spec.shared_kv:
+        t_len, q_len = past, np.minimum(past, s)
     total = int(t_len.max())
     attrs = {"num_heads": h, "kv_num_heads": hkv, **spec.attrs}
 
@@ -96,8 +99,8 @@ def make_gqa_inputs(spec: GqaSpec, seed: int = 0):
         inputs["query"] = rows_of(((h + 2 * hkv) * d,))
     else:
         inputs["query"] = rows_of((h * d,))
-        inputs["key"] = rows_of((hkv * d,))
-        inputs["value"] = rows_of((hkv * d,))
+        inputs["key"] = rows_of((hkv * d,))[:, :0] if spec.shared_kv else rows_of((hkv * d,))
+        inputs["value"] = rows_of((hkv * d,))[:, :0] if spec.shared_kv else rows_of((hkv * d,))
     if spec.has_past:
         cap = spec.capacity if spec.capacity is not None else int(past.max())
         resident = [resident_count(int(p), cap, int(spec.attrs["local_window_size"])) if spec.windowed else int(p)

@@ -49,6 +49,8 @@ CONFIGS: dict[str, dict] = {
     "subsequent_prompt_shared_buffer": F(past=(5,), seq=3, capacity=10),
     "chunked_query_seqlens": F(past=(0, 3, 5), seq=4, q=(4, 2, 0), capacity=9, query_seqlens=True),
     "chunked_query_seqlens_decode_idle": F(past=(4, 2), seq=1, q=(1, 0), capacity=6, query_seqlens=True),
+    "shared_kv_decode": F(past=(5, 8), seq=1, capacity=10, shared_kv=True, rotary="half"),
+    "shared_kv_multi_query": F(past=(6,), seq=3, shared_kv=True, attrs={"qk_output": 2}),
     "mqa_decode": F(past=(4, 7), seq=1, num_heads=8, kv_num_heads=1),
     "mha_prompt": F(past=(0,), seq=4, num_heads=4, kv_num_heads=4),
     "packed_prompt": F(past=(0,), seq=4, packed=True),

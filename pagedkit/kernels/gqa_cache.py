@@ -81,7 +81,7 @@ class CacheSide:
 
     def update(self, layout: KVLayout, new: torch.Tensor, t_len: torch.Tensor, q_len: torch.Tensor,
                cd: torch.dtype):
-        """Append the valid rows new[b, :Q_b] ([B, S, Hkv, D]) of every batch entry.
+        """Append the valid rows new[b, :Q_b] ([B, S or 0, Hkv, D]) of every batch entry.
 
         Returns present [B, Hkv, C, Dc] (storage dtype; starts as a copy of past, so a shared buffer
         keeps every row it does not write), readable[b] = the dequantized cached values [n_b, Hkv, D]

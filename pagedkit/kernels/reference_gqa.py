@@ -3,6 +3,7 @@
 Per batch entry b (ORT 1.32.0 schema): T = seqlens_k[b] + 1 tokens are cached after the step,
 Q = query_seqlens[b] (default min(S, T)) query rows [0, Q) are valid, P = T - Q tokens were cached
 before, and query row s sits at absolute position P + s (causal mask, window, default RoPE position).
+key/value with 0 rows ("shared KV", ORT CPU accepts it): nothing is appended, the past holds all T.
 Pipeline: split packed QKV -> QK-norm -> RoPE -> quantize/store the new K/V (gqa_cache) -> attend over
 the cached positions (read back from the cache, dequantized) -> output [B, S, H*D]. Output rows
 [Q, S) are unspecified by the operator; the reference leaves them 0.
@@ -52,7 +53,8 @@ def _split_qkv(x: dict, num_heads: int, kv_num_heads: int, cd: torch.dtype):
     else:
         d = width // num_heads
         q, k, v = query, x["key"].to(cd, copy=True), x["value"].to(cd, copy=True)
-    return (q.reshape(b, s, num_heads, d), k.reshape(b, s, kv_num_heads, d), v.reshape(b, s, kv_num_heads, d))
+    kv_s = k.shape[1]  # S, or 0: no new K/V ("shared KV": the query attends to the past only)
+    return (q.reshape(b, s, num_heads, d), k.reshape(b, kv_s, kv_num_heads, d), v.reshape(b, kv_s, kv_num_heads, d))
 
 
 def group_query_attention(
@@ -65,7 +67,9 @@ def group_query_attention(
     """com.microsoft::GroupQueryAttention on concrete tensors, keyed by ONNX names.
 
     Returns "output" [B, S, H*D] (dtype T), "present_key" / "present_value" [B, Hkv, C, D or (D+1)/2]
-    (the cache dtype) and "output_qk" [B, H, S, total_sequence_length] (dtype T) when qk_output != 0.
+    (the cache dtype; C = past capacity for a windowed cache, else max(past capacity, total)) and
+    "output_qk" [B, H, S, total_sequence_length] (dtype T) when qk_output != 0; only those named in
+    `outputs` when it is given. Inputs are never modified (the presents are new tensors).
     Raises pagedkit.validators.ValidationError listing every contract violation first.
     """
     require_valid_inputs(inputs, attributes, op_type=_OP, outputs=outputs)
@@ -83,7 +87,8 @@ def group_query_attention(
     t_len = x["seqlens_k"].long() + 1  # T per batch entry
     q_len = (x["query_seqlens"].long() if x["query_seqlens"] is not None
              else torch.minimum(t_len, torch.tensor(s)))  # Q per batch entry
-    p_len = t_len - q_len  # P: tokens cached before this step
+    p_len = t_len - q_len  # P: position of query row 0
+    kv_len = q_len if k_new.shape[1] else torch.zeros_like(q_len)  # new K/V rows appended per entry
 
     # QK-norm (before RoPE), per head over channels.
     if x["q_norm_weight"] is not None:
@@ -107,14 +112,15 @@ def group_query_attention(
             else:
                 pos = torch.arange(n) + int(p_len[bi])
             q[bi, :n] = apply_rope(q[bi, :n], pos, cos, sin, bool(a["rotary_interleaved"]))
-            k_new[bi, :n] = apply_rope(k_new[bi, :n], pos, cos, sin, bool(a["rotary_interleaved"]))
+            if k_new.shape[1]:
+                k_new[bi, :n] = apply_rope(k_new[bi, :n], pos, cos, sin, bool(a["rotary_interleaved"]))
 
     layout = KVLayout.of(x, a, total)
     bits = int(a["kv_cache_bit_width"] or 0)
     k_side = CacheSide.of(x["past_key"], x["k_scale"], a["k_quant_type"], bits, out_dtype, d)
     v_side = CacheSide.of(x["past_value"], x["v_scale"], a["v_quant_type"], bits, out_dtype, d)
-    present_k, keys, first = k_side.update(layout, k_new, t_len, q_len, cd)  # keys[b]: [n_b, Hkv, D]
-    present_v, values, _ = v_side.update(layout, v_new, t_len, q_len, cd)
+    present_k, keys, first = k_side.update(layout, k_new, t_len, kv_len, cd)  # keys[b]: [n_b, Hkv, D]
+    present_v, values, _ = v_side.update(layout, v_new, t_len, kv_len, cd)
 
     scale = default_scale(a["scale"], d)
     bias = x["attention_bias"].to(cd) if x["attention_bias"] is not None else None
@@ -146,4 +152,4 @@ def group_query_attention(
               "present_key": present_k.to(device), "present_value": present_v.to(device)}
     if qk is not None:
         result["output_qk"] = qk.to(out_dtype).to(device)
-    return result
+    return result if outputs is None else {k: v for k, v in result.items() if k in set(outputs)}

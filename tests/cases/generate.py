@@ -33,7 +33,8 @@ TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 # GroupQueryAttention: onnxruntime-checked configurations ...
 GQA_FROM_ORT_MATRIX = [
     "prompt_padded_batch", "prompt_without_past_inputs", "decode_ragged", "decode_shared_buffer",
-    "subsequent_prompt", "chunked_query_seqlens", "chunked_query_seqlens_decode_idle", "mqa_decode",
+    "subsequent_prompt", "chunked_query_seqlens", "chunked_query_seqlens_decode_idle", "shared_kv_multi_query",
+    "mqa_decode",
     "packed_chunked_interleaved", "rotary_partial_half", "position_ids_decode", "position_ids_first_prompt",
     "window_decode", "softcap_window_sink_decode", "smooth_softmax_prompt", "head_sink_with_smooth_softmax",
     "custom_scale", "bias_per_batch_chunked", "qk_scores_softcap_bias", "qk_probs_window_sink",
