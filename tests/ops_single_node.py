@@ -19,7 +19,7 @@ import pytest
 import torch
 from onnx import helper
 
-from pagedkit.runtime.ops import MS_DOMAIN, OpContext, lookup, node_attributes
+from pagedkit.runtime.ops import MS_DOMAIN, OpContext, host_inputs, lookup, node_attributes
 
 RNG = np.random.default_rng(20240611)
 
@@ -88,12 +88,23 @@ def run_ort(node: onnx.NodeProto, feeds: dict[str, np.ndarray], opset: int) -> l
     return sess.run(None, feeds)
 
 
-def run_ours(node: onnx.NodeProto, feeds: dict[str, np.ndarray], opset: int, run_subgraph=None) -> list:
-    fn = lookup(node.domain, node.op_type, opset, node.name)
-    inputs = [torch.from_numpy(feeds[n]) if n else None for n in node.input]
-    ctx = OpContext(opset=opset, node_name=node.name, num_outputs=len(node.output), run_subgraph=run_subgraph)
+def run_ours(node: onnx.NodeProto, feeds: dict[str, np.ndarray], opset: int, run_subgraph=None,
+             device: str = "cpu") -> list:
+    fn, inputs, ctx = prepare_ours(node, feeds, opset, run_subgraph, device)
     outs = fn(inputs, node_attributes(node), ctx)
     return [o for o, name in zip(outs, node.output) if name]
+
+
+def prepare_ours(node: onnx.NodeProto, feeds: dict[str, np.ndarray], opset: int, run_subgraph=None,
+                 device: str = "cpu"):
+    """(implementation, inputs, ctx); inputs on `device`, except those the op reads on the host (CPU)."""
+    fn = lookup(node.domain, node.op_type, opset, node.name)
+    on_host = host_inputs(node.domain, node.op_type)
+    inputs = [torch.from_numpy(feeds[n]).to("cpu" if i in on_host else device) if n else None
+              for i, n in enumerate(node.input)]
+    ctx = OpContext(opset=opset, node_name=node.name, num_outputs=len(node.output), device=device,
+                    run_subgraph=run_subgraph)
+    return fn, inputs, ctx
 
 
 def assert_matches(ours: torch.Tensor, ref: np.ndarray, tol: float, what: str) -> None:

@@ -9,7 +9,7 @@ from .registry import register
 from .util import host_scalar
 
 
-@register("If", max_since=25)  # later versions add element types only
+@register("If", max_since=25, host_inputs=(0,))  # later versions add element types only
 def if_(inputs, attrs, ctx):
     where = f"If node {ctx.node_name!r}"
     if ctx.run_subgraph is None:

@@ -93,7 +93,7 @@ def scatter_elements(inputs, attrs, ctx):
     return [x.scatter_reduce(axis, idx, upd, _REDUCE[reduction], include_self=True)]
 
 
-@register("TopK", max_since=24)  # TopK-24 adds bfloat16
+@register("TopK", max_since=24, host_inputs=(1,))  # TopK-24 adds bfloat16
 def topk(inputs, attrs, ctx):
     x = inputs[0]
     k = host_scalar(inputs[1], f"TopK node {ctx.node_name!r} input 'K'")
@@ -124,7 +124,7 @@ def nonzero(inputs, attrs, ctx):
     return [torch.nonzero(inputs[0]).T.contiguous()]  # [rank, count], row-major order
 
 
-@register("OneHot")
+@register("OneHot", host_inputs=(1,))
 def one_hot(inputs, attrs, ctx):
     idx, depth, values = inputs[0], inputs[1], inputs[2]  # values [off, on]
     depth = int(host_scalar(depth, f"OneHot node {ctx.node_name!r} input 'depth'"))

@@ -55,10 +55,10 @@ def _make(op_type: str):
 
 
 for _op in _REDUCTIONS:  # ReduceLogSum(Exp)-28 changes no semantics
-    register(_op, max_since=28 if _op.startswith("ReduceLog") else MAX_ONNX_OPSET)(_make(_op))
+    register(_op, max_since=28 if _op.startswith("ReduceLog") else MAX_ONNX_OPSET, host_inputs=(1,))(_make(_op))
 
 
-@register("CumSum")
+@register("CumSum", host_inputs=(1,))
 def cumsum(inputs, attrs, ctx):
     x = inputs[0]
     axis = norm_axis(int(host_scalar(inputs[1], f"CumSum node {ctx.node_name!r} input 'axis'")), x.dim(), "CumSum axis")

@@ -15,8 +15,12 @@ output in place must copy first. Optional outputs the node does not request may 
 
 Shape-like inputs (Reshape shape, Slice starts/ends/axes/steps, Unsqueeze axes, TopK k, Range
 bounds, ...) are int64 tensors read on the host with `.tolist()`: these ops are host-side shape
-bookkeeping, the only host reads the table does. Data-dependent output shapes (NonZero) and `If`'s
-condition are the other inherent host reads.
+bookkeeping, the only host reads the table does. Each op declares them (`host_inputs`) so that a
+session keeps the tensors feeding them on the CPU, as onnxruntime's CUDA kernels take such inputs in
+CPU memory; Shape and Size return CPU tensors (`has_host_outputs`) for the same reason. Data-dependent
+output shapes (NonZero), `If`'s condition and MoE's per-expert counts on large batches are the other,
+inherent, host reads. Placing tensors (moving a CPU tensor to the device when a device op needs it)
+is the session's job: implementations do not move inputs between devices.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ class OpContext:
     opset: int = MAX_ONNX_OPSET  # opset version of the node's domain in the model
     node_name: str = ""
     num_outputs: int = 1  # len(node.output): Split without sizes splits into this many pieces
-    device: torch.device | str = "cpu"  # device for outputs made from attributes only (Constant)
+    # the device the node runs on: where outputs made from host values go (Constant,
+    # ConstantOfShape, Range), as onnxruntime's CUDA kernels put them on the GPU
+    device: torch.device | str = "cpu"
     # run_subgraph(graph, feeds) -> graph outputs in order. Supplied by the session; it resolves
     # names the subgraph takes from the enclosing scope itself (feeds only bind the subgraph's inputs).
     run_subgraph: Callable[[onnx.GraphProto, dict[str, torch.Tensor]], list[torch.Tensor]] | None = None
@@ -52,17 +58,25 @@ class OpContext:
 OPS: dict[tuple[str, str], OpImpl] = {}
 # (domain, op_type) -> newest ai.onnx opset whose version of the op is implemented
 _MAX_SINCE: dict[tuple[str, str], int] = {}
+# (domain, op_type) -> input indices read on the host (shape-like); a session keeps the tensors
+# feeding them on the CPU so that reading them costs no device sync (onnxruntime's CPU-memory inputs)
+_HOST_INPUTS: dict[tuple[str, str], frozenset[int]] = {}
+# ops whose outputs are host (CPU) tensors whatever the device: Shape, Size (as onnxruntime's CUDA EP)
+_HOST_OUTPUTS: set[tuple[str, str]] = set()
 
 
 def normalize_domain(domain: str | None) -> str:
     return ONNX_DOMAIN if domain in (None, "", "ai.onnx") else domain
 
 
-def register(*op_types: str, domain: str = ONNX_DOMAIN, max_since: int = MAX_ONNX_OPSET):
+def register(*op_types: str, domain: str = ONNX_DOMAIN, max_since: int = MAX_ONNX_OPSET,
+             host_inputs: tuple[int, ...] = (), host_outputs: bool = False):
     """Decorator: register `fn` for each op type in `domain`.
 
     For ai.onnx ops, `max_since` is the newest schema version (`since_version`) the implementation
     follows; `lookup` refuses a model whose opset selects a newer version of the op.
+    `host_inputs`: indices of the inputs the implementation reads on the host (`.tolist()`);
+    every other input is only used by device ops. `host_outputs`: outputs are CPU tensors.
     """
     domain = normalize_domain(domain)
 
@@ -73,6 +87,9 @@ def register(*op_types: str, domain: str = ONNX_DOMAIN, max_since: int = MAX_ONN
                 raise RuntimeError(f"op {domain or 'ai.onnx'}::{op_type} registered twice")
             OPS[key] = fn
             _MAX_SINCE[key] = max_since
+            _HOST_INPUTS[key] = frozenset(host_inputs)
+            if host_outputs:
+                _HOST_OUTPUTS.add(key)
         return fn
 
     return deco
@@ -105,6 +122,16 @@ def _schema_since(op_type: str, opset: int) -> int | None:
         return onnx.defs.get_schema(op_type, opset, ONNX_DOMAIN).since_version
     except onnx.defs.SchemaError:
         return None  # op unknown to the installed onnx at that opset (e.g. ORT's SimplifiedLayerNormalization)
+
+
+def host_inputs(domain: str | None, op_type: str) -> frozenset[int]:
+    """Indices of the op's inputs read on the host: keep what feeds them on the CPU."""
+    return _HOST_INPUTS[(normalize_domain(domain), op_type)]
+
+
+def has_host_outputs(domain: str | None, op_type: str) -> bool:
+    """True if the op's outputs are CPU tensors on any device (Shape, Size)."""
+    return (normalize_domain(domain), op_type) in _HOST_OUTPUTS
 
 
 def node_attributes(node: onnx.NodeProto) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from .registry import register
 from .util import axes_from, host_ints, host_scalar, norm_axis, opt, tensor_from_proto
 
 
-@register("Reshape", max_since=25)  # later versions add element types only
+@register("Reshape", max_since=25, host_inputs=(1,))  # later versions add element types only
 def reshape(inputs, attrs, ctx):
     x, shape = inputs[0], host_ints(inputs[1], f"Reshape node {ctx.node_name!r} input 'shape'")
     if not attrs.get("allowzero", 0):  # 0 copies the input's dimension
@@ -30,7 +30,7 @@ def transpose(inputs, attrs, ctx):
     return [x.permute(perm)]
 
 
-@register("Squeeze", max_since=25)  # later versions add element types only
+@register("Squeeze", max_since=25, host_inputs=(1,))  # later versions add element types only
 def squeeze(inputs, attrs, ctx):
     x = inputs[0]
     axes = axes_from(inputs, 1, attrs, f"Squeeze node {ctx.node_name!r} input 'axes'")
@@ -43,7 +43,7 @@ def squeeze(inputs, attrs, ctx):
     return [x.squeeze(tuple(axes))]
 
 
-@register("Unsqueeze", max_since=25)  # later versions add element types only
+@register("Unsqueeze", max_since=25, host_inputs=(1,))  # later versions add element types only
 def unsqueeze(inputs, attrs, ctx):
     x = inputs[0]
     axes = axes_from(inputs, 1, attrs, f"Unsqueeze node {ctx.node_name!r} input 'axes'") or []
@@ -59,7 +59,7 @@ def concat(inputs, attrs, ctx):
     return [torch.cat(ts, dim=norm_axis(attrs["axis"], ts[0].dim(), "Concat axis"))]
 
 
-@register("Split")
+@register("Split", host_inputs=(1,))
 def split(inputs, attrs, ctx):
     x = inputs[0]
     axis = norm_axis(attrs.get("axis", 0), x.dim(), "Split axis")
@@ -84,7 +84,7 @@ def split(inputs, attrs, ctx):
     return list(torch.split(x, sizes, dim=axis))
 
 
-@register("Slice")
+@register("Slice", host_inputs=(1, 2, 3, 4))
 def slice_(inputs, attrs, ctx):
     x = inputs[0]
     where = f"Slice node {ctx.node_name!r}"
@@ -116,46 +116,45 @@ def slice_(inputs, attrs, ctx):
     return [y]
 
 
-@register("Expand")
+@register("Expand", host_inputs=(1,))
 def expand(inputs, attrs, ctx):
     x = inputs[0]
     shape = host_ints(inputs[1], f"Expand node {ctx.node_name!r} input 'shape'")
     return [x.expand(torch.broadcast_shapes(tuple(x.shape), tuple(shape)))]
 
 
-@register("Tile")
+@register("Tile", host_inputs=(1,))
 def tile(inputs, attrs, ctx):
     return [inputs[0].repeat(host_ints(inputs[1], f"Tile node {ctx.node_name!r} input 'repeats'"))]
 
 
-@register("Shape", max_since=25)  # later versions add element types only
+@register("Shape", max_since=25, host_outputs=True)  # later versions add element types only
 def shape(inputs, attrs, ctx):
     x = inputs[0]
     r = x.dim()
     start, end = attrs.get("start", 0), attrs.get("end", r)
     start, end = (min(max(v + r if v < 0 else v, 0), r) for v in (start, end))
-    return [torch.tensor(list(x.shape[start:end]), dtype=torch.int64, device=x.device)]
+    return [torch.tensor(list(x.shape[start:end]), dtype=torch.int64)]  # a host tensor (see registry.py)
 
 
-@register("Size", max_since=25)  # later versions add element types only
+@register("Size", max_since=25, host_outputs=True)  # later versions add element types only
 def size(inputs, attrs, ctx):
-    return [torch.tensor(inputs[0].numel(), dtype=torch.int64, device=inputs[0].device)]
+    return [torch.tensor(inputs[0].numel(), dtype=torch.int64)]
 
 
-@register("ConstantOfShape")
+@register("ConstantOfShape", host_inputs=(0,))
 def constant_of_shape(inputs, attrs, ctx):
     shape = host_ints(inputs[0], f"ConstantOfShape node {ctx.node_name!r} input 'input'")
-    if "value" in attrs:
-        value = tensor_from_proto(attrs["value"], inputs[0].device).reshape(())
-    else:
-        value = torch.zeros((), dtype=torch.float32, device=inputs[0].device)
-    return [value.expand(shape).clone()]
+    if "value" in attrs:  # a one-element host tensor: fill with its python value (no host-to-device copy)
+        value = tensor_from_proto(attrs["value"]).reshape(())
+        return [torch.full(shape, value.item(), dtype=value.dtype, device=ctx.device)]
+    return [torch.zeros(shape, dtype=torch.float32, device=ctx.device)]
 
 
-@register("Range")
+@register("Range", host_inputs=(0, 1, 2))
 def range_(inputs, attrs, ctx):
     start, limit, delta = (host_scalar(t, f"Range node {ctx.node_name!r} input {i}") for i, t in enumerate(inputs[:3]))
-    dtype, device = inputs[0].dtype, inputs[0].device
+    dtype, device = inputs[0].dtype, ctx.device
     n = max(math.ceil((limit - start) / delta), 0)
     if dtype.is_floating_point:  # start + i * delta, in float64 then rounded once
         return [(start + delta * torch.arange(n, dtype=torch.float64, device=device)).to(dtype)]
@@ -177,6 +176,8 @@ def identity(inputs, attrs, ctx):
 
 @register("Constant", max_since=25)  # later versions add element types only
 def constant(inputs, attrs, ctx):
+    # Copies the attribute's host data to ctx.device on every call: a session folds Constant nodes
+    # into initializers once, at creation.
     dev = ctx.device
     if "value" in attrs:
         return [tensor_from_proto(attrs["value"], dev)]
@@ -191,7 +192,7 @@ def constant(inputs, attrs, ctx):
         f"Constant node {ctx.node_name!r}: only value / value_float(s) / value_int(s) are supported, got {sorted(attrs)}")
 
 
-@register("Pad", max_since=25)  # later versions add element types only
+@register("Pad", max_since=25, host_inputs=(1, 3))  # later versions add element types only
 def pad(inputs, attrs, ctx):
     x = inputs[0]
     where = f"Pad node {ctx.node_name!r}"
@@ -239,7 +240,7 @@ def pad(inputs, attrs, ctx):
     return [x]
 
 
-@register("Trilu")
+@register("Trilu", host_inputs=(1,))
 def trilu(inputs, attrs, ctx):
     x = inputs[0]
     k = host_scalar(inputs[1], f"Trilu node {ctx.node_name!r} input 'k'") if opt(inputs, 1) is not None else 0
