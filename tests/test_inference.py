@@ -477,3 +477,37 @@ def test_every_design_configuration_infers_its_expected_outputs(case):
     res = infer_node_outputs(case.op_type, case.attrs, {n: info[n] for n in case.inputs}, outputs=case.outputs,
                              input_values=consts)
     assert {case.contract.outputs[i].name: t for i, t in res.items()} == {n: case.out_info[n] for n in case.outputs}
+
+
+# ------------------------------------------------ whole models written by onnxruntime-genai's builder
+
+@pytest.fixture(scope="module")
+def genai_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("genai-infer")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["paged", "gqa"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gpt_oss"])
+def test_genai_builder_models_infer_through_every_layer(genai_root, family, layout):
+    """Paged models pass strict inference end to end (attention outputs, caches, logits). GQA models are
+    run non-strict: onnx's strict mode rejects one of the builder's own Constant nodes (declared rank 0,
+    inferred rank 1), with or without our schemas."""
+    pytest.importorskip("onnxruntime_genai")
+    from genai_models import BuilderFailed, build_genai_model
+
+    try:
+        folder = build_genai_model(family, layout, genai_root)
+    except BuilderFailed as exc:
+        pytest.skip(f"onnxruntime-genai builder could not build {family}/{layout}: {exc}")
+    model = onnx.load(str(folder / "model.onnx"))
+    got = inferred(model, strict=layout == "paged")
+    op = "PagedAttention" if layout == "paged" else "GroupQueryAttention"
+    nodes = [n for n in model.graph.node if n.op_type == op]
+    assert len(nodes) == 2
+    tokens = ("num_tokens",) if layout == "paged" else ("batch_size", "sequence_length")
+    for n in nodes:
+        h = helper.get_attribute_value(next(a for a in n.attribute if a.name == "num_heads"))
+        assert got[n.output[0]] == (F16 if layout == "paged" else F32, (*tokens, h * 16))
+        assert got[n.output[1]][0] == got[n.output[2]][0] == (F16 if layout == "paged" else F32)
+    assert got["logits"] == (F16 if layout == "paged" else F32, (*tokens, 128))
