@@ -96,6 +96,7 @@ CONFIGS: dict[str, dict] = {
     "qk_scores_padded_prompt": F(past=(0, 0), seq=4, q=(4, 2), attrs={"qk_output": 1}),
     # causal = 0
     "bidirectional_prompt": F(past=(0,), seq=5, attrs={"causal": 0}),
+    "bidirectional_padded_prompt_qk": F(past=(0, 0), seq=4, q=(4, 2), bias=(1, 4), attrs={"causal": 0, "qk_output": 1}),
     "bidirectional_with_past_qk": F(past=(4,), seq=3, attrs={"causal": 0, "qk_output": 2}),
     # sliding_window_cache (capacity C >= W, resident count L(T))
     "window_cache_filling": F(past=(3,), seq=1, capacity=6, attrs=W(4)),
@@ -103,6 +104,9 @@ CONFIGS: dict[str, dict] = {
     "window_cache_multi_token_rotary": F(past=(9,), seq=5, capacity=6, rotary="half", attrs=W(4)),
     "window_cache_step_longer_than_capacity": F(past=(9,), seq=9, capacity=6, attrs=W(4)),
     "window_cache_prompt": F(past=(0,), seq=8, capacity=6, attrs=W(4)),
+    "window_cache_position_ids": F(past=(9,), seq=3, capacity=6, rotary="half", position_ids=True, attrs=W(4)),
+    "window_cache_idle_entry_rotary": F(past=(9, 4), seq=3, q=(0, 3), capacity=6, query_seqlens=True,
+                                        rotary="half", attrs=W(4)),
     "window_cache_capacity_equals_window": F(past=(20,), seq=3, capacity=4, attrs=W(4)),
     "window_cache_chunked_ragged": F(past=(9, 2, 13), seq=4, q=(4, 2, 0), capacity=7, query_seqlens=True,
                                      bias=(3, 1), head_sink=True, attrs={**W(4), "softcap": 2.0}),
@@ -119,6 +123,8 @@ CONFIGS: dict[str, dict] = {
                                        query_seqlens=True, attrs=W(4)),
     "int4_per_channel_window_cache": Q("int4", "PER_CHANNEL", past=(9,), seq=2, head_size=32, capacity=6,
                                        attrs=W(4)),
+    "int4_per_channel_qk_probs_window_sink": Q("int4", "PER_CHANNEL", past=(3, 6), seq=1, head_sink=True,
+                                               attrs={"qk_output": 2, "local_window_size": 3}),
     "int8_packed_rotary_qk_probs": Q("int8", "PER_TENSOR", past=(2, 6), seq=1, packed=True, rotary="half",
                                      attrs={"qk_output": 2}),
     # fp16 T
@@ -126,6 +132,7 @@ CONFIGS: dict[str, dict] = {
     "fp16_decode_features": F(past=(5, 9), seq=1, dtype=FP16, rotary="interleaved", head_sink=True, bias=(2, 1),
                               attrs={"softcap": 3.0, "local_window_size": 5, "qk_output": 1}),
     "fp16_chunked_shared_buffer": F(past=(0, 3), seq=3, q=(3, 2), capacity=8, query_seqlens=True, dtype=FP16),
+    "fp16_int4_per_channel_decode": Q("int4", "PER_CHANNEL", past=(3, 6), seq=1, dtype=FP16, rotary="half"),
     "fp16_window_cache": F(past=(8,), seq=2, capacity=5, dtype=FP16, attrs=W(4)),
 }
 
