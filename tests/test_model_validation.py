@@ -388,3 +388,70 @@ def test_load_errors(tmp_path):
     (tmp_path / "junk.onnx").write_bytes(b"\x00\xffnot a model at all" * 10)
     with pytest.raises(ModelLoadError, match="not an ONNX model"):
         validate_model(tmp_path / "junk.onnx")
+
+
+# ------------------------------------------------------------------------------------------------
+# the design configurations (tests/nodes.py) as whole models; PER_TOKEN scale-cache pairs
+# ------------------------------------------------------------------------------------------------
+
+def _configs():
+    from nodes import GQA_CONFIGS, PAGED_CONFIGS
+
+    return [("paged", n) for n in PAGED_CONFIGS] + [("gqa", n) for n in GQA_CONFIGS]
+
+
+@pytest.mark.parametrize("op,config", _configs())
+def test_design_configurations_as_single_node_models_are_clean(op, config):
+    from nodes import gqa_case, paged_case
+
+    case = paged_case(config) if op == "paged" else gqa_case(config)
+    issues = validate_model(case.model())
+    assert issues == [], [str(i) for i in issues]
+
+
+_LAYER_NAMES = {"key_cache": "past_key_values.{i}.key", "value_cache": "past_key_values.{i}.value",
+                "k_scale_cache": "past_key_values.{i}.key_scale", "v_scale_cache": "past_key_values.{i}.value_scale",
+                "key_cache_out": "present.{i}.key", "value_cache_out": "present.{i}.value",
+                "k_scale_cache_out": "present.{i}.key_scale", "v_scale_cache_out": "present.{i}.value_scale",
+                "output": "output.{i}"}
+
+
+def two_layer_model(single: onnx.ModelProto) -> onnx.ModelProto:
+    """Two copies of a single-node model's node (layers 0 and 1) with genai-named caches; the other inputs
+    are shared."""
+    (node,) = single.graph.node
+    types = {v.name: v for v in list(single.graph.input) + list(single.graph.output)}
+    nodes, inputs, outputs = [], [v for v in single.graph.input if v.name not in _LAYER_NAMES], []
+    for i in range(2):
+        n = copy.deepcopy(node)
+        n.name = f"layer{i}"
+        for names, vis in ((n.input, inputs), (n.output, outputs)):
+            for k, t in enumerate(names):
+                if t in _LAYER_NAMES:
+                    names[k] = _LAYER_NAMES[t].format(i=i)
+                    vi = copy.deepcopy(types[t])
+                    vi.name = names[k]
+                    vis.append(vi)
+        nodes.append(n)
+    g = helper.make_graph(nodes, "two_layers", inputs, outputs)
+    return helper.make_model(g, ir_version=single.ir_version, opset_imports=list(single.opset_import))
+
+
+def test_per_token_scale_caches_follow_the_genai_names():
+    from nodes import paged_case
+
+    m = two_layer_model(paged_case("int8_per_token_f32_scales").model())
+    assert {o.name for o in m.graph.output} >= {"present.0.key_scale", "present.1.value_scale"}
+    assert validate_model(m) == []
+    n0, n1 = m.graph.node
+    n0.output[3], n1.output[3] = n1.output[3], n0.output[3]
+    issues = only(validate_model(m), "MODEL-cache-output-name")
+    assert {(i.node, i.where, i.expected) for i in issues} == {
+        ("layer0", "output 'k_scale_cache_out'", "'present.0.key_scale'"),
+        ("layer1", "output 'k_scale_cache_out'", "'present.1.key_scale'")}
+    # names from genai_config (as pagedkit's config writer spells them)
+    cfg = {"model": {"decoder": {"inputs": {"past_key_scale_names": "ks.%d"},
+                                 "outputs": {"present_key_scale_names": "ks_out.%d"}}}}
+    issues = only(validate_model(two_layer_model(paged_case("int8_per_token_f32_scales").model()),
+                                 genai_config=cfg), "MODEL-cache-name")
+    assert {i.expected for i in issues} == {"a graph input named 'ks.{i}'"}

@@ -9,9 +9,10 @@ com.microsoft attention node (subgraphs of If/Loop included) and then the rules 
 Cache convention (onnxruntime-genai's, contract-decisions §5/§8): in a model with several layers'
 caches, layer i reads graph inputs `past_key_values.{i}.key` / `.value` (and, PER_TOKEN, `.key_scale` /
 `.value_scale`) and writes graph outputs `present.{i}.key` / ... . Names come from `genai_config.json`
-(`model.decoder.inputs.past_key_names`, `outputs.present_key_names`, ...; scale names append `_scale`
-unless its top-level `"pagedkit"` object sets `past_key_scale_names` etc.). A single-layer model only
-needs each cache to be a graph input and each cache output a graph output (ORT's test form).
+(`model.decoder.inputs.past_key_names`, `outputs.present_key_names`, `inputs.past_key_scale_names`, ...,
+as pagedkit's config writer spells them; a missing scale name is the key/value name + `_scale`). A
+single-layer model only needs each cache to be a graph input and each cache output a graph output
+(ORT's test form).
 """
 
 from __future__ import annotations
@@ -19,19 +20,22 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Iterator
 
 import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
-from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_tensor, uses_external_data
+from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
 from .checks import validate_node
 from .inference import _from_type_proto, register_schemas
 from .contract import CONTRACTS, DOMAIN, get_contract
 from .issues import Issue
+from .model_loading import (  # noqa: F401 (ModelLoadError is re-exported)
+    ModelLoadError, config_get, external_data_problems, graphs, load_model_proto, resolve_model_path,
+)
 from .nodeview import Dim, dims_conflict, dtype_name
 
 RULE_DOCS = {
@@ -71,109 +75,11 @@ _DEFAULT_NAMES = {"key": ("past_key_values.%d.key", "present.%d.key"),
 TensorType = tuple[int | None, tuple[Dim, ...] | None]
 
 
-class ModelLoadError(ValueError):
-    """The model file is missing, unreadable or not an ONNX model."""
-
-
 @dataclass
 class ModelReport:
     issues: list[Issue]
     attention_nodes: int
     path: str | None = None
-    cache_names: dict[str, tuple[str, str]] = field(default_factory=dict)
-
-
-# ----------------------------------------------------------------------------------------------
-# Loading
-# ----------------------------------------------------------------------------------------------
-
-def resolve_model_path(path: str | os.PathLike) -> tuple[Path, dict | None, list[Issue]]:
-    """(model file, genai config or None, issues reading the config) for a .onnx file or a folder."""
-    path = Path(path)
-    folder = path if path.is_dir() else path.parent
-    config, issues = None, []
-    cfg_path = folder / "genai_config.json"
-    if cfg_path.is_file():
-        try:
-            config = json.loads(cfg_path.read_text(encoding="utf-8"))
-            if not isinstance(config, dict):
-                raise ValueError("top level is not an object")
-        except (OSError, ValueError) as exc:
-            config = None
-            issues.append(Issue("model", f"file '{cfg_path.name}'", "MODEL-genai-config", "readable JSON object",
-                                f"{type(exc).__name__}: {exc}"))
-    if path.is_dir():
-        name = _get(config, "model", "decoder", "filename") or "model.onnx"
-        path = folder / str(name)
-    return path, config, issues
-
-
-def load_model_proto(path: str | os.PathLike) -> onnx.ModelProto:
-    """The model's graph without its external data; raises ModelLoadError when that is impossible."""
-    path = Path(path)
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: no such file")
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as exc:
-        raise ModelLoadError(f"{path}: not an ONNX model ({type(exc).__name__})") from None
-    if model.ir_version <= 0 or not model.HasField("graph"):
-        raise ModelLoadError(f"{path}: not an ONNX model (no ir_version or graph)")
-    return model
-
-
-def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """graph and every subgraph (If / Loop / Scan bodies), depth first."""
-    yield graph
-    for node in graph.node:
-        for a in node.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                yield from _graphs(a.g)
-            elif a.type == onnx.AttributeProto.GRAPHS:
-                for g in a.graphs:
-                    yield from _graphs(g)
-
-
-def _all_tensors(model: onnx.ModelProto) -> Iterator[tuple[str, TensorProto]]:
-    """(kind, tensor) for every tensor that may hold data: initializers, sparse initializers and
-    attribute tensors, in the main graph, subgraphs and functions."""
-    bodies = list(_graphs(model.graph)) + list(model.functions)
-    for body in bodies:
-        if isinstance(body, onnx.GraphProto):
-            yield from (("initializer", t) for t in body.initializer)
-            for s in body.sparse_initializer:
-                yield from (("sparse initializer", t) for t in (s.values, s.indices))
-        for node in body.node:
-            for a in node.attribute:
-                if a.HasField("t"):
-                    yield f"attribute of node '{node.name or node.op_type}'", a.t
-                yield from ((f"attribute of node '{node.name or node.op_type}'", t) for t in a.tensors)
-
-
-def external_data_problems(model: onnx.ModelProto, base_dir: str | os.PathLike | None) -> list[Issue]:
-    """Issues for external-data locations that are absolute, contain '..', resolve outside base_dir
-    (symlinks included) or do not exist. Without base_dir only the spelling is checked."""
-    issues = []
-    base = Path(base_dir).resolve() if base_dir is not None else None
-    for kind, t in _all_tensors(model):
-        if not uses_external_data(t):
-            continue
-        loc = ExternalDataInfo(t).location
-        where = f"{kind} '{t.name}'"
-        p = Path(loc)
-        if not loc or p.is_absolute() or ".." in p.parts or re.match(r"^[A-Za-z]:|^[\\/]", loc):
-            issues.append(Issue("model", where, "MODEL-external-data",
-                                "a relative path inside the model's folder (no absolute path, no '..')",
-                                f"location {loc!r}"))
-        elif base is not None:
-            target = (base / p).resolve()
-            if base not in target.parents:
-                issues.append(Issue("model", where, "MODEL-external-data", f"a file inside {base}",
-                                    f"location {loc!r} resolving to {target}"))
-            elif not target.is_file():
-                issues.append(Issue("model", where, "MODEL-external-data", f"an existing file in {base}",
-                                    f"missing file {loc!r}"))
-    return issues
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,7 +103,7 @@ def _collect(model: onnx.ModelProto, base_dir: str | None, safe: bool):
     constants: dict[str, np.ndarray] = {}
     producers: dict[str, onnx.NodeProto] = {}
     initializers: set[str] = set()
-    for g in _graphs(model.graph):
+    for g in graphs(model.graph):
         for vi in list(g.input) + list(g.output) + list(g.value_info):
             if vi.type.HasField("tensor_type"):
                 value_info.setdefault(vi.name, _type_of(vi.type))
@@ -245,25 +151,16 @@ def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
 # Whole-model rules
 # ----------------------------------------------------------------------------------------------
 
-def _get(d: Any, *keys: str) -> Any:
-    for k in keys:
-        if not isinstance(d, Mapping):
-            return None
-        d = d.get(k)
-    return d
-
-
 def cache_names(genai_config: Mapping | None) -> dict[str, tuple[str, str]]:
     """{kind: (past pattern, present pattern)} with '%d' for the layer, from genai_config or defaults."""
-    dec = _get(genai_config, "model", "decoder") or {}
-    ext = _get(genai_config, "pagedkit") or {}
+    dec = config_get(genai_config, "model", "decoder") or {}
     names = {}
     for kind in ("key", "value"):
-        past = _get(dec, "inputs", f"past_{kind}_names") or _DEFAULT_NAMES[kind][0]
-        present = _get(dec, "outputs", f"present_{kind}_names") or _DEFAULT_NAMES[kind][1]
+        past = config_get(dec, "inputs", f"past_{kind}_names") or _DEFAULT_NAMES[kind][0]
+        present = config_get(dec, "outputs", f"present_{kind}_names") or _DEFAULT_NAMES[kind][1]
         names[kind] = (str(past), str(present))
-        names[f"{kind}_scale"] = (str(ext.get(f"past_{kind}_scale_names") or f"{past}_scale"),
-                                  str(ext.get(f"present_{kind}_scale_names") or f"{present}_scale"))
+        names[f"{kind}_scale"] = (str(config_get(dec, "inputs", f"past_{kind}_scale_names") or f"{past}_scale"),
+                                  str(config_get(dec, "outputs", f"present_{kind}_scale_names") or f"{present}_scale"))
     return names
 
 
@@ -422,7 +319,7 @@ def check_model(model: onnx.ModelProto | str | os.PathLike, *, genai_config=None
     value_info, constants, producers, initializers = _collect(inferred, base_dir, safe=not ext_issues)
 
     attention = []  # (node, in main graph)
-    for g in _graphs(inferred.graph):
+    for g in graphs(inferred.graph):
         for node in g.node:
             if node.op_type in CONTRACTS:
                 attention.append((node, g is inferred.graph))
@@ -448,7 +345,7 @@ def check_model(model: onnx.ModelProto | str | os.PathLike, *, genai_config=None
     if checked and DOMAIN not in imports:
         issues.append(Issue("model", "model", "MODEL-domain", f"an opset_import of {DOMAIN!r}",
                             "no such import"))
-    return ModelReport(issues, checked, None if path is None else str(path), names)
+    return ModelReport(issues, checked, None if path is None else str(path))
 
 
 def validate_model(model: onnx.ModelProto | str | os.PathLike, *, genai_config=None) -> list[Issue]:
