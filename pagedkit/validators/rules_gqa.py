@@ -16,10 +16,13 @@ from .contract import GROUP_QUERY_ATTENTION
 from .issues import Issue
 from .nodeview import NodeView
 from .rules_common import (
-    COMMON_DOCS, QUANTIZED_CACHE_TYPES, VIEW_DOCS, attr_at, attribute_rules, bias_broadcast_rules, cache_quant_rules,
-    dim, dtype_docs, dtype_of, dtype_rules, first_known, has_rank, head_count_rules, head_sink_rules,
-    head_size_rules, heads, inp, int_attr, int_values, outp, prefixed, qk_norm_rules, qk_output_rules, rank_rules,
-    rotary_presence_rules, scalar_attr_rules, scale_presence_rule, shape_str, str_attr, valid_attr,
+    COMMON_DOCS, QUANTIZED_CACHE_TYPES, VIEW_DOCS, attr_at, attribute_rules, dim, dtype_docs, dtype_of, dtype_rules,
+    first_known, has_rank, head_count_rules, heads, inp, int_attr, int_values, memo_dims, outp, prefixed,
+    presence_rules, rank_rules, scalar_attr_rules, shape_str, str_attr, valid_attr,
+)
+from .rules_common_features import (
+    bias_broadcast_rules, cache_quant_rules, head_sink_rules, head_size_rules, qk_norm_rules, qk_output_rules,
+    rotary_presence_rules, scale_presence_rule,
 )
 
 P = "GQA"
@@ -85,6 +88,11 @@ class GqaDims:
 
 
 def gqa_dims(view: NodeView) -> GqaDims:
+    """The derived dims of this view (computed once per view state)."""
+    return memo_dims(view, "_gqa_dims", _derive)
+
+
+def _derive(view: NodeView) -> GqaDims:
     nh, kv = heads(view)
     q, key, pk = view.t("query"), view.t("key"), view.t("past_key")
     q3 = q is not None and q.rank in (None, 3)
@@ -126,6 +134,7 @@ def attributes(view: NodeView) -> Iterator[Issue]:
 
 
 def types_and_ranks(view: NodeView) -> Iterator[Issue]:
+    yield from presence_rules(view, P)
     yield from dtype_rules(view, P)
     yield from rank_rules(view, P)
 

@@ -13,11 +13,13 @@ from .contract import PAGED_ATTENTION
 from .issues import Issue
 from .nodeview import NodeView
 from .rules_common import (
-    COMMON_DOCS, VIEW_DOCS, attr_at, attribute_rules, bias_broadcast_rules, dim, dtype_docs, dtype_rules, has_rank,
-    head_count_rules, head_sink_rules, head_size_rules, inp, int_attr, is_pow2, ival, outp, prefixed,
-    qk_norm_rules, qk_output_rules, rank_rules, rotary_presence_rules, scalar_attr_rules, shape_str,
+    COMMON_DOCS, VIEW_DOCS, attr_at, attribute_rules, dim, dtype_docs, dtype_rules, has_rank, head_count_rules, inp,
+    int_attr, is_pow2, ival, outp, prefixed, presence_rules, rank_rules, scalar_attr_rules, shape_str,
 )
-from .rules_paged_dims import LATENT, LATENT_MODE, PACKED, SEPARATE, paged_dims
+from .rules_common_features import (
+    bias_broadcast_rules, head_sink_rules, head_size_rules, qk_norm_rules, qk_output_rules, rotary_presence_rules,
+)
+from .rules_paged_dims import LATENT, PACKED, SEPARATE, paged_dims
 from . import rules_paged_quant, rules_paged_values
 
 P = "PA"
@@ -75,6 +77,7 @@ def attributes(view: NodeView) -> Iterator[Issue]:
 
 
 def types_and_ranks(view: NodeView) -> Iterator[Issue]:
+    yield from presence_rules(view, P)
     yield from dtype_rules(view, P)
     yield from rank_rules(view, P)
 

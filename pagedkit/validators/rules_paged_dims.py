@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .nodeview import NodeView
-from .rules_common import dim, dtype_of, first_known, heads, int_attr, int_values, str_attr, valid_attr
+from .rules_common import dim, dtype_of, first_known, heads, int_attr, int_values, memo_dims, str_attr, valid_attr
 
 SEPARATE, LATENT = "SEPARATE", "LATENT"
 UNPACKED, PACKED, LATENT_MODE = "unpacked", "packed", "latent"
@@ -108,6 +108,11 @@ def _csl_q_lens(csl: np.ndarray | None, token_count: int | None) -> np.ndarray |
 
 
 def paged_dims(view: NodeView) -> PagedDims:
+    """The derived dims of this view (computed once per view state)."""
+    return memo_dims(view, "_paged_dims", _derive)
+
+
+def _derive(view: NodeView) -> PagedDims:
     nh, kv = heads(view)
     layout = str_attr(view, "kv_cache_layout") if valid_attr(view, "kv_cache_layout") else None
     mode = input_mode(view, layout)

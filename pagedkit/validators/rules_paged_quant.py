@@ -11,8 +11,10 @@ from typing import Iterator
 from .issues import Issue
 from .nodeview import NodeView
 from .rules_common import (
-    attr_at, cache_quant_rules, dim, dtype_of, fval, has_rank, inp, int_attr, is_pow2, outp, scale_presence_rule,
-    shape_str, str_attr,
+    attr_at, dim, dtype_of, fval, has_rank, inp, int_attr, is_pow2, outp, shape_str, str_attr,
+)
+from .rules_common_features import (
+    cache_quant_rules, scale_presence_rule,
 )
 from .rules_paged_dims import LATENT, PagedDims, paged_dims
 
