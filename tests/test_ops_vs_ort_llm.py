@@ -79,8 +79,8 @@ def nbits_case(bits: int, k: int, n: int = 12, block: int = 32, zp: str = "none"
                    "packed": ints(0, 256, n, math.ceil(kb * bits / 8), dtype=np.uint8),
                    "float": uniform(0, 2 ** bits - 1, n, kb).round().astype(dtype)}[zp]
     ins = [randn(*m, k, dtype=dtype), b, scales, zero_points, None, randn(n, dtype=dtype) if bias else None]
-    return case("MatMulNBits", *ins, attrs=dict(K=k, N=n, bits=bits, block_size=block), id=f"MatMulNBits-{bits}b-K{k}-{zp}"
-                + ("-bias" if bias else "") + ("-f16" if dtype == np.float16 else ""),
+    name = f"MatMulNBits-{bits}b-K{k}-{zp}" + ("-bias" if bias else "") + ("-f16" if dtype == np.float16 else "")
+    return case("MatMulNBits", *ins, attrs=dict(K=k, N=n, bits=bits, block_size=block), id=name,
                 tol=1e-3 if dtype == np.float16 else 1e-5, **MS)
 
 

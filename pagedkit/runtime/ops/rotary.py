@@ -46,7 +46,8 @@ def _from_bsnh(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def _check_rot(rot_dim: int, cos: torch.Tensor, where: str) -> None:
     if rot_dim and cos.shape[-1] * 2 != rot_dim:
-        raise ValueError(f"{where}: cos_cache last dimension {cos.shape[-1]} != rotary_embedding_dim / 2 = {rot_dim // 2}")
+        raise ValueError(f"{where}: cos_cache last dimension {cos.shape[-1]} != "
+                         f"rotary_embedding_dim / 2 = {rot_dim // 2}")
 
 
 @register("RotaryEmbedding")

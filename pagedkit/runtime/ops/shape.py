@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from .registry import register
@@ -120,7 +121,8 @@ def slice_(inputs, attrs, ctx):
 def expand(inputs, attrs, ctx):
     x = inputs[0]
     shape = host_ints(inputs[1], f"Expand node {ctx.node_name!r} input 'shape'")
-    return [x.expand(torch.broadcast_shapes(tuple(x.shape), tuple(shape)))]
+    # numpy's broadcasting rule (torch.broadcast_shapes imports torch.fx on first use: seconds)
+    return [x.expand(np.broadcast_shapes(tuple(x.shape), tuple(shape)))]
 
 
 @register("Tile", host_inputs=(1,))
@@ -189,7 +191,8 @@ def constant(inputs, attrs, ctx):
         if key in attrs:
             return [torch.tensor(attrs[key], dtype=dtype, device=dev)]
     raise NotImplementedError(
-        f"Constant node {ctx.node_name!r}: only value / value_float(s) / value_int(s) are supported, got {sorted(attrs)}")
+        f"Constant node {ctx.node_name!r}: only value / value_float(s) / value_int(s) are supported, "
+        f"got {sorted(attrs)}")
 
 
 @register("Pad", max_since=25, host_inputs=(1, 3))  # later versions add element types only

@@ -37,7 +37,8 @@ def torch_dtype(onnx_type: int, what: str = "element type") -> torch.dtype:
     try:
         return ONNX_TO_TORCH[onnx_type]
     except KeyError:
-        name = onnx.helper.tensor_dtype_to_string(onnx_type) if onnx_type in TensorProto.DataType.values() else onnx_type
+        known = onnx_type in TensorProto.DataType.values()
+        name = onnx.helper.tensor_dtype_to_string(onnx_type) if known else onnx_type
         raise NotImplementedError(f"{what} {name} has no torch equivalent in the pagedkit runtime") from None
 
 
