@@ -218,3 +218,10 @@ def test_doc_lists_exactly_the_table():
                                                                                      m.group(1), re.M)
               for op in ops.split(",")}
     assert listed == set(OPS)
+
+
+def test_doc_example_runs(capsys):
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "runtime-ops.md").read_text()
+    exec(re.search(r"```python\n(.*?)```", doc, re.S).group(1), {})
+    out = capsys.readouterr().out
+    assert out.startswith("True\n") and "com.microsoft::QAttention (node 'attn0')" in out
