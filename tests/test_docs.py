@@ -55,3 +55,19 @@ def test_check_mode_reports_stale_files(tmp_path, capsys):
     assert main(["--out", str(tmp_path), "--check"]) == 1
     assert set(targets(tmp_path)) == {tmp_path / "PagedAttention.md", tmp_path / "GroupQueryAttention.md"}
     assert DOCS_DIR.name == "ops" and DOCS_DIR.parent.name == "docs"
+
+
+README_COMMANDS = [
+    'pip install torch==2.13.0 -e . && paged-validate examples/tiny-paged/model.onnx',
+    'pip install torch==2.13.0 -e ".[test,export]" onnxruntime-genai && python -m pytest -q',
+]
+
+
+def test_readme_starts_with_the_two_setup_commands_and_ci_runs_the_second():
+    root = DOCS_DIR.parents[1]
+    lines = (root / "README.md").read_text(encoding="utf-8").splitlines()
+    block = lines[lines.index("```") + 1:]
+    assert lines.index("```") <= 2 and block[:3] == [*README_COMMANDS, "```"]
+    ci = (root / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert README_COMMANDS[1] in ci, "keep .ci/run running the README's test command verbatim"
+    assert (root / "examples" / "tiny-paged" / "model.onnx").is_file()
