@@ -42,7 +42,7 @@ def tensor_proto(name: str, value: torch.Tensor | np.ndarray, elem_type: int) ->
     proto.name = name
     proto.data_type = elem_type
     proto.dims.extend(t.shape)
-    proto.raw_data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    proto.raw_data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
     return proto
 
 
@@ -116,6 +116,7 @@ class GraphBuilder:
 def linear(g: GraphBuilder, x: str, weight: torch.Tensor, bias: torch.Tensor | None, prefix: str,
            init_prefix: str) -> str:
     """y[T, out] = x[T, in] @ W^T (+ b); `weight` is torch's [out, in] (stored transposed, [in, out])."""
+    x = cast(g, x, g.float_type, f"{prefix}/input/Cast")  # e.g. from a float32 residual stream
     rows = g.shape_of(x)[0]
     out_features = weight.shape[0]
     w = g.initializer(f"{init_prefix}.MatMul.weight", weight.detach().t())
@@ -207,11 +208,12 @@ def gated_mlp(g: GraphBuilder, x: str, gate: tuple, up: tuple, down: tuple, act:
 # ---- rotary ------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def rotary_tables(rotary_emb: torch.nn.Module, max_positions: int, layer_type: str | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(rotary_emb: torch.nn.Module, max_positions: int, layer_type: str | None = None,
+                  duplicated: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin caches [max_positions, rotary_dim / 2] (float32) from the model's own rotary module run on
     positions 0..max_positions-1: its scaling (linear, llama3, YaRN incl. the attention factor folded
-    into cos/sin, ...) is exactly what the model computes."""
+    into cos/sin, ...) is exactly what the model computes. duplicated: the module returns the
+    rotate_half form [freqs, freqs] (most models); False: it returns [freqs] only (GPT-OSS)."""
     pos = torch.arange(max_positions, dtype=torch.int64)[None, :]
     probe = torch.zeros(1, dtype=torch.float32)
     params = inspect.signature(rotary_emb.forward).parameters
@@ -219,7 +221,9 @@ def rotary_tables(rotary_emb: torch.nn.Module, max_positions: int, layer_type: s
         cos, sin = rotary_emb(probe, pos, layer_type=layer_type)
     else:
         cos, sin = rotary_emb(probe, pos)
-    cos, sin = cos[0].float(), sin[0].float()  # [P, rotary_dim], halves repeated (rotate_half form)
+    cos, sin = cos[0].float(), sin[0].float()  # [P, rotary_dim] (halves repeated) or [P, rotary_dim / 2]
+    if not duplicated:
+        return cos.contiguous(), sin.contiguous()
     half = cos.shape[-1] // 2
     if not torch.equal(cos[:, :half], cos[:, half:]):
         raise NotImplementedError("rotary embedding whose cos table is not [freqs, freqs] (rotate_half form)")

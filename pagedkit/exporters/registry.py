@@ -12,6 +12,8 @@ FAMILIES: dict[str, str] = {
     "mistral": "mistral:MistralFamily",
     "qwen3": "qwen3:Qwen3Family",
     "phi3": "phi3:Phi3Family",
+    "gemma2": "gemma2:Gemma2Family",
+    "gpt_oss": "gpt_oss:GptOssFamily",
 }
 
 

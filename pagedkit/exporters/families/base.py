@@ -26,7 +26,8 @@ from onnx import TensorProto
 
 from ..config import CacheSpec, LayerSpec, ModelSpec, PAST_KEY, PAST_KEY_SCALE, PAST_VALUE, PAST_VALUE_SCALE, \
     PRESENT_KEY, PRESENT_KEY_SCALE, PRESENT_VALUE, PRESENT_VALUE_SCALE, genai_type_of
-from ..graph import GraphBuilder, GraphInputs, Residual, cast, gated_mlp, linear, paged_attention, rotary_tables
+from ..graph import MS_DOMAIN, GraphBuilder, GraphInputs, Residual, cast, gated_mlp, linear, paged_attention, \
+    rotary_tables
 
 FLOAT_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 CACHE_ELEM_TYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16, "int8": TensorProto.INT8,
@@ -320,6 +321,7 @@ class DecoderFamily:
         head = model.lm_head
         emb = self.decoder(model).embed_tokens
         vocab = config.vocab_size
+        x = cast(g, x, g.float_type, "/lm_head/input/Cast")
         if head.weight.data_ptr() == emb.weight.data_ptr():  # tied: reuse the embedding table [V, H]
             y = g.node("Gemm", [x, "model.embed_tokens.weight"], "/lm_head/Gemm", transB=1,
                        out_type=g.float_type, out_shape=(_rows(), vocab))
