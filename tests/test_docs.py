@@ -71,3 +71,15 @@ def test_readme_starts_with_the_two_setup_commands_and_ci_runs_the_second():
     ci = (root / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     assert README_COMMANDS[1] in ci, "keep .ci/run running the README's test command verbatim"
     assert (root / "examples" / "tiny-paged" / "model.onnx").is_file()
+
+
+def test_validate_doc_examples_run(monkeypatch, capsys):
+    """Every ```python block of docs/validate.md runs as written (from the repository root)."""
+    root = DOCS_DIR.parents[1]
+    monkeypatch.chdir(root)
+    blocks = re.findall(r"```python\n(.*?)```", (root / "docs" / "validate.md").read_text(encoding="utf-8"), re.S)
+    assert len(blocks) >= 4
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"docs/validate.md block {i}", "exec"), {})
+    out = capsys.readouterr().out
+    assert "[MODEL-cache-graph-input]" in out and "input 'past_seqlens'" in out
