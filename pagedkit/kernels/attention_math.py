@@ -65,7 +65,7 @@ def attend(
     q [Sq, H, D]; k [Sk, Hkv, D]; v [Sk, Hkv, Dv]; allowed [Sq, Sk] bool (True = key admitted);
     bias [H or 1, Sq, Sk] or None (added after scale, before softcap); sink [H] or None (one extra
     logit in the softmax denominator only); smooth: a zero-valued sink (GQA smooth_softmax);
-    bias_after_softcap: add bias after softcap instead (onnxruntime's GQA CPU kernel does this).
+    bias_after_softcap: add bias after softcap instead (onnxruntime's GQA does, CPU and CUDA).
     Returns out [Sq, H, Dv], scores [H, Sq, Sk] (scaled, biased, soft-capped; 0 where masked) and
     probs [H, Sq, Sk] (0 where masked). A row with no admitted key gets output 0.
     """

@@ -9,11 +9,12 @@ the cached positions (read back from the cache, dequantized) -> output [B, S, H*
 [Q, S) are unspecified by the operator; the reference leaves them 0.
 
 Where onnxruntime's CPU kernel defines details (checked in tests/test_gqa_vs_ort.py), we follow it:
-- attention_bias is added AFTER softcap: softcap * tanh(scale * qk / softcap) + bias;
+- attention_bias is added AFTER softcap: softcap * tanh(scale * qk / softcap) + bias (also what
+  onnxruntime-gpu 1.31.1's CUDA GQA does; PagedAttention's contract adds it before softcap);
 - local_window_size W admits W positions including the current one;
 - head_sink is used whatever smooth_softmax says (smooth_softmax=1 adds exp(0) only without a sink);
 - a first prompt (no query_seqlens and S == total_sequence_length) reads only position_ids[0, 0]:
-  row s of every batch entry is rotated at position_ids[0, 0] + s;
+  row s of every batch entry is rotated at position_ids[0, 0] + s (ORT's CUDA kernel reads them all);
 - output_qk (B, H, S, total_sequence_length) holds softcap(scaled scores) + bias (qk_output=1) or the
   probabilities (2), indexed by absolute key position, 0 at masked / non-resident / beyond-T positions;
 - quantized caches: the new K/V are quantized (rint, ties to even; int4 nibble q + 8, even channel
