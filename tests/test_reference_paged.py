@@ -56,7 +56,9 @@ def check_case(spec: Spec, tol: float = TOL, **call_kw):
 
 
 def _check_cache_rows(case, x, res, exp):
-    """The step's tokens sit at their derived slots, encoded as the oracle encodes them."""
+    """The step's tokens sit at their derived slots, encoded as the oracle encodes them: every value within
+    one quantization step (fp16: 2**-10, fp8: 2**-3 relative), and all but a rare rounding-boundary few
+    exactly equal (float32 vs float64 arithmetic may land on the other side of a rounding boundary)."""
     sp = case.spec
     fmt = None if sp.cache == "same" else sp.cache
     table, bs, d = x["block_table"], sp.block_size, sp.head_size
@@ -65,6 +67,7 @@ def _check_cache_rows(case, x, res, exp):
         cache = res["key_cache_out" if side == "k" else "value_cache_out"]
         assert cache is x["key_cache" if side == "k" else "value_cache"]  # in place, same object
         quant = sp.k_quant if side == "k" else sp.v_quant
+        exact, total = 0, 0
         for b in range(len(sp.past)):
             for t in range(csl[b], csl[b + 1]):
                 p = sp.past[b] + t - csl[b]
@@ -84,6 +87,9 @@ def _check_cache_rows(case, x, res, exp):
                 step = torch.as_tensor(scale, dtype=torch.float64) * (1.0 if fmt in ("int8", "int4") else 0.0)
                 slack = torch.maximum(step, want.abs() * (2 ** -3 if fmt == "float8e4m3fn" else 2 ** -10))
                 assert bool(((got - want).abs() <= slack + 1e-12).all()), f"{side} cache row of token {t}"
+                exact += int(((got - want).abs() <= 1e-6 * want.abs() + 1e-12).sum())
+                total += got.numel()
+        assert total - exact <= max(2, total // 200), f"{side}: {total - exact} of {total} cached values differ"
 
 
 # ---------------------------------------------------------------------------------------------
