@@ -157,6 +157,13 @@ class PagedRunner:
         }
         if self.windowed:
             feeds["block_table_windowed"] = torch.from_numpy(wtable)
+        positions = [p for s, n in active for p in range(s.length, s.length + n)]
+        if "slot_mapping" in self.inputs:  # the slot each new token's K/V goes to
+            slots = [s.blocks[p // self.bs] * self.bs + p % self.bs for s, n in active
+                     for p in range(s.length, s.length + n)]
+            feeds["slot_mapping"] = torch.tensor(slots, dtype=torch.int32)
+        if "query_positions" in self.inputs:
+            feeds["query_positions"] = torch.tensor(positions, dtype=torch.int32)
         outs = self.sess.run_torch(feeds)
         for name in self.caches:  # present.{i}.* alias past_key_values.{i}.* (updated in place)
             self.caches[name] = outs[name.replace("past_key_values.", "present.")]
@@ -253,3 +260,46 @@ def io_signature(model_path: Path) -> dict[str, tuple[str, int, str]]:
             tt = vi.type.tensor_type
             sig[vi.name] = (kind, tt.elem_type, len(tt.shape.dim))
     return sig
+
+
+def assert_valid_export(model_dir: Path) -> None:
+    """pagedkit's validator clean, onnx.checker (full_check) clean, onnxruntime-genai's Config accepts it."""
+    import onnx
+
+    from pagedkit.validators import validate_model
+
+    model_dir = Path(model_dir)
+    issues = validate_model(str(model_dir))
+    assert issues == [], "\n".join(map(str, issues))
+    onnx.checker.check_model(str(model_dir / "model.onnx"), full_check=True)
+    try:
+        import onnxruntime_genai as og
+    except ImportError:  # optional: the genai parser check needs onnxruntime-genai
+        return
+    og.Config(str(model_dir))
+
+
+def attention_attrs(model_path: Path) -> list[dict]:
+    """Attributes (with the inputs by contract name) of every PagedAttention node, in graph order."""
+    import onnx
+
+    from pagedkit.validators import PAGED_ATTENTION
+
+    m = onnx.load(str(model_path), load_external_data=False)
+    out = []
+    for n in m.graph.node:
+        if n.op_type == "PagedAttention":
+            d = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+            d = {k: v.decode() if isinstance(v, bytes) else v for k, v in d.items()}
+            d["inputs"] = {PAGED_ATTENTION.inputs[i].name: t for i, t in enumerate(n.input) if t}
+            out.append(d)
+    return out
+
+
+def save_tiny_checkpoint(hf_model, out_dir: Path) -> Path:
+    """save_pretrained (safetensors) + a local word-level tokenizer (no hub), for the CLI / builder paths."""
+    from genai_models import _save_tokenizer
+
+    hf_model.save_pretrained(out_dir)
+    _save_tokenizer(Path(out_dir), hf_model.config.vocab_size)
+    return Path(out_dir)

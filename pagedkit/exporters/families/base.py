@@ -132,6 +132,9 @@ class DecoderFamily:
         if any(windowed) and not all(windowed):  # onnxruntime-genai: a ring table for the windowed layers
             for l in layers:
                 l.windowed_table = l.window > 0
+            if opts.slot_mapping:
+                raise ValueError("slot_mapping: this model's windowed layers read block_table_windowed (a "
+                                 "second block pool); one slot_mapping input cannot address both pools")
         context = opts.max_seq_len or config.max_position_embeddings
         gen = getattr(model, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None) if gen is not None else None
