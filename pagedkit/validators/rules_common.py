@@ -1,8 +1,10 @@
-"""Rule helpers shared by PagedAttention and GroupQueryAttention (identical checks, identical text).
+"""Helpers and rules shared by PagedAttention and GroupQueryAttention (identical checks, identical text).
 
-Every helper takes the op's rule-id prefix ("PA" or "GQA") and yields `Issue`s; the op modules
-(rules_paged.py, rules_gqa.py) call them with their derived problem dims. `COMMON_DOCS` documents
-the shared rule ids by suffix; each op module prefixes them into its own `RULE_DOCS`.
+Here: small accessors (known dims, attribute values, integer contents), the per-view memo of derived
+dims, and the generic rules every op runs (attributes, required inputs, element types, ranks). The
+shared feature rules (head size, rotary, head_sink, QK-norm, qk_output, bias, quantization presence)
+are in rules_common_features.py. Every rule helper takes the op's rule-id prefix ("PA" / "GQA");
+`COMMON_DOCS` documents the shared ids by suffix and each op module prefixes them into `RULE_DOCS`.
 
 Conventions: a dimension is checked only when it is a known int (symbolic / unknown never
 conflicts); integer contents are checked only when known (`TensorInfo.value`).
