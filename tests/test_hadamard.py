@@ -6,7 +6,6 @@
 - On K with outlier channels, PER_TOKEN int4 / int8 caches keep a higher SNR with rotation than without.
 """
 
-import dataclasses
 import math
 
 import pytest

@@ -5,7 +5,6 @@ Most checks are bit-for-bit: the same logical context reached through a differen
 same bytes. Feature correctness against the float64 oracle lives in test_reference_paged.py.
 """
 
-import dataclasses
 import math
 
 import torch
