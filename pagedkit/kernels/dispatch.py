@@ -4,7 +4,12 @@ dtypes, attributes and the device only; the chosen variant's name is reported
 
 Variants declare what they serve (`supports(info) -> reason or None`); the first that serves the node
 wins. The loop-based reference serves everything on any device and is last: on CUDA it is only used
-when the session allows reference fallback (contract-decisions §9), with a one-time warning.
+when the session allows reference fallback (contract-decisions §9), with a one-time warning; it then
+runs on CPU copies of the inputs and writes the caches back into the device buffers.
+
+`bind(node, ...)` returns an `AttentionCall`: the node's inputs / outputs by contract name, computed
+once, and the cache aliasing the runtime promises: a cache output IS its cache input (same tensor,
+updated in place), as onnxruntime does with shared past/present buffers.
 """
 
 from __future__ import annotations
@@ -17,6 +22,18 @@ import onnx
 import torch
 
 from ..validators.contract import get_contract
+
+# Inputs onnxruntime's kernels take in CPU memory (OrtMemTypeCPUInput): the session keeps them on the host.
+HOST_INPUTS = {
+    "PagedAttention": ("attention_metadata",),
+    "GroupQueryAttention": ("total_sequence_length",),
+}
+# cache output -> the cache input it aliases (same buffer, updated in place)
+CACHE_ALIASES = {
+    "PagedAttention": {"key_cache_out": "key_cache", "value_cache_out": "value_cache",
+                       "k_scale_cache_out": "k_scale_cache", "v_scale_cache_out": "v_scale_cache"},
+    "GroupQueryAttention": {"present_key": "past_key", "present_value": "past_value"},
+}
 
 
 @dataclass
@@ -33,13 +50,49 @@ class Variant:
     name: str
     op_type: str
     fn: Callable  # fn(inputs: dict, outputs: list[str], **attrs) -> dict
+    cpu_only: bool = False  # runs on CPU tensors only (the reference)
 
-    def run(self, node: onnx.NodeProto, inputs: list, attrs: dict) -> list:
-        contract = get_contract(self.op_type)
-        feed = {contract.inputs[i].name: t for i, t in enumerate(inputs) if t is not None}
-        out_names = [contract.outputs[i].name for i, n in enumerate(node.output) if n]
-        result = self.fn(feed, outputs=out_names, **attrs)
-        return [result[contract.outputs[i].name] if n else None for i, n in enumerate(node.output)]
+
+@dataclass
+class AttentionCall:
+    """One attention node bound to its variant: positional inputs -> contract names -> outputs."""
+
+    variant: Variant
+    node_name: str
+    in_names: list[str | None]  # contract name of each node input (None: absent)
+    out_names: list[str | None]  # contract name of each node output (None: not requested)
+    attrs: dict[str, Any]
+    device: torch.device
+
+    @property
+    def name(self) -> str:
+        return self.variant.name
+
+    def run(self, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        feed = {n: t for n, t in zip(self.in_names, inputs) if n is not None and t is not None}
+        requested = [n for n in self.out_names if n is not None]
+        staged = feed
+        if self.variant.cpu_only and self.device.type != "cpu":
+            staged = {n: t.cpu() for n, t in feed.items()}
+        result = self.variant.fn(staged, outputs=requested, **self.attrs)
+        aliases = CACHE_ALIASES[self.variant.op_type]
+        outs: list[torch.Tensor | None] = []
+        for n in self.out_names:
+            if n is None:
+                outs.append(None)
+                continue
+            t = result[n]
+            src = feed.get(aliases.get(n, ""))
+            if src is not None and t is not src:
+                if t.shape == src.shape and t.dtype == src.dtype:
+                    src.copy_(t)  # the cache output is the cache input, updated in place
+                    t = src
+                else:  # a cache that grows (GQA without a shared buffer): a new tensor, like ORT
+                    t = t.to(self.device)
+            elif t.device != self.device:
+                t = t.to(self.device)
+            outs.append(t)
+        return outs
 
 
 def _info(node: onnx.NodeProto, device: torch.device) -> NodeInfo:
@@ -55,7 +108,7 @@ def _reference(op_type: str) -> Variant:
     from . import reference, reference_gqa
 
     fn = reference.paged_attention if op_type == "PagedAttention" else reference_gqa.group_query_attention
-    return Variant("reference", op_type, fn)
+    return Variant("reference", op_type, fn, cpu_only=True)
 
 
 def _fast_variants(op_type: str) -> list[tuple[Callable[[NodeInfo], str | None], Variant]]:
@@ -94,3 +147,28 @@ def select_variant(node: onnx.NodeProto, model: onnx.ModelProto | None, device: 
         warnings.warn(f"node '{node.name}' ({node.op_type}) runs on the loop-based reference on {device} "
                       f"({'; '.join(reasons) or 'no GPU variant registered'}); not CUDA-graph capturable")
     return _reference(node.op_type)
+
+
+def bind(node: onnx.NodeProto, model: onnx.ModelProto | None, device: torch.device,
+         allow_reference_fallback: bool = True) -> AttentionCall:
+    """Select the node's variant and bind its inputs / outputs to contract names (session creation)."""
+    contract = get_contract(node.op_type)
+    if len(node.input) > len(contract.inputs) or len(node.output) > len(contract.outputs):
+        raise ValueError(f"node '{node.name}' ({node.op_type}): {len(node.input)} inputs / {len(node.output)} outputs, "
+                         f"the contract has {len(contract.inputs)} / {len(contract.outputs)}")
+    variant = select_variant(node, model, device, allow_reference_fallback)
+    in_names = [contract.inputs[i].name if n else None for i, n in enumerate(node.input)]
+    out_names = [contract.outputs[i].name if n else None for i, n in enumerate(node.output)]
+    return AttentionCall(variant, node.name, in_names, out_names, _info(node, device).attrs, device)
+
+
+def host_input_indices(op_type: str) -> frozenset[int]:
+    """Indices of the node inputs kept in host memory (onnxruntime's CPU-memory inputs)."""
+    contract = get_contract(op_type)
+    return frozenset(contract.input_index(n) for n in HOST_INPUTS.get(op_type, ()))
+
+
+def cache_input_indices(op_type: str) -> frozenset[int]:
+    """Indices of the cache inputs (persistent buffers updated in place)."""
+    contract = get_contract(op_type)
+    return frozenset(contract.input_index(n) for n in CACHE_ALIASES.get(op_type, {}).values())

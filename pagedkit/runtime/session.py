@@ -1,77 +1,80 @@
 """`pagedkit.InferenceSession`: onnxruntime's Python API over a torch executor (CPU or CUDA).
 
-Session creation does all the host-side work once: safe loading, op lookup (every op we cannot run
-is reported here, with op type, domain and node name), initializers moved to the device, constant
-folding of everything that depends only on initializers, and kernel-variant selection for the
-attention nodes from static shapes and attributes. `run_torch` then only launches work: integer
-shape bookkeeping stays on the host (Shape outputs live on the CPU), attention caches are updated in
-place, and nothing reads device memory back to the host.
+Session creation does all the host-side work once (graph.py): safe loading, op lookup (every op we
+cannot run is reported here, with op type, domain and node name), constant folding of everything
+that depends only on initializers, kernel-variant selection for the attention nodes, placement
+(shape-like values stay on the host, as onnxruntime keeps CPU-memory inputs there) and liveness (an
+intermediate is dropped after its last use). `run_torch` then only launches work: persistent caches
+are updated in place and returned as the present outputs, and nothing reads device memory back to
+the host except inherently data-dependent ops (If conditions, NonZero) and the reference fallback.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections import ChainMap
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
-import numpy as np
 import onnx
 import torch
 
+from ..validators.issues import ValidationError
+from .graph import CompiledModel, Graph, Step, compile_model
 from .loading import load_model
-from .tensors import to_numpy, to_torch
+from .tensors import TORCH_TO_ONNX, to_numpy, to_torch, torch_type_name, type_name
 
-ATTENTION_OPS = {("com.microsoft", "PagedAttention"), ("com.microsoft", "GroupQueryAttention")}
+_PROVIDERS = ("CPUExecutionProvider", "CUDAExecutionProvider")
 
 
 @dataclass
 class NodeArg:
-    """What get_inputs() / get_outputs() return, like onnxruntime's NodeArg."""
+    """What get_inputs() / get_outputs() return, like onnxruntime's NodeArg: shape entries are ints
+    (fixed), strings (symbolic) or None (unknown)."""
 
     name: str
     shape: list
     type: str
 
 
-def _node_arg(vi: onnx.ValueInfoProto) -> NodeArg:
-    tt = vi.type.tensor_type
-    shape = []
-    for d in tt.shape.dim:
-        shape.append(d.dim_value if d.HasField("dim_value") else (d.dim_param or None))
-    dtype = onnx.helper.tensor_dtype_to_string(tt.elem_type).replace("TensorProto.", "").lower()
-    dtype = {"float": "float", "float16": "float16"}.get(dtype, dtype)
-    return NodeArg(vi.name, shape, f"tensor({dtype})")
-
-
 @dataclass
-class _Step:
-    """One node, compiled at session creation (protobuf wrappers are not stable dict keys)."""
+class ModelMetadata:
+    """What get_modelmeta() returns, like onnxruntime's ModelMetadata."""
 
-    node: onnx.NodeProto
-    name: str
-    inputs: list[str]
-    outputs: list[str]
-    attrs: dict[str, Any]
-    impl: Any = None  # op-table implementation
-    variant: Any = None  # attention kernel variant
-    ctx: Any = None
-    folded: bool = False  # evaluated once at creation (depends on constants only)
+    producer_name: str = ""
+    graph_name: str = ""
+    domain: str = ""
+    description: str = ""
+    graph_description: str = ""
+    version: int = 0
+    custom_metadata_map: dict[str, str] = field(default_factory=dict)
 
 
-class _Graph:
-    """A compiled (sub)graph: its steps and output names."""
+def _node_arg(vi: onnx.ValueInfoProto) -> tuple[NodeArg, int]:
+    tt = vi.type.tensor_type
+    shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+    return NodeArg(vi.name, shape, type_name(tt.elem_type)), tt.elem_type
 
-    def __init__(self, steps: list[_Step], outputs: list[str]):
-        self.steps = steps
-        self.outputs = outputs
+
+def _select_device(providers) -> tuple[torch.device, list[str]]:
+    names = [p[0] if isinstance(p, (tuple, list)) else p for p in (providers or ["CPUExecutionProvider"])]
+    unknown = [p for p in names if p not in _PROVIDERS]
+    if unknown:
+        raise ValueError(f"providers: unknown {unknown}; expected CPUExecutionProvider or CUDAExecutionProvider")
+    if "CUDAExecutionProvider" in names and torch.cuda.is_available():
+        return torch.device("cuda"), ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    if names and names[0] == "CUDAExecutionProvider" and "CPUExecutionProvider" not in names:
+        raise RuntimeError("providers: CUDAExecutionProvider requested but CUDA is not available "
+                           "(add CPUExecutionProvider to fall back to the CPU)")
+    return torch.device("cpu"), ["CPUExecutionProvider"]
 
 
 class InferenceSession:
     """Runs an ONNX model with PagedAttention / GroupQueryAttention nodes on torch.
 
     providers: ["CPUExecutionProvider"] (default) or ["CUDAExecutionProvider", ...].
-    allow_reference_fallback: run attention combinations no fast variant serves on the loop-based
-    reference (with a one-time warning) instead of refusing at creation.
+    allow_reference_fallback: on CUDA, run attention combinations no GPU variant serves on the
+    loop-based reference (one-time warning) instead of refusing at creation.
     """
 
     def __init__(
@@ -83,76 +86,38 @@ class InferenceSession:
         allow_reference_fallback: bool = True,
     ):
         self._model, self._base_dir = load_model(path_or_bytes)
-        names = [p[0] if isinstance(p, tuple) else p for p in (providers or ["CPUExecutionProvider"])]
-        unknown = [p for p in names if p not in ("CPUExecutionProvider", "CUDAExecutionProvider")]
-        if unknown:
-            raise ValueError(f"providers: unknown {unknown}; expected CPUExecutionProvider or CUDAExecutionProvider")
-        if "CUDAExecutionProvider" in names and torch.cuda.is_available():
-            self.device = torch.device("cuda")
-            self._providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
-        else:
-            if names and names[0] == "CUDAExecutionProvider" and "CPUExecutionProvider" not in names:
-                raise RuntimeError("providers: CUDAExecutionProvider requested but CUDA is not available")
-            self.device = torch.device("cpu")
-            self._providers = ["CPUExecutionProvider"]
+        self.device, self._providers = _select_device(providers)
         self.allow_reference_fallback = allow_reference_fallback
         graph = self._model.graph
-        self._opsets = {(o.domain or ""): o.version for o in self._model.opset_import}
         init_names = {i.name for i in graph.initializer}
-        self._inputs = [_node_arg(vi) for vi in graph.input if vi.name not in init_names]
-        self._outputs = [_node_arg(vi) for vi in graph.output]
-        self.attention_variants: dict[str, str] = {}  # node name -> variant chosen at creation
-        missing: list[str] = []
-        self._graph = self._compile(graph, missing)
-        if missing:
-            raise NotImplementedError("pagedkit cannot run these ops: " + "; ".join(missing))
-        self._consts: dict[str, torch.Tensor] = {}
-        for init in graph.initializer:
-            self._consts[init.name] = self._place(to_torch(onnx.numpy_helper.to_array(init, self._base_dir or "")))
-        self._fold_constants()
+        self._inputs, self._input_types, self._ranks = [], {}, {}
+        for vi in graph.input:
+            if vi.name not in init_names:
+                arg, elem = _node_arg(vi)
+                self._inputs.append(arg)
+                self._input_types[vi.name] = elem
+                self._ranks[vi.name] = len(arg.shape) if vi.type.tensor_type.HasField("shape") else None
+        self._outputs = [_node_arg(vi)[0] for vi in graph.output]
+        self._input_names = {a.name for a in self._inputs}
+        self._output_names = [a.name for a in self._outputs]
+        self._compiled: CompiledModel = compile_model(self._model, self.device, allow_reference_fallback)
+        self._dev_copies: dict[int, torch.Tensor] = {}  # id(host const) -> its device copy (mixed ops)
 
-    # ---- creation-time work -------------------------------------------------------------------
-    def _compile(self, graph: onnx.GraphProto, missing: list[str]) -> _Graph:
-        from ..kernels.dispatch import select_variant
-        from .ops import OpContext, lookup, node_attributes
+    # ---- what creation decided -------------------------------------------------------------------
+    @property
+    def attention_variants(self) -> dict[str, str]:
+        """Attention node name -> the kernel variant chosen at creation (like ORT's SdpaKernel=)."""
+        return dict(self._compiled.attention_variants)
 
-        steps = []
-        for node in graph.node:
-            domain = node.domain if node.domain not in ("", "ai.onnx") else ""
-            step = _Step(node, node.name or node.op_type, list(node.input), list(node.output), node_attributes(node))
-            if (domain, node.op_type) in ATTENTION_OPS:
-                step.variant = select_variant(node, self._model, self.device, self.allow_reference_fallback)
-                self.attention_variants[step.name] = step.variant.name
-            else:
-                try:
-                    step.impl = lookup(domain, node.op_type, self._opsets.get(domain, 1), node.name)
-                except NotImplementedError as exc:
-                    missing.append(str(exc).split(";")[0])
-                for key, value in list(step.attrs.items()):
-                    if isinstance(value, onnx.GraphProto):
-                        step.attrs[key] = self._compile(value, missing)
-                step.ctx = OpContext(opset=self._opsets.get(domain, 1), node_name=node.name,
-                                     num_outputs=len(node.output), device=self.device,
-                                     run_subgraph=self._run_subgraph)
-            steps.append(step)
-        return _Graph(steps, [o.name for o in graph.output])
+    @property
+    def host_inputs(self) -> frozenset[str]:
+        """Graph inputs kept in host memory (read on the host: attention_metadata, shape operands)."""
+        return self._compiled.host_inputs
 
-    def _place(self, t: torch.Tensor) -> torch.Tensor:
-        # small integer tensors stay on the host: they are shape bookkeeping (no device syncs later)
-        if t.dtype in (torch.int64, torch.int32) and t.numel() <= 64:
-            return t
-        return t.to(self.device)
-
-    def _fold_constants(self) -> None:
-        """Evaluate once every node whose inputs are all initializers / constants."""
-        for step in self._graph.steps:
-            if step.variant is not None or any(isinstance(v, _Graph) for v in step.attrs.values()):
-                continue
-            if all((not n) or n in self._consts for n in step.inputs):
-                for name, t in zip(step.outputs, self._run_step(step, self._consts)):
-                    if name and t is not None:
-                        self._consts[name] = t
-                step.folded = True
+    @property
+    def cache_inputs(self) -> frozenset[str]:
+        """Graph inputs that are attention caches: updated in place by run_torch."""
+        return self._compiled.cache_inputs
 
     # ---- ORT-compatible API ---------------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
@@ -164,90 +129,141 @@ class InferenceSession:
     def get_providers(self) -> list[str]:
         return list(self._providers)
 
-    def get_modelmeta(self):
-        return self._model.metadata_props
+    def get_modelmeta(self) -> ModelMetadata:
+        m = self._model
+        return ModelMetadata(m.producer_name, m.graph.name, m.domain, m.doc_string, m.graph.doc_string,
+                             m.model_version, {p.key: p.value for p in m.metadata_props})
 
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], run_options=None) -> list:
-        """numpy in, numpy out. Inputs are copied: the caller's arrays (caches included) are never
-        mutated; updated caches come back as outputs."""
+        """numpy in, numpy out. Inputs are copied (caches included), so the caller's arrays are never
+        mutated; the updated caches come back as the present outputs. Outputs never share memory with
+        the session's constants or with each other."""
         feeds = {}
         for name, value in input_feed.items():
-            t = to_torch(value, "cpu", copy=True)
-            feeds[name] = t if self._is_host_input(name, t) else t.to(self.device)
-        names = list(output_names or [o.name for o in self._outputs])
+            self._check_name(name)
+            feeds[name] = to_torch(value, "cpu" if name in self.host_inputs else self.device, copy=True)
+        names = self._requested(output_names)
         outs = self.run_torch(feeds, names)
-        return [to_numpy(outs[n]) for n in names]
+        result, seen = [], set(self._compiled.const_storages)
+        for n in names:
+            t = outs[n]
+            ptr = t.untyped_storage().data_ptr() if t.device.type == "cpu" and t.numel() else None
+            arr = to_numpy(t)
+            if ptr is not None and ptr in seen:
+                arr = arr.copy()
+            elif ptr is not None:
+                seen.add(ptr)
+            result.append(arr)
+        return result
 
     def run_torch(self, feeds: Mapping[str, torch.Tensor], output_names: Sequence[str] | None = None
                   ) -> dict[str, torch.Tensor]:
-        """Zero-copy run on torch tensors: persistent cache tensors are updated in place and returned
-        as the matching present outputs (same storage). attention_metadata stays on the CPU."""
-        names = list(output_names or [o.name for o in self._outputs])
-        known = {i.name for i in self._inputs}
-        extra = [n for n in feeds if n not in known]
-        if extra:
-            raise ValueError(f"unknown input(s) {extra}; the model's inputs are {sorted(known)}")
-        missing = [i.name for i in self._inputs if i.name not in feeds]
+        """Zero-copy run on torch tensors: cache inputs (`cache_inputs`) are updated in place and
+        returned as their present outputs (the same tensors). A feed on the wrong device is moved (a
+        copy), except a cache, which must already live where the session runs."""
+        names = self._requested(output_names)
+        env_feeds = {}
+        for name, t in feeds.items():
+            self._check_name(name)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"input '{name}': run_torch takes torch tensors, got {type(t).__name__} "
+                                "(use run() for numpy)")
+            env_feeds[name] = self._check_feed(name, t)
+        missing = [a.name for a in self._inputs if a.name not in env_feeds]
         if missing:
             raise ValueError(f"missing input(s) {missing}")
-        env = self._execute(self._graph, dict(feeds))
-        unknown = [n for n in names if n not in env]
-        if unknown:
-            raise ValueError(f"unknown output(s) {unknown}")
+        env = self._execute(self._compiled.graph, env_feeds, None)
         return {n: env[n] for n in names}
 
+    # ---- feeds ------------------------------------------------------------------------------------
+    def _check_name(self, name: str) -> None:
+        if name not in self._input_names:
+            raise ValueError(f"invalid input name '{name}'; the model's inputs are {sorted(self._input_names)}")
+
+    def _requested(self, output_names) -> list[str]:
+        names = list(output_names or self._output_names)
+        unknown = [n for n in names if n not in self._output_names]
+        if unknown:
+            raise ValueError(f"invalid output name(s) {unknown}; the model's outputs are {self._output_names}")
+        return names
+
+    def _check_feed(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        arg = next(a for a in self._inputs if a.name == name)
+        want = self._input_types[name]
+        if TORCH_TO_ONNX.get(t.dtype) != want:
+            raise TypeError(f"input '{name}': unexpected data type {torch_type_name(t.dtype)}, "
+                            f"expected {arg.type}")
+        rank = self._ranks[name]
+        if rank is not None and rank != t.dim():
+            raise ValueError(f"input '{name}': invalid rank {t.dim()} (shape {list(t.shape)}), "
+                             f"expected rank {len(arg.shape)} {arg.shape}")
+        bad = [(i, d, t.shape[i]) for i, d in enumerate(arg.shape) if isinstance(d, int) and d != t.shape[i]]
+        if bad:
+            i, d, got = bad[0]
+            raise ValueError(f"input '{name}': invalid dimension {i}: got {got}, expected {d} "
+                             f"(shape {arg.shape}, got {list(t.shape)})")
+        dev = torch.device("cpu") if name in self.host_inputs else self.device
+        if t.device.type != dev.type:
+            if name in self.cache_inputs:
+                raise ValueError(f"input '{name}': a cache updated in place must be on {dev}, got {t.device}")
+            t = t.to(dev)
+        return t
+
     # ---- execution ------------------------------------------------------------------------------
-    def _is_host_input(self, name: str, t: torch.Tensor) -> bool:
-        return name == "attention_metadata"
-
-    def _run_subgraph(self, graph: "_Graph", feeds: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        env = self._execute(graph, dict(feeds), outer=self._scope[-1] if self._scope else None)
-        return [env[n] for n in graph.outputs]
-
-    _scope: list = []
-
-    def _execute(self, graph: _Graph, feeds: dict, outer: Mapping | None = None) -> dict[str, torch.Tensor]:
-        env: dict[str, torch.Tensor] = dict(self._consts)
-        if outer:
-            env.update(outer)
-        env.update(feeds)
-        self._scope = self._scope + [env]
-        try:
-            for step in graph.steps:
-                if step.folded:
-                    continue
-                for name, t in zip(step.outputs, self._run_step(step, env)):
-                    if name:
-                        env[name] = t
-        finally:
-            self._scope = self._scope[:-1]
+    def _execute(self, graph: Graph, feeds: dict, outer: Mapping | None) -> ChainMap:
+        local: dict[str, torch.Tensor] = dict(feeds)
+        env = ChainMap(local, graph.consts) if outer is None else ChainMap(local, graph.consts, outer)
+        for step in graph.steps:
+            try:
+                inputs = [env[n] if n else None for n in step.inputs]
+            except KeyError as exc:
+                raise RuntimeError(f"node '{step.name}' ({step.op_type}): no value for input {exc}") from None
+            for n, t in zip(step.outputs, self._run_step(step, inputs, env)):
+                if n:
+                    local[n] = t
+            for n in step.release:
+                local.pop(n, None)
         return env
 
-    def _run_step(self, step: _Step, env: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    def _run_subgraph(self, graph: Graph, feeds, *, outer: Mapping) -> list[torch.Tensor]:
+        if not isinstance(feeds, Mapping):
+            feeds = dict(zip(graph.inputs, feeds))
+        env = self._execute(graph, dict(feeds), outer)
+        return [env[n] for n in graph.outputs]
+
+    def _run_step(self, step: Step, inputs: list, env: Mapping) -> list:
+        if self.device.type != "cpu":
+            inputs = self._place(step, inputs)
         try:
-            inputs = [env[n] if n else None for n in step.inputs]
-        except KeyError as exc:
-            raise RuntimeError(f"node '{step.name}' ({step.node.op_type}): no value for input {exc}") from None
-        if step.variant is not None:
-            return step.variant.run(step.node, inputs, step.attrs)
-        if any(isinstance(t, torch.Tensor) and t.device != self.device for t in inputs) and \
-                any(isinstance(t, torch.Tensor) and t.device == self.device for t in inputs):
-            inputs = [t.to(self.device) if isinstance(t, torch.Tensor) and not _is_shape_operand(step.node, i)
-                      else t for i, t in enumerate(inputs)]
-        try:
-            return list(step.impl(inputs, step.attrs, step.ctx))
+            if step.call is not None:
+                return step.call.run(inputs)
+            ctx = step.ctx
+            if step.has_subgraph:
+                ctx = replace(ctx, run_subgraph=lambda g, f: self._run_subgraph(g, f, outer=env))
+            return list(step.impl(inputs, step.attrs, ctx))
+        except ValidationError as exc:
+            raise ValidationError(exc.issues, f"node '{step.name}' ({step.op_type})") from exc
+        except ValueError as exc:
+            raise ValueError(f"node '{step.name}' ({step.op_type}): {exc}") from exc
         except Exception as exc:
-            raise RuntimeError(f"node '{step.name}' ({step.node.op_type}) failed: {exc}") from exc
+            raise RuntimeError(f"node '{step.name}' ({step.op_type}) failed: {exc}") from exc
 
-
-# inputs that are read on the host (shape-like operands) stay where they are
-_SHAPE_OPERANDS = {
-    "Reshape": {1}, "Expand": {1}, "Slice": {1, 2, 3, 4}, "Unsqueeze": {1}, "Squeeze": {1}, "Tile": {1},
-    "ConstantOfShape": {0}, "Range": {0, 1, 2}, "Split": {1}, "TopK": {1}, "Pad": {1, 2, 3},
-    "ReduceSum": {1}, "ReduceMean": {1}, "ReduceMax": {1}, "ReduceMin": {1}, "ReduceProd": {1},
-    "ReduceL2": {1}, "ReduceSumSquare": {1}, "OneHot": {1}, "CumSum": {1},
-}
-
-
-def _is_shape_operand(node: onnx.NodeProto, index: int) -> bool:
-    return index in _SHAPE_OPERANDS.get(node.op_type, ())
+    def _place(self, step: Step, inputs: list) -> list:
+        """Device ops get their data operands on the device (a host value computed at run time is
+        copied, as onnxruntime inserts a memcpy; host constants use a copy made once); operands read
+        on the host stay where they are."""
+        dev = self.device
+        data = [i for i, t in enumerate(inputs) if t is not None and i not in step.host_in]
+        if not any(inputs[i].device.type == dev.type for i in data) and step.call is None:
+            return inputs  # a host op (shape arithmetic): everything stays on the host
+        out = list(inputs)
+        for i in data:
+            t = inputs[i]
+            if t.device.type != dev.type:
+                cached = self._dev_copies.get(id(t)) if id(t) in self._compiled.host_const_ids else None
+                if cached is None:
+                    cached = t.to(dev)
+                    if id(t) in self._compiled.host_const_ids:
+                        self._dev_copies[id(t)] = cached
+                out[i] = cached
+        return out

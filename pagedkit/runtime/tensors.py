@@ -1,65 +1,64 @@
-"""Conversions between ONNX element types, numpy arrays and torch tensors (bf16 / fp8 included)."""
+"""numpy <-> torch conversions for the session's numpy API (bf16 / fp8 through ml_dtypes), and ONNX
+element-type names as onnxruntime prints them ("tensor(float16)").
+
+The ONNX element type <-> torch dtype maps live in one place, `pagedkit/runtime/ops/util.py`
+(re-exported here for the session's convenience).
+"""
 
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import torch
-from onnx import TensorProto
 
-ONNX_TO_TORCH = {
-    TensorProto.FLOAT: torch.float32,
-    TensorProto.FLOAT16: torch.float16,
-    TensorProto.BFLOAT16: torch.bfloat16,
-    TensorProto.DOUBLE: torch.float64,
-    TensorProto.INT8: torch.int8,
-    TensorProto.UINT8: torch.uint8,
-    TensorProto.INT16: torch.int16,
-    TensorProto.INT32: torch.int32,
-    TensorProto.INT64: torch.int64,
-    TensorProto.BOOL: torch.bool,
-    TensorProto.FLOAT8E4M3FN: torch.float8_e4m3fn,
+from ..validators.nodeview import type_str
+from .ops.util import ONNX_TO_TORCH, TORCH_TO_ONNX, tensor_from_proto, torch_dtype
+
+__all__ = ["ONNX_TO_TORCH", "TORCH_TO_ONNX", "tensor_from_proto", "torch_dtype", "to_torch", "to_numpy",
+           "type_name", "torch_type_name"]
+
+# numpy dtypes ml_dtypes provides -> (raw integer view, torch dtype)
+_RAW_VIEWS = {
+    "bfloat16": (np.uint16, torch.bfloat16),
+    "float8_e4m3fn": (np.uint8, torch.float8_e4m3fn),
+    "float8_e5m2": (np.uint8, torch.float8_e5m2),
 }
-TORCH_TO_ONNX = {v: k for k, v in ONNX_TO_TORCH.items()}
+_TORCH_RAW = {dt: (raw, name) for name, (raw, dt) in _RAW_VIEWS.items()}
 
 
-def torch_dtype(elem_type: int) -> torch.dtype:
-    try:
-        return ONNX_TO_TORCH[elem_type]
-    except KeyError:
-        raise TypeError(f"element type {onnx.helper.tensor_dtype_to_string(elem_type)} is not supported") from None
+def type_name(elem_type: int) -> str:
+    """'tensor(float16)' for TensorProto.FLOAT16, as onnxruntime's NodeArg.type spells it."""
+    return type_str(elem_type)
+
+
+def torch_type_name(dtype: torch.dtype) -> str:
+    """The ONNX type string of a torch dtype ('tensor(float)' for torch.float32)."""
+    elem = TORCH_TO_ONNX.get(dtype)
+    return type_name(elem) if elem is not None else str(dtype)
 
 
 def to_torch(x, device: torch.device | str = "cpu", copy: bool = True) -> torch.Tensor:
-    """numpy array (bf16 / fp8 from ml_dtypes included) or python scalar -> torch tensor on device."""
+    """numpy array (ml_dtypes bf16 / fp8 included), python scalar or list -> torch tensor on `device`.
+    copy=True never shares memory with `x` (the caller's array can never be written through it)."""
     if isinstance(x, torch.Tensor):
-        return x.to(device)
-    arr = np.array(x, copy=True) if copy else np.asarray(x)
-    if not arr.flags.writeable:
-        arr = arr.copy()
-    name = arr.dtype.name
-    if name == "bfloat16":
-        t = torch.from_numpy(np.ascontiguousarray(arr).view(np.uint16)).view(torch.bfloat16)
-    elif name == "float8_e4m3fn":
-        t = torch.from_numpy(np.ascontiguousarray(arr).view(np.uint8)).view(torch.float8_e4m3fn)
+        t = x.to(device)
+        return t.clone() if copy and t is x else t
+    arr = np.asarray(x)
+    if arr.dtype.name in _RAW_VIEWS:
+        raw, dt = _RAW_VIEWS[arr.dtype.name]
+        t = torch.from_numpy(np.array(arr.view(raw), copy=True)).view(dt)
+    elif copy or not arr.flags.writeable or not arr.flags.c_contiguous:
+        t = torch.from_numpy(np.array(arr, copy=True, order="C"))
     else:
-        t = torch.from_numpy(np.ascontiguousarray(arr)) if arr.ndim else torch.tensor(arr)
+        t = torch.from_numpy(arr)
     return t.to(device)
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A torch tensor as a numpy array (bf16 / fp8 as ml_dtypes arrays); shares memory for CPU tensors."""
     t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
+    if t.dtype in _TORCH_RAW:
         import ml_dtypes
 
-        return t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
-    if t.dtype == torch.float8_e4m3fn:
-        import ml_dtypes
-
-        return t.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+        raw, name = _TORCH_RAW[t.dtype]
+        return t.view(torch.uint16 if raw is np.uint16 else torch.uint8).numpy().view(getattr(ml_dtypes, name))
     return t.numpy()
-
-
-def initializer_to_torch(proto: onnx.TensorProto, base_dir: str | None = None) -> torch.Tensor:
-    arr = onnx.numpy_helper.to_array(proto, base_dir or "")
-    return to_torch(arr, copy=True)

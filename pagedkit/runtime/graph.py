@@ -1,0 +1,277 @@
+"""Session-creation work: an ONNX graph compiled into steps, once.
+
+1. compile: every node becomes a `Step` (op-table implementation or bound attention call); an op
+   the runtime cannot run is reported here, all at once, with op type, domain and node name; so is a
+   node input that nothing defines. Subgraphs (If branches) compile recursively; their free
+   variables (names they read from the enclosing scopes) are recorded on the step that owns them.
+2. fold: a step whose inputs are all constants runs once, on the host, and its outputs become
+   constants (Constant nodes, shape arithmetic on initializers, weight casts).
+3. place: a constant lives where its users read it: on the device for device ops; on the host
+   (under the name `NAME::host`) for operands read on the host (Reshape shapes, Slice bounds,
+   attention_metadata...) and for host ops (shape arithmetic whose dynamic inputs are all host
+   values: Shape outputs, host graph inputs). Unused constants are dropped.
+4. liveness: each step lists the values whose last use it is; the executor drops them after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import onnx
+import torch
+
+from ..kernels import dispatch
+from .ops import OpContext, has_host_outputs, host_inputs, lookup, node_attributes, normalize_domain
+from .ops.util import tensor_from_proto
+
+ATTENTION_OPS = {("com.microsoft", "PagedAttention"), ("com.microsoft", "GroupQueryAttention")}
+HOST = "::host"  # suffix of a constant's host copy
+_RANDOM_OPS = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
+
+
+@dataclass
+class Step:
+    """One node, compiled (protobuf wrappers are not stable dict keys, so nothing here is one)."""
+
+    name: str
+    op_type: str
+    domain: str
+    inputs: list[str]
+    outputs: list[str]
+    attrs: dict[str, Any]
+    impl: Any = None  # op-table implementation
+    call: dispatch.AttentionCall | None = None  # attention node bound to its kernel variant
+    ctx: OpContext | None = None
+    host_in: frozenset[int] = frozenset()  # input slots read on the host
+    host_out: bool = False  # outputs are host tensors (Shape, Size)
+    cache_in: frozenset[int] = frozenset()  # attention cache slots (updated in place)
+    free_vars: frozenset[str] = frozenset()  # names its subgraphs read from enclosing scopes
+    release: list[str] = field(default_factory=list)  # values dead after this step
+
+    @property
+    def has_subgraph(self) -> bool:
+        return any(isinstance(v, Graph) for v in self.attrs.values())
+
+
+@dataclass
+class Graph:
+    steps: list[Step]
+    inputs: list[str]
+    outputs: list[str]
+    consts: dict[str, torch.Tensor]
+
+
+@dataclass
+class CompiledModel:
+    graph: Graph
+    attention_variants: dict[str, str]
+    host_inputs: frozenset[str]
+    cache_inputs: frozenset[str]
+    const_storages: frozenset[int]  # storage addresses of host constants (run() never hands them out)
+    host_const_ids: frozenset[int]  # id() of host constants (their device copies are cached)
+
+
+class _Compiler:
+    def __init__(self, model: onnx.ModelProto, device: torch.device, allow_fallback: bool):
+        self.model, self.device, self.allow_fallback = model, device, allow_fallback
+        self.opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
+        self.missing: list[str] = []
+        self.errors: list[str] = []
+        self.variants: dict[str, str] = {}
+
+    def graph(self, proto: onnx.GraphProto, outer: set[str]) -> tuple[Graph, frozenset[str]]:
+        """(compiled graph, its free variables)."""
+        consts = {}
+        for init in proto.initializer:
+            consts[init.name] = tensor_from_proto(init)
+        if len(proto.sparse_initializer):
+            self.errors.append(f"graph '{proto.name}': sparse initializers are not supported")
+        local = {vi.name for vi in proto.input} | set(consts)
+        steps, free = [], set()
+        for node in proto.node:
+            step = self.step(node, outer | local)
+            for n in step.inputs:
+                if n and n not in local:
+                    if n in outer:
+                        free.add(n)
+                    else:
+                        self.errors.append(f"node '{step.name}' ({step.op_type}): input '{n}' is not a graph input, "
+                                           "an initializer or the output of an earlier node")
+            free |= {n for n in step.free_vars if n not in local}
+            local |= {n for n in step.outputs if n}
+            steps.append(step)
+        for o in proto.output:
+            if o.name not in local:
+                (free.add(o.name) if o.name in outer else
+                 self.errors.append(f"graph output '{o.name}' is not produced by the graph"))
+        return Graph(steps, [vi.name for vi in proto.input], [o.name for o in proto.output], consts), frozenset(free)
+
+    def step(self, node: onnx.NodeProto, scope: set[str]) -> Step:
+        domain = normalize_domain(node.domain)
+        name = node.name or f"{node.op_type}({', '.join(node.output)})"
+        step = Step(name, node.op_type, domain, list(node.input), list(node.output), node_attributes(node))
+        if (domain, node.op_type) in ATTENTION_OPS:
+            try:
+                step.call = dispatch.bind(node, self.model, self.device, self.allow_fallback)
+            except (NotImplementedError, ValueError) as exc:
+                self.missing.append(str(exc))
+                return step
+            self.variants[name] = step.call.name
+            step.host_in = dispatch.host_input_indices(node.op_type)
+            step.cache_in = dispatch.cache_input_indices(node.op_type)
+            return step
+        try:
+            step.impl = lookup(domain, node.op_type, self.opsets.get(domain, 1), name)
+            step.host_in = host_inputs(domain, node.op_type)
+            step.host_out = has_host_outputs(domain, node.op_type)
+        except NotImplementedError as exc:
+            self.missing.append(str(exc).split("; supported ops")[0])
+        free = set()
+        for key, value in list(step.attrs.items()):
+            if isinstance(value, onnx.GraphProto):
+                step.attrs[key], sub_free = self.graph(value, scope)
+                free |= sub_free
+            elif isinstance(value, list) and value and isinstance(value[0], onnx.GraphProto):
+                self.errors.append(f"node '{name}' ({node.op_type}): attribute '{key}' holds a list of graphs, "
+                                   "which the runtime does not run")
+        step.free_vars = frozenset(free)
+        step.ctx = OpContext(opset=self.opsets.get(domain, 1), node_name=name, num_outputs=len(node.output),
+                             device=self.device)
+        return step
+
+
+def _fold(g: Graph) -> None:
+    """Run once, on the host, every step whose inputs are all constants; its outputs become constants."""
+    kept = []
+    cpu = torch.device("cpu")
+    for step in g.steps:
+        foldable = (step.call is None and not step.has_subgraph and step.op_type not in _RANDOM_OPS
+                    and all((not n) or n in g.consts for n in step.inputs))
+        if not foldable:
+            kept.append(step)
+            continue
+        try:
+            outs = step.impl([g.consts[n] if n else None for n in step.inputs], step.attrs, replace(step.ctx, device=cpu))
+        except Exception as exc:
+            raise ValueError(f"node '{step.name}' ({step.op_type}) fails on its constant inputs: {exc}") from exc
+        for n, t in zip(step.outputs, outs):
+            if n and t is not None:
+                g.consts[n] = t
+    g.steps = kept
+
+
+def _host_graph_inputs(g: Graph) -> frozenset[str]:
+    """Graph inputs that every user reads on the host (and that have a user)."""
+    uses: dict[str, list[bool]] = {}
+    for step in g.steps:
+        for i, n in enumerate(step.inputs):
+            if n in g.inputs:
+                uses.setdefault(n, []).append(i in step.host_in)
+        for n in step.free_vars:
+            if n in g.inputs:
+                uses.setdefault(n, []).append(False)
+    return frozenset(n for n, u in uses.items() if all(u))
+
+
+def _cache_graph_inputs(g: Graph) -> frozenset[str]:
+    return frozenset(step.inputs[i] for step in g.steps for i in step.cache_in
+                     if i < len(step.inputs) and step.inputs[i] in g.inputs)
+
+
+def _place(g: Graph, chain: list[Graph], host_vals: set[str], uses: dict, rewrite: bool) -> None:
+    """Record where each constant is read (uses[(id(owner), name)] ⊆ {"host", "device"}) and point
+    host reads at the host copy. chain: the enclosing graphs, innermost last."""
+    scopes = chain + [g]
+
+    def owner(n: str) -> Graph | None:
+        return next((s for s in reversed(scopes) if n in s.consts), None)
+
+    for step in g.steps:
+        dyn = [n for i, n in enumerate(step.inputs) if n and i not in step.host_in and owner(n) is None]
+        on_host = step.call is None and not step.has_subgraph and bool(dyn) and all(n in host_vals for n in dyn)
+        for i, n in enumerate(step.inputs):
+            o = owner(n) if n else None
+            if o is None:
+                continue
+            kind = "host" if (i in step.host_in or on_host) else "device"
+            uses.setdefault((id(o), n), set()).add(kind)
+            if kind == "host" and rewrite:
+                step.inputs[i] = n + HOST
+        if on_host or step.host_out:
+            host_vals.update(n for n in step.outputs if n)
+        for value in step.attrs.values():
+            if isinstance(value, Graph):
+                _place(value, scopes, set(host_vals), uses, rewrite)
+    for n in g.outputs:
+        o = owner(n)
+        if o is not None:
+            uses.setdefault((id(o), n), set()).add("device")
+
+
+def _materialize(g: Graph, uses: dict, device: torch.device) -> None:
+    """Keep each constant where it is read; drop the unread ones."""
+    consts = {}
+    for n, t in g.consts.items():
+        kinds = uses.get((id(g), n), set())
+        if "device" in kinds:
+            consts[n] = t.to(device)
+        if "host" in kinds:
+            consts[n + HOST if device.type != "cpu" else n] = t
+    g.consts = consts
+    for step in g.steps:
+        for value in step.attrs.values():
+            if isinstance(value, Graph):
+                _materialize(value, uses, device)
+
+
+def _liveness(g: Graph) -> None:
+    """step.release: values produced in this graph (or fed to it) whose last reader is the step."""
+    keep = set(g.outputs)
+    last: dict[str, int] = {}
+    for i, step in enumerate(g.steps):
+        for n in list(step.inputs) + list(step.free_vars):
+            if n:
+                last[n] = i
+        for n in step.outputs:
+            if n and n not in last:
+                last[n] = i  # never read later: dead right after it is made
+        for value in step.attrs.values():
+            if isinstance(value, Graph):
+                _liveness(value)
+    local = set(g.inputs) | {n for s in g.steps for n in s.outputs if n}
+    for n, i in last.items():
+        if n in local and n not in keep and n not in g.consts:
+            g.steps[i].release.append(n)
+
+
+def _all_consts(g: Graph):
+    yield from g.consts.items()
+    for step in g.steps:
+        for value in step.attrs.values():
+            if isinstance(value, Graph):
+                yield from _all_consts(value)
+
+
+def compile_model(model: onnx.ModelProto, device: torch.device, allow_reference_fallback: bool = True) -> CompiledModel:
+    """Compile the model's graph for `device`; raises NotImplementedError listing every op it cannot
+    run, ValueError for a malformed graph."""
+    comp = _Compiler(model, device, allow_reference_fallback)
+    g, free = comp.graph(model.graph, set())
+    if free:
+        comp.errors.append(f"names read but never defined: {sorted(free)}")
+    if comp.missing:
+        raise NotImplementedError("pagedkit cannot run these ops: " + "; ".join(comp.missing))
+    if comp.errors:
+        raise ValueError("invalid model: " + "; ".join(comp.errors))
+    _fold(g)
+    host_in = _host_graph_inputs(g)
+    uses: dict = {}
+    _place(g, [], set(host_in), uses, rewrite=device.type != "cpu")
+    _materialize(g, uses, device)
+    _liveness(g)
+    host_consts = [t for n, t in _all_consts(g) if t.device.type == "cpu"]
+    return CompiledModel(
+        graph=g, attention_variants=comp.variants, host_inputs=host_in, cache_inputs=_cache_graph_inputs(g),
+        const_storages=frozenset(t.untyped_storage().data_ptr() for t in host_consts if t.numel()),
+        host_const_ids=frozenset(id(t) for t in host_consts) if device.type != "cpu" else frozenset())
