@@ -22,7 +22,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import numpy as np
 import onnx
@@ -36,7 +36,7 @@ from .issues import Issue
 from .model_loading import (  # noqa: F401 (ModelLoadError is re-exported)
     ModelLoadError, config_get, external_data_problems, graphs, load_model_proto, resolve_model_path,
 )
-from .nodeview import Dim, dims_conflict, dtype_name
+from .nodeview import Dim, dims_conflict, dtype_from_type_str, dtype_name
 
 RULE_DOCS = {
     "MODEL-external-data": "External data locations must be relative paths inside the model's folder "
@@ -62,10 +62,12 @@ RULE_DOCS = {
 
 PAGED_ONLY_RULES = ("MODEL-attention-metadata-graph-input", "MODEL-extension-input")
 
-# (input index, output index, genai name kind) of each cache pair
+# (cache input, its updated output, genai name kind) of each cache pair, by contract name
 _CACHE_PAIRS = {
-    "PagedAttention": ((3, 1, "key"), (4, 2, "value"), (17, 3, "key_scale"), (18, 4, "value_scale")),
-    "GroupQueryAttention": ((3, 1, "key"), (4, 2, "value")),
+    "PagedAttention": (("key_cache", "key_cache_out", "key"), ("value_cache", "value_cache_out", "value"),
+                       ("k_scale_cache", "k_scale_cache_out", "key_scale"),
+                       ("v_scale_cache", "v_scale_cache_out", "value_scale")),
+    "GroupQueryAttention": (("past_key", "present_key", "key"), ("past_value", "present_value", "value")),
 }
 _GQA_PAIR_DIMS = (0, 1, 3)  # batch, kv heads, head size (dimension 2 is past vs present length)
 _MAX_CONST_ELEMS = 1 << 16
@@ -202,6 +204,14 @@ class _Model:
         return None
 
 
+def _key_cache(node: onnx.NodeProto) -> str:
+    """The tensor feeding the node's key cache input ('' when absent or not one of our ops' domain)."""
+    if node.domain != DOMAIN:
+        return ""
+    idx = get_contract(node.op_type).input_index(_CACHE_PAIRS[node.op_type][0][0])
+    return node.input[idx] if len(node.input) > idx else ""
+
+
 def _metadata_rule(node: onnx.NodeProto, m: _Model) -> Iterator[Issue]:
     c = get_contract(node.op_type)
     if c.name != "PagedAttention":
@@ -217,7 +227,8 @@ def _cache_rules(node: onnx.NodeProto, m: _Model) -> Iterator[Issue]:
     c = get_contract(node.op_type)
     nn = node.name or node.op_type
     layers: dict[int, str] = {}
-    for i_in, i_out, kind in _CACHE_PAIRS[c.name]:
+    for in_name, out_name, kind in _CACHE_PAIRS[c.name]:
+        i_in, i_out = c.input_index(in_name), c.output_index(out_name)
         cache = node.input[i_in] if len(node.input) > i_in else ""
         out = node.output[i_out] if len(node.output) > i_out else ""
         if not cache:
@@ -281,10 +292,12 @@ def _extension_input_rules(node: onnx.NodeProto, m: _Model) -> Iterator[Issue]:
         if not name or name not in m.inputs:
             continue
         elem, shape = m.declared.get(name, (None, None))
-        q = node.input[0] if node.input else ""
+        q_idx = c.input_index("query")
+        q = node.input[q_idx] if len(node.input) > q_idx else ""
         q_shape = m.value_info.get(q, (None, None))[1]
+        allowed = {dtype_from_type_str(t) for t in c.allowed_types(c.input(pname))}  # S: int32
         got = []
-        if elem is not None and elem != TensorProto.INT32:
+        if elem is not None and elem not in allowed:
             got.append(f"element type {dtype_name(elem)}")
         if shape is not None and len(shape) != 1:
             got.append(f"rank {len(shape)}")
@@ -325,8 +338,7 @@ def check_model(model: onnx.ModelProto | str | os.PathLike, *, genai_config=None
                 attention.append((node, g is inferred.graph))
     imports = {o.domain for o in proto.opset_import}
     names = cache_names(genai_config)
-    several = genai_config is not None or sum(
-        1 for n, main in attention if main and n.domain == DOMAIN and len(n.input) > 3 and n.input[3]) > 1
+    several = genai_config is not None or sum(1 for n, main in attention if main and _key_cache(n)) > 1
     m = _Model(inferred, value_info, producers, initializers, names, several)
     checked = 0
     for node, main in attention:
