@@ -255,7 +255,9 @@ PAGED_ATTENTION = OpContract(
          "value, value_cache, v_scale or v_quant_type. Output width num_heads * v_head_size."),
         ("attention_bias",
          "Element [b or 0, h or 0, j, k] is added after scale and before softcap for sequence-local query "
-         "offset j and logical key position k. Capacities must cover max q_len and max KV extent."),
+         "offset j and logical key position k. Capacities must cover max q_len and max KV extent. Note: "
+         "onnxruntime's GroupQueryAttention adds its bias after softcap, so with softcap > 0 a GQA <-> "
+         "PagedAttention rewrite of a biased node is not exact and is refused."),
         ("output_qk",
          "qk_output 1: scaled scores after softcap and bias; 2: probabilities. Shape (num_heads, token_count, "
          "block_table.shape[1] * block_size); masked and beyond-extent entries are 0. qk_output != 0 iff "
@@ -298,7 +300,7 @@ GROUP_QUERY_ATTENTION = OpContract(
               "Explicit rotary positions."),
         Param(10, "attention_bias", "T", True, 4,
               "(batch_size or 1, num_heads or 1, sequence_length, total_sequence_length)",
-              "Additive bias on the scaled scores (before softcap)."),
+              "Additive bias on the scores, added after softcap (as onnxruntime computes it)."),
         Param(11, "head_sink", "T", True, 1, "(num_heads)", "Per-head sink logit in the softmax denominator."),
         Param(12, "k_scale", "T_KV_SCALE", True, None, "(1) PER_TENSOR or kv_num_heads * head_size elements PER_CHANNEL",
               "Key cache scale."),
@@ -364,7 +366,8 @@ GROUP_QUERY_ATTENTION = OpContract(
          "present share one buffer (max_sequence_length capacity) the new tokens are written in place. "
          "sliding_window_cache=1: window-sized buffers with eviction as onnxruntime documents."),
         ("Masks and softmax",
-         "Causal with optional local window W (W positions incl. the current). softcap after scale and bias. "
+         "Causal with optional local window W (W positions incl. the current). score = softcap(scale * q.k) + bias "
+         "(onnxruntime adds attention_bias after softcap; PagedAttention adds it before softcap). "
          "head_sink adds exp(sink_h) to the denominator; smooth_softmax=1 without head_sink adds exp(0)."),
         ("Quantization",
          "k/v_quant_type with k/v_scale and kv_cache_bit_width (8: int8 or float8e4m3fn; 4: int4 packed "
