@@ -1,4 +1,11 @@
-"""Safe model loading: never reads outside the model's folder, never executes anything from the model."""
+"""Safe model loading: never reads outside the model's folder, never executes anything from the model.
+
+Every tensor that references external data (initializers, sparse initializers, attribute tensors,
+in subgraphs too) is checked before any data is read, by the validators' check
+(`pagedkit.validators.model_loading.external_data_problems`: relative location, no '..', resolving
+inside the model's folder, symlinks included, file present), plus one check of our own before
+reading: offset + length must lie within the file.
+"""
 
 from __future__ import annotations
 
@@ -8,58 +15,59 @@ from pathlib import Path
 import onnx
 from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
+from ..validators.model_loading import all_tensors, external_data_problems, resolve_model_path
+
 
 class UnsafeModelError(ValueError):
-    pass
+    """The model references data outside its folder (or data that is not there)."""
 
 
-def _external_tensors(model: onnx.ModelProto):
-    yield from (t for t in model.graph.initializer if uses_external_data(t))
-    for node in model.graph.node:
-        for a in node.attribute:
-            if a.type == onnx.AttributeProto.TENSOR and uses_external_data(a.t):
-                yield a.t
+def _has_external(model: onnx.ModelProto) -> bool:
+    return any(uses_external_data(t) for _, t in all_tensors(model))
 
 
-def check_external_data(model: onnx.ModelProto, base_dir: str | os.PathLike) -> list[str]:
-    """Problems with external-data locations: absolute paths, '..', or anything resolving outside
-    base_dir (symlinks included)."""
+def _range_problems(model: onnx.ModelProto, base: Path) -> list[str]:
     problems = []
-    base = Path(base_dir).resolve()
-    for t in _external_tensors(model):
-        loc = ExternalDataInfo(t).location
-        p = Path(loc)
-        if p.is_absolute() or ".." in p.parts or not loc:
-            problems.append(f"initializer '{t.name}': external data location {loc!r} must be a relative path "
-                            f"inside the model's folder")
+    for kind, t in all_tensors(model):
+        if not uses_external_data(t):
             continue
-        target = (base / p).resolve()
-        if base not in target.parents and target != base:
-            problems.append(f"initializer '{t.name}': external data location {loc!r} resolves outside {base}")
-        elif not target.is_file():
-            problems.append(f"initializer '{t.name}': external data file {loc!r} not found in {base}")
+        info = ExternalDataInfo(t)
+        size = (base / info.location).stat().st_size
+        offset = int(info.offset or 0)
+        length = int(info.length) if info.length is not None else size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            problems.append(f"{kind} '{t.name}': external data range offset {offset} + length {length} lies "
+                            f"beyond the end of {info.location!r} ({size} bytes)")
     return problems
 
 
+def check_external_data(model: onnx.ModelProto, base_dir: str | os.PathLike) -> list[str]:
+    """Every problem with the model's external-data references, as text (empty: safe to load)."""
+    problems = [str(i) for i in external_data_problems(model, base_dir)]
+    return problems or _range_problems(model, Path(base_dir).resolve())
+
+
 def load_model(source) -> tuple[onnx.ModelProto, str | None]:
-    """(model with external data loaded, base directory) from a path, a folder holding model.onnx,
-    bytes or a ModelProto."""
+    """(model with external data loaded, base directory) from a path, a folder (its genai_config's
+    decoder filename, else model.onnx), bytes or a ModelProto. Raises UnsafeModelError listing every
+    unsafe external-data reference, before reading any external data."""
     if isinstance(source, onnx.ModelProto):
+        if _has_external(source):
+            raise UnsafeModelError("a ModelProto with unloaded external data: pass the model's path instead "
+                                   "(its external data is then checked and loaded from its folder)")
         return source, None
-    if isinstance(source, (bytes, bytearray)):
+    if isinstance(source, (bytes, bytearray, memoryview)):
         model = onnx.load_model_from_string(bytes(source))
-        if any(True for _ in _external_tensors(model)):
-            raise UnsafeModelError("a model given as bytes cannot reference external data")
+        if _has_external(model):
+            raise UnsafeModelError("a model given as bytes cannot reference external data: pass its path")
         return model, None
-    path = Path(source)
-    if path.is_dir():
-        path = path / "model.onnx"
+    path, _, _ = resolve_model_path(source)
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {path}")
     model = onnx.load(str(path), load_external_data=False)
     base = str(path.parent)
     problems = check_external_data(model, base)
     if problems:
-        raise UnsafeModelError("; ".join(problems))
+        raise UnsafeModelError(f"{path}: unsafe external data: " + "; ".join(problems))
     onnx.load_external_data_for_model(model, base)
     return model, base

@@ -1,0 +1,408 @@
+"""Greedy generation over a model folder (model.onnx + genai_config.json) with pagedkit's InferenceSession,
+and the step-by-step parity check against Hugging Face eager.
+
+    gen = Generator("model_dir")                          # session + caches, from genai_config.json
+    for step in gen.greedy([1, 5, 9], max_new_tokens=8):   # prefill, then one token per step
+        print(step.token)
+    report = parity(gen.history, hf_logits("hf_dir", gen.history.token_ids), tol=2e-2)
+
+The config is onnxruntime-genai's (decoder input / output names, layer count, heads, eos, sliding
+window layers) or ours (the same plus the `pagedkit` section: block size, cache dtypes, extension
+inputs). Two layouts:
+- paged (`block_table` in the decoder inputs): caches [NB, BS, Hkv, D] owned by a KVCacheManager
+  (windowed layers in their own group read `block_table_windowed`, served from a ring); one plan per
+  step; prefill is chunked to what the windowed rings absorb;
+- GQA (`attention_mask`): caches [1, Hkv, past, D] grown step by step (present -> next past).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from ..exporters.config import read_pagedkit_section
+from .kv_cache import KVCacheManager
+from .kv_config import GroupConfig, KVCacheConfig, LayerCacheSpec
+from .session import InferenceSession
+from .tensors import ONNX_TO_TORCH
+from ..validators.nodeview import dtype_from_type_str
+
+# default tolerances (max|diff| <= tol * max|ref|) of a model's logits vs HF eager float32, by model dtype
+TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+# torch storage dtype of a cache input -> the cache dtype spelling of KVCacheConfig
+_CACHE_DTYPE = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8",
+                torch.float8_e4m3fn: "float8e4m3fn", torch.uint8: "int4"}
+_SCALE_DTYPE = {torch.float16: "float16", torch.float32: "float32"}
+
+
+@dataclass
+class DecoderConfig:
+    """What generation needs from genai_config.json."""
+
+    folder: Path
+    filename: str
+    num_layers: int
+    num_heads: int
+    kv_num_heads: int
+    head_size: int
+    vocab_size: int | None
+    eos_token_ids: list[int]
+    context_length: int
+    inputs: dict[str, str]
+    outputs: dict[str, str]
+    window: int | None = None  # sliding window of the windowed layers
+    windowed_layers: list[int] = field(default_factory=list)
+    block_size: int | None = None
+    chunk_size: int | None = None  # prefill chunk (onnxruntime-genai's search.chunk_size)
+    pagedkit: dict = field(default_factory=dict)
+
+    @property
+    def paged(self) -> bool:
+        return "block_table" in self.inputs
+
+    def name(self, key: str, layer: int) -> str:
+        """Per-layer I/O name from a '%d' template (past_key_names, present_value_names, ...)."""
+        return self.inputs.get(key, self.outputs.get(key, "")).replace("%d", str(layer))
+
+
+def read_config(folder: str | Path) -> DecoderConfig:
+    folder = Path(folder)
+    path = folder / "genai_config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder}: no genai_config.json (a model folder holds model.onnx and genai_config.json)")
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    model, dec = cfg.get("model", {}), cfg.get("model", {}).get("decoder", {})
+    missing = [k for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_size") if k not in dec]
+    if missing:
+        raise ValueError(f"{path}: model.decoder lacks {missing}")
+    eos = model.get("eos_token_id")
+    eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    sw = dec.get("sliding_window") or {}
+    section = read_pagedkit_section(cfg)
+    block = section.get("block_size") or cfg.get("engine", {}).get("dynamic_batching", {}).get("block_size")
+    return DecoderConfig(
+        folder=folder, filename=dec.get("filename", "model.onnx"), num_layers=int(dec["num_hidden_layers"]),
+        num_heads=int(dec["num_attention_heads"]), kv_num_heads=int(dec["num_key_value_heads"]),
+        head_size=int(dec["head_size"]), vocab_size=model.get("vocab_size"), eos_token_ids=eos,
+        context_length=int(model.get("context_length") or cfg.get("search", {}).get("max_length") or 2048),
+        inputs=dict(dec.get("inputs", {})), outputs=dict(dec.get("outputs", {})),
+        window=sw.get("window_size"), windowed_layers=list(sw.get("layers", [])) if sw else [],
+        block_size=int(block) if block else None, chunk_size=cfg.get("search", {}).get("chunk_size"),
+        pagedkit=section)
+
+
+@dataclass
+class StepResult:
+    token: int  # the token chosen (greedy) or given (teacher forcing) after this step
+    logits: torch.Tensor  # [V] float32 on the CPU: the logits of the step's last position
+    position: int  # position of that last token in the sequence
+    seconds: float  # wall time of the step (session runs included)
+
+
+@dataclass
+class History:
+    prompt: list[int]
+    steps: list[StepResult] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """prompt + every token produced: the sequence a teacher-forced reference reads."""
+        return self.prompt + [s.token for s in self.steps]
+
+
+def _torch_type(type_str: str) -> torch.dtype:
+    return ONNX_TO_TORCH[dtype_from_type_str(type_str)]
+
+
+class _PagedState:
+    """The paged layout: a KVCacheManager owns the caches; one plan per step."""
+
+    def __init__(self, gen: "Generator", block_size: int | None, num_blocks: int | None, shuffle_seed: int | None):
+        cfg, sess = gen.config, gen.session
+        args = {a.name: a for a in sess.get_inputs()}
+        key0 = cfg.name("past_key_names", 0)
+        dims = args[key0].shape if key0 in args else []
+        bs = block_size or (dims[1] if len(dims) > 1 and isinstance(dims[1], int) else None) or cfg.block_size or 16
+        self.max_seq_len = gen.max_seq_len
+        chunk = max(1, min(cfg.chunk_size or bs, self.max_seq_len)) if cfg.windowed_layers else self.max_seq_len
+        groups = []
+        for windowed in (False, True):
+            layers = [self._layer(cfg, args, i) for i in range(cfg.num_layers) if (i in cfg.windowed_layers) == windowed]
+            if not layers:
+                continue
+            table = cfg.inputs.get("block_table_windowed" if windowed else "block_table")
+            per_seq = math.ceil(self.max_seq_len / bs)
+            g = GroupConfig("windowed" if windowed else "full", 1, bs, tuple(layers),
+                            window=cfg.window if windowed else None, chunk_tokens=chunk, table_name=table)
+            n = num_blocks or (g.ring_blocks if windowed else per_seq) + 2
+            groups.append(GroupConfig(g.name, n, bs, g.layers, g.window, chunk, table))
+        names = {k: cfg.inputs.get(f"past_{k}_names", f"past_key_values.%d.{k}").replace("%d", "{i}")
+                 for k in ("key", "value", "key_scale", "value_scale")}
+        present = {k: cfg.outputs.get(f"present_{k}_names", f"present.%d.{k}").replace("%d", "{i}")
+                   for k in ("key", "value", "key_scale", "value_scale")}
+        self.mgr = KVCacheManager(KVCacheConfig(tuple(groups), max_batch_size=1, max_num_tokens=self.max_seq_len,
+                                                max_seq_len=self.max_seq_len, device=str(gen.session.device),
+                                                names=names, present_names=present))
+        if shuffle_seed is not None:  # block ids out of order and non-contiguous, as in a busy engine
+            for pool in self.mgr.pools.values():
+                free = list(pool.free)
+                random.Random(shuffle_seed).shuffle(free)
+                pool.free.clear()
+                pool.free.extend(free)
+        self.renames = {k: cfg.inputs.get(k, k) for k in ("cumulative_sequence_lengths", "past_sequence_lengths",
+                                                          "attention_metadata")}
+        self.input_names = set(args)
+        self.gen = gen
+        self.seq = 0
+
+    @staticmethod
+    def _layer(cfg: DecoderConfig, args: dict, i: int) -> LayerCacheSpec:
+        key = args.get(cfg.name("past_key_names", i))
+        if key is None:
+            raise ValueError(f"model has no cache input {cfg.name('past_key_names', i)!r} for layer {i}")
+        dt = _torch_type(key.type)
+        if dt not in _CACHE_DTYPE:
+            raise ValueError(f"input {key.name!r}: cache element type {key.type} is not a paged cache type")
+        kv = key.shape[2] if len(key.shape) > 2 and isinstance(key.shape[2], int) else cfg.kv_num_heads
+        layers = {int(l["layer"]): l for l in cfg.pagedkit.get("layers", [])}
+        head = int(layers.get(i, {}).get("head_size", cfg.head_size))
+        scales = {}
+        for side in ("key", "value"):
+            s = args.get(cfg.pagedkit.get(f"past_{side}_scale_names", f"past_key_values.%d.{side}_scale").replace("%d", str(i)))
+            scales[side] = _SCALE_DTYPE[_torch_type(s.type)] if s is not None else None
+        return LayerCacheSpec(i, kv, head, _CACHE_DTYPE[dt], scales["key"], scales["value"],
+                              latent=cfg.name("past_value_names", i) not in args)
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self.seq += 1
+        self.mgr.add_sequence(self.seq, list(prompt))
+
+    def step(self, ids: Sequence[int]) -> torch.Tensor:
+        mgr, sess = self.mgr, self.gen.session
+        logits = []
+        done = 0
+        while done < len(ids):  # chunked so that windowed rings absorb each step
+            n = min(len(ids) - done, mgr.max_step_tokens(self.seq))
+            chunk = list(ids[done:done + n])
+            plan = mgr.plan([(self.seq, chunk)])
+            feeds = {self.renames.get(k, k): v for k, v in plan.feeds(query_positions=True).items()}
+            feeds = {k: v for k, v in feeds.items() if k in self.input_names}
+            feeds |= mgr.cache_feeds()
+            feeds[self.gen.config.inputs.get("input_ids", "input_ids")] = torch.tensor(
+                chunk, dtype=torch.int64, device=sess.device)
+            try:
+                out = sess.run_torch(feeds, [self.gen.logits_name])[self.gen.logits_name]
+            except BaseException:
+                mgr.abort(plan)
+                raise
+            mgr.commit(plan)
+            logits.append(out.reshape(n, -1))
+            done += n
+        return torch.cat(logits)
+
+    def finish(self) -> None:
+        self.mgr.free(self.seq)
+
+
+class _GQAState:
+    """The GQA layout: caches [1, Hkv, past, D] grown step by step (present -> next past)."""
+
+    def __init__(self, gen: "Generator"):
+        self.gen = gen
+        self.args = {a.name: a for a in gen.session.get_inputs()}
+        self.pairs = []  # (past input, present output)
+        for i in range(gen.config.num_layers):
+            for side in ("key", "value"):
+                past, present = gen.config.name(f"past_{side}_names", i), gen.config.name(f"present_{side}_names", i)
+                if past in self.args:
+                    self.pairs.append((past, present))
+
+    def start(self, prompt: Sequence[int]) -> None:
+        dev = self.gen.session.device
+        self.past = {}
+        for name, _ in self.pairs:
+            a = self.args[name]
+            kv = a.shape[1] if isinstance(a.shape[1], int) else self.gen.config.kv_num_heads
+            d = a.shape[3] if isinstance(a.shape[3], int) else self.gen.config.head_size
+            self.past[name] = torch.zeros(1, kv, 0, d, dtype=_torch_type(a.type), device=dev)
+        self.length = 0
+
+    def step(self, ids: Sequence[int]) -> torch.Tensor:
+        cfg, sess, dev = self.gen.config, self.gen.session, self.gen.session.device
+        n, total = len(ids), self.length + len(ids)
+        feeds = dict(self.past)
+        feeds[cfg.inputs.get("input_ids", "input_ids")] = torch.tensor([list(ids)], dtype=torch.int64, device=dev)
+        mask = cfg.inputs.get("attention_mask", "attention_mask")
+        if mask in self.args:
+            feeds[mask] = torch.ones(1, total, dtype=_torch_type(self.args[mask].type), device=dev)
+        pos = cfg.inputs.get("position_ids", "position_ids")
+        if pos in self.args:
+            feeds[pos] = torch.arange(self.length, total, device=dev).reshape(1, n).to(_torch_type(self.args[pos].type))
+        names = [self.gen.logits_name] + [p for _, p in self.pairs]
+        out = sess.run_torch(feeds, names)
+        self.past = {past: out[present] for past, present in self.pairs}
+        self.length = total
+        return out[self.gen.logits_name].reshape(n, -1)
+
+    def finish(self) -> None:
+        self.past = {}
+
+
+class Generator:
+    """An InferenceSession over a model folder plus the caches of one sequence at a time.
+
+    block_size / num_blocks / shuffle_seed (paged layout): cache geometry (defaults from the model and
+    genai_config.json, pools sized for one sequence of max_seq_len) and a shuffled block pool."""
+
+    def __init__(self, model_dir: str | Path, device: str = "cpu", *, block_size: int | None = None,
+                 num_blocks: int | None = None, max_seq_len: int | None = None, shuffle_seed: int | None = None,
+                 session: InferenceSession | None = None):
+        self.config = read_config(model_dir)
+        providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+        self.session = session or InferenceSession(str(Path(model_dir) / self.config.filename), providers=providers)
+        self.max_seq_len = min(max_seq_len or self.config.context_length, self.config.context_length)
+        self.logits_name = self.config.outputs.get("logits", "logits")
+        self.state = (_PagedState(self, block_size, num_blocks, shuffle_seed) if self.config.paged
+                      else _GQAState(self))
+        self.history: History | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's activation precision (its first cache input's element type, or float32)."""
+        name = self.config.name("past_key_names", 0)
+        arg = next((a for a in self.session.get_inputs() if a.name == name), None)
+        dt = _torch_type(arg.type) if arg is not None else torch.float32
+        return dt if dt in TOLERANCES else torch.float16
+
+    def run(self, prompt: Sequence[int], max_new_tokens: int, forced: Sequence[int] | None = None,
+            stop_at_eos: bool = True) -> Iterator[StepResult]:
+        """Prefill `prompt`, then decode: each step yields the next token (greedy, or forced[k] when
+        teacher-forcing) with the logits it came from. self.history records the run."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("the prompt needs at least one token")
+        if forced is not None:
+            max_new_tokens = len(forced)
+        if len(prompt) + max_new_tokens > self.max_seq_len + 1:
+            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the context "
+                             f"length {self.max_seq_len}")
+        self.history = History(prompt)
+        self.state.start(prompt)
+        try:
+            feed, pos = prompt, len(prompt) - 1
+            for k in range(max_new_tokens):
+                t0 = time.perf_counter()
+                logits = self.state.step(feed)[-1].float().cpu()
+                token = int(forced[k]) if forced is not None else int(torch.argmax(logits))
+                step = StepResult(token, logits, pos, time.perf_counter() - t0)
+                self.history.steps.append(step)
+                yield step
+                if forced is None and stop_at_eos and token in self.config.eos_token_ids:
+                    break
+                if k + 1 < max_new_tokens:
+                    feed, pos = [token], pos + 1
+        finally:
+            self.state.finish()
+
+    def greedy(self, prompt: Sequence[int], max_new_tokens: int = 32, stop_at_eos: bool = True) -> Iterator[StepResult]:
+        return self.run(prompt, max_new_tokens, stop_at_eos=stop_at_eos)
+
+    def teacher_forced(self, prompt: Sequence[int], continuation: Sequence[int]) -> list[StepResult]:
+        """Logits after the prompt and after each continuation token but the last."""
+        return list(self.run(prompt, len(continuation), forced=continuation))
+
+
+# ---- parity with Hugging Face eager -------------------------------------------------------------------
+
+@dataclass
+class ParityStep:
+    step: int
+    position: int  # position whose next-token logits are compared
+    max_abs_diff: float
+    max_ref: float
+    ours: int  # our greedy token (argmax of our logits)
+    ref: int  # the reference's greedy token
+    near_tie: bool  # the reference's top-2 logits are within tol * max|ref|
+
+    @property
+    def rel(self) -> float:
+        return self.max_abs_diff / max(self.max_ref, 1e-30)
+
+    @property
+    def agree(self) -> bool:
+        return self.ours == self.ref
+
+
+@dataclass
+class ParityReport:
+    steps: list[ParityStep]
+    tol: float
+
+    @property
+    def max_rel(self) -> float:
+        return max((s.rel for s in self.steps), default=0.0)
+
+    @property
+    def disagreements(self) -> list[ParityStep]:
+        """Steps whose greedy tokens differ where the reference has no near-tie."""
+        return [s for s in self.steps if not s.agree and not s.near_tie]
+
+    @property
+    def ok(self) -> bool:
+        return self.max_rel <= self.tol and not self.disagreements
+
+    def lines(self) -> list[str]:
+        out = [f"{'step':>4} {'pos':>5} {'ours':>7} {'ref':>7} {'max|diff|':>10} {'/max|ref|':>10}  tokens"]
+        for s in self.steps:
+            mark = "agree" if s.agree else ("differ (near-tie)" if s.near_tie else "DIFFER")
+            if s.agree and s.near_tie:
+                mark += " (near-tie)"
+            flag = "" if s.rel <= self.tol else "  > tol"
+            out.append(f"{s.step:>4} {s.position:>5} {s.ours:>7} {s.ref:>7} {s.max_abs_diff:>10.3e} {s.rel:>10.3e}"
+                       f"  {mark}{flag}")
+        verdict = "OK" if self.ok else "FAIL"
+        out.append(f"parity {verdict}: largest max|diff| / max|ref| = {self.max_rel:.3e} (tol {self.tol:g}), "
+                   f"{sum(s.agree for s in self.steps)}/{len(self.steps)} greedy tokens agree, "
+                   f"{sum(s.near_tie for s in self.steps)} near-ties, {len(self.disagreements)} real disagreements")
+        return out
+
+
+def hf_logits(hf_dir: str | Path, token_ids: Sequence[int]) -> torch.Tensor:
+    """Hugging Face eager, float32, teacher-forced over token_ids in one forward pass: [L, V] logits
+    (row t = next-token logits after token t). Local folder only: offline, no remote code."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import transformers
+
+    if not Path(hf_dir).is_dir():
+        raise FileNotFoundError(f"Hugging Face checkpoint folder not found: {hf_dir}")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(hf_dir), dtype=torch.float32, attn_implementation="eager", local_files_only=True,
+        trust_remote_code=False).eval()
+    with torch.no_grad():
+        out = model(torch.tensor([list(token_ids)], dtype=torch.long), use_cache=False)
+    return out.logits[0].float()
+
+
+def parity(history: History, ref_logits: torch.Tensor, tol: float) -> ParityReport:
+    """Compare every step of a run with the reference's logits at the same position."""
+    steps = []
+    for k, s in enumerate(history.steps):
+        ref = ref_logits[s.position].float()
+        ours = s.logits.float()
+        if ours.shape != ref.shape:
+            raise ValueError(f"step {k}: our logits have shape {tuple(ours.shape)}, the reference's {tuple(ref.shape)}")
+        top2 = torch.topk(ref, 2).values
+        max_ref = float(ref.abs().max())
+        steps.append(ParityStep(k, s.position, float((ours - ref).abs().max()), max_ref, int(torch.argmax(ours)),
+                                int(torch.argmax(ref)), float(top2[0] - top2[1]) <= tol * max_ref))
+    return ParityReport(steps, tol)
