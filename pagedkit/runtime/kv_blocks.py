@@ -132,12 +132,17 @@ class GroupBlocks:
         return [st.table[p // bs] * bs + p % bs for p in range(length, length + n)]
 
     def truncate(self, st: GroupState, length: int) -> None:
-        """Forget blocks wholly at or beyond `length` (full groups give them back; rings keep theirs)."""
+        """Give back blocks wholly at or beyond `length` (a ring slot holding such a block is emptied)."""
         keep = -(-length // self.g.block_size)
         tail = st.table[keep:]
         del st.table[keep:]
         if st.ring is None:
             self.pool.release_all(reversed(tail))
+            return
+        for r, i in enumerate(st.ring_idx):
+            if i >= keep and st.ring[r] >= 0:
+                self.pool.decref(st.ring[r])
+                st.ring[r], st.ring_idx[r] = -1, -1
 
     def evict(self, st: GroupState, length: int) -> None:
         """Post-step eviction (design §9.3.2): unmap blocks below the window of any future query."""
