@@ -58,6 +58,7 @@ class DecoderConfig:
     inputs: dict[str, str]
     outputs: dict[str, str]
     window: int | None = None  # sliding window of the windowed layers
+    window_slack: int = 0  # extra capacity of the windowed GQA caches (sliding_window.cache_slack)
     windowed_layers: list[int] = field(default_factory=list)
     block_size: int | None = None
     chunk_size: int | None = None  # prefill chunk (onnxruntime-genai's search.chunk_size)
@@ -93,7 +94,7 @@ def read_config(folder: str | Path) -> DecoderConfig:
         head_size=int(dec["head_size"]), vocab_size=model.get("vocab_size"), eos_token_ids=eos,
         context_length=int(model.get("context_length") or cfg.get("search", {}).get("max_length") or 2048),
         inputs=dict(dec.get("inputs", {})), outputs=dict(dec.get("outputs", {})),
-        window=sw.get("window_size"), windowed_layers=list(sw.get("layers", [])) if sw else [],
+        window=sw.get("window_size"), window_slack=int(sw.get("cache_slack") or 0), windowed_layers=list(sw.get("layers", [])) if sw else [],
         block_size=int(block) if block else None, chunk_size=cfg.get("search", {}).get("chunk_size"),
         pagedkit=section)
 
@@ -217,12 +218,17 @@ class _GQAState:
     def __init__(self, gen: "Generator"):
         self.gen = gen
         self.args = {a.name: a for a in gen.session.get_inputs()}
+        cfg = gen.config
         self.pairs = []  # (past input, present output)
-        for i in range(gen.config.num_layers):
+        self.windowed = set()  # past inputs of windowed layers
+        for i in range(cfg.num_layers):
             for side in ("key", "value"):
-                past, present = gen.config.name(f"past_{side}_names", i), gen.config.name(f"present_{side}_names", i)
+                past, present = cfg.name(f"past_{side}_names", i), cfg.name(f"present_{side}_names", i)
                 if past in self.args:
                     self.pairs.append((past, present))
+                    if cfg.window and i in cfg.windowed_layers:
+                        self.windowed.add(past)
+        self.window_capacity = int(cfg.window or 0) + cfg.window_slack
 
     def start(self, prompt: Sequence[int]) -> None:
         dev = self.gen.session.device
@@ -231,7 +237,9 @@ class _GQAState:
             a = self.args[name]
             kv = a.shape[1] if isinstance(a.shape[1], int) else self.gen.config.kv_num_heads
             d = a.shape[3] if isinstance(a.shape[3], int) else self.gen.config.head_size
-            self.past[name] = torch.zeros(1, kv, 0, d, dtype=_torch_type(a.type), device=dev)
+            # windowed layers (sliding_window_cache=1) keep a fixed buffer of the window's capacity
+            cap = self.window_capacity if name in self.windowed else 0
+            self.past[name] = torch.zeros(1, kv, cap, d, dtype=_torch_type(a.type), device=dev)
         self.length = 0
 
     def step(self, ids: Sequence[int]) -> torch.Tensor:
