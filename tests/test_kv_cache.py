@@ -41,7 +41,7 @@ def derived_slots(plan, group, bs):
 def test_cache_tensors_shapes_dtypes_and_names():
     layers = (
         layer(0, cache_dtype="float16"),
-        layer(1, cache_dtype="int4", head_size=10, key_scale_dtype="float16", value_scale_dtype="float32"),
+        layer(1, cache_dtype="int4", head_size=10, key_scale_dtype="float32", value_scale_dtype="float32"),
         layer(2, cache_dtype="float8e4m3fn", kv_num_heads=3),
         LayerCacheSpec(3, 1, 24, cache_dtype="bfloat16", latent=True, key_scale_dtype="float32"),
     )
@@ -50,7 +50,7 @@ def test_cache_tensors_shapes_dtypes_and_names():
     assert feeds["past_key_values.0.key"].shape == (5, 16, 2, 8) and feeds["past_key_values.0.key"].dtype == torch.float16
     assert feeds["past_key_values.1.value"].shape == (5, 16, 2, 5) and feeds["past_key_values.1.value"].dtype == torch.uint8
     assert feeds["past_key_values.1.key_scale"].shape == (5, 16, 2)
-    assert feeds["past_key_values.1.key_scale"].dtype == torch.float16
+    assert feeds["past_key_values.1.key_scale"].dtype == torch.float32
     assert feeds["past_key_values.1.value_scale"].dtype == torch.float32
     assert feeds["past_key_values.2.key"].dtype == torch.float8_e4m3fn and feeds["past_key_values.2.key"].shape[2] == 3
     assert "past_key_values.3.value" not in feeds and feeds["past_key_values.3.key"].shape == (5, 16, 1, 24)
@@ -63,6 +63,7 @@ def test_cache_tensors_shapes_dtypes_and_names():
 @pytest.mark.parametrize("kw, needle", [
     (dict(layers=(layer(0, cache_dtype="int16"),)), "cache_dtype"),
     (dict(layers=(layer(0, key_scale_dtype="float64"),)), "key_scale_dtype"),
+    (dict(layers=(layer(0, key_scale_dtype="float16", value_scale_dtype="float32"),)), "should be equal"),
     (dict(layers=(LayerCacheSpec(0, 2, 8, latent=True),)), "LATENT layer should have kv_num_heads == 1"),
     (dict(layers=(layer(0), layer(0))), "layer 0 is in groups"),
     (dict(bs=12), "block_size should be a power of two"),
@@ -170,7 +171,7 @@ def test_abort_releases_the_reservation():
 # ---- sharing -------------------------------------------------------------------------------------------
 
 def test_fork_shares_blocks_and_copy_on_write_copies_every_cache_of_the_group():
-    layers = (layer(0, key_scale_dtype="float16", value_scale_dtype="float32"), layer(1, cache_dtype="int8"))
+    layers = (layer(0, key_scale_dtype="float16", value_scale_dtype="float16"), layer(1, cache_dtype="int8"))
     m = manager(layers=layers, bs=4)
     m.add_sequence("a", 6)
     m.commit(m.plan([("a", 6)]))

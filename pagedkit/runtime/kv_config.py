@@ -96,6 +96,9 @@ class LayerCacheSpec:
                 errs.append(f"{where}: {side} should be one of {sorted(_SCALE_STORAGE)} (T_SCALE_CACHE), got {sd!r}")
         if self.kv_num_heads < 1 or self.head_size < 1:
             errs.append(f"{where}: kv_num_heads and head_size should be >= 1, got {self.kv_num_heads}, {self.head_size}")
+        if None not in (self.key_scale_dtype, self.value_scale_dtype) and self.key_scale_dtype != self.value_scale_dtype:
+            errs.append(f"{where}: key_scale_dtype and value_scale_dtype should be equal (one T_SCALE_CACHE type), "
+                        f"got {self.key_scale_dtype!r} and {self.value_scale_dtype!r}")
         if self.latent:
             if self.kv_num_heads != 1:
                 errs.append(f"{where}: a LATENT layer should have kv_num_heads == 1, got {self.kv_num_heads}")
