@@ -233,7 +233,7 @@ def infer_node_outputs(
 _LOCK = threading.Lock()
 
 
-def _from_type_proto(tp: Any) -> TensorType:
+def type_of_proto(tp: Any) -> TensorType:
     if tp is None or not tp.HasField("tensor_type"):
         return _UNKNOWN
     tt = tp.tensor_type
@@ -271,7 +271,7 @@ def _onnx_hook(contract: OpContract):
         for i in range(min(ctx.get_num_inputs(), len(contract.inputs))):
             if not ctx.has_input(i):  # empty name: absent optional input
                 continue
-            ins[i] = _from_type_proto(ctx.get_input_type(i))
+            ins[i] = type_of_proto(ctx.get_input_type(i))
             data = ctx.get_input_data(i)
             if data is not None and data.data_type in (TensorProto.INT32, TensorProto.INT64):
                 vals[i] = numpy_helper.to_array(data)

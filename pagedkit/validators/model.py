@@ -30,7 +30,7 @@ from onnx import TensorProto, numpy_helper
 from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
 from .checks import validate_node
-from .inference import _from_type_proto, register_schemas
+from .inference import type_of_proto, register_schemas
 from .contract import CONTRACTS, DOMAIN, get_contract
 from .issues import Issue
 from .model_loading import (  # noqa: F401 (ModelLoadError is re-exported)
@@ -97,7 +97,7 @@ def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _type_of(tp: onnx.TypeProto) -> TensorType:
-    return _from_type_proto(tp)  # the one TypeProto -> (elem, shape) conversion (inference.py)
+    return type_of_proto(tp)  # the one TypeProto -> (elem, shape) conversion (inference.py)
 
 
 def _collect(model: onnx.ModelProto, base_dir: str | None, safe: bool):

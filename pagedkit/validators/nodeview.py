@@ -8,6 +8,9 @@ known values, so an unknown symbolic dimension is never an error.
 
 from __future__ import annotations
 
+import functools
+import sys
+
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -52,14 +55,10 @@ def dtype_from_type_str(s: str) -> int:
 
 def onnx_dtype_of(x: Any) -> int:
     """ONNX element type of a torch tensor or numpy array."""
-    try:
-        import torch
-
-        if isinstance(x, torch.Tensor):
-            # an element type ONNX cannot express is UNDEFINED (reported by the dtype rule), never a crash
-            return _TORCH_TO_ONNX.get(x.dtype, TensorProto.UNDEFINED)
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
+    torch = sys.modules.get("torch")  # a torch tensor implies torch is imported; never import it here
+    if torch is not None and isinstance(x, torch.Tensor):
+        # an element type ONNX cannot express is UNDEFINED (reported by the dtype rule), never a crash
+        return _torch_map().get(x.dtype, TensorProto.UNDEFINED)
     arr = np.asarray(x)
     if arr.dtype.name == "bfloat16":
         return TensorProto.BFLOAT16
@@ -71,11 +70,10 @@ def onnx_dtype_of(x: Any) -> int:
         return TensorProto.UNDEFINED
 
 
+@functools.cache
 def _torch_map() -> dict:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        return {}
+    import torch
+
     return {
         torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16, torch.bfloat16: TensorProto.BFLOAT16,
         torch.float64: TensorProto.DOUBLE, torch.int8: TensorProto.INT8, torch.uint8: TensorProto.UINT8,
@@ -85,20 +83,14 @@ def _torch_map() -> dict:
     }
 
 
-_TORCH_TO_ONNX = _torch_map()
-
 
 def _values_of(x: Any) -> np.ndarray | None:
     """Concrete values of small integer index tensors (for value rules); None for float data."""
-    try:
-        import torch
-
-        if isinstance(x, torch.Tensor):
-            if x.dtype in (torch.int32, torch.int64):
-                return x.detach().cpu().numpy()
-            return None
-    except ImportError:  # pragma: no cover
-        pass
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.dtype in (torch.int32, torch.int64):
+            return x.detach().cpu().numpy()
+        return None
     arr = np.asarray(x)
     return arr if arr.dtype.kind in "iu" else None
 
