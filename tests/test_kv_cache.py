@@ -171,14 +171,16 @@ def test_abort_releases_the_reservation():
 # ---- sharing -------------------------------------------------------------------------------------------
 
 def test_fork_shares_blocks_and_copy_on_write_copies_every_cache_of_the_group():
-    layers = (layer(0, key_scale_dtype="float16", value_scale_dtype="float16"), layer(1, cache_dtype="int8"))
+    layers = (layer(0, key_scale_dtype="float16", value_scale_dtype="float16"), layer(1, cache_dtype="int8"),
+              LayerCacheSpec(2, 1, 16, cache_dtype="bfloat16", latent=True))
     m = manager(layers=layers, bs=4)
     m.add_sequence("a", 6)
     m.commit(m.plan([("a", 6)]))
     gen = torch.Generator().manual_seed(0)
-    for t in m.caches[0].values():  # fill every block with distinct content
-        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
-    m.caches[1]["key"].copy_(torch.randint(-100, 100, m.caches[1]["key"].shape, generator=gen, dtype=torch.int8))
+    for kinds in m.caches.values():  # fill every block of every tensor with distinct content
+        for t in kinds.values():
+            t.copy_(torch.randint(-100, 100, t.shape, generator=gen).to(t.dtype))
+    assert set(m.caches[2]) == {"key"} and len(m.caches[0]) == 4
     m.fork("a", "b")
     ra, rb = m.block_table_row("a", "full"), m.block_table_row("b", "full")
     assert ra == rb and m.pools["full"].refcount[ra[1]] == 2
@@ -320,3 +322,47 @@ def test_speculation_with_a_ring_keeps_the_window_of_accepted_tokens():
     assert p.past_lens == (10,) and p.slot_mappings["win"].tolist() == derived_slots(p, "win", bs)
     m.commit(p)
     assert m.check_invariants() == []
+
+
+# ---- CUDA: persistent device buffers under graph replay ----------------------------------------------
+
+@pytest.mark.gpu
+def test_cuda_step_buffers_replay_in_a_cuda_graph_and_match_cpu():
+    cpu, gpu = manager(num_blocks=32, bs=16, max_seq_len=256), manager(num_blocks=32, bs=16, max_seq_len=256,
+                                                                        device="cuda")
+    for m in (cpu, gpu):
+        m.add_sequence("a", 40)
+        m.add_sequence("b", 17)
+        m.commit(m.plan([("a", 40), ("b", 17)]))
+    gen = torch.Generator().manual_seed(0)
+    for t in gpu.caches[0].values():
+        t.copy_(torch.randn(t.shape, generator=gen).half())
+    for m in (cpu, gpu):
+        m.fork("b", "c")  # c's first write copies b's partial block on the device
+
+    def flat(plan):
+        f = plan.feeds()
+        return torch.cat([f[k].flatten() for k in sorted(f) if k != "attention_metadata"])
+
+    static = gpu.plan([("a", 1), ("b", 1), ("c", 1)])
+    assert all(t.device.type == "cuda" for k, t in static.feeds().items() if k != "attention_metadata")
+    src_block = gpu.block_table_row("b", "full")[1]
+    assert torch.equal(gpu.caches[0]["key"][gpu.block_table_row("c", "full")[1]], gpu.caches[0]["key"][src_block])
+    gpu.commit(static)
+    cpu.commit(cpu.plan([("a", 1), ("b", 1), ("c", 1)]))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out = flat(static) * 1  # warm-up
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flat(static) * 1  # reads the persistent buffers at fixed addresses
+    for _ in range(20):
+        p_gpu, p_cpu = gpu.plan([("a", 1), ("b", 1), ("c", 1)]), cpu.plan([("a", 1), ("b", 1), ("c", 1)])
+        assert {k: t.data_ptr() for k, t in p_gpu.feeds().items()} == {k: t.data_ptr() for k, t in static.feeds().items()}
+        graph.replay()
+        assert torch.equal(out.cpu(), flat(p_cpu)), "graph replay did not see this step's values"
+        assert p_gpu.attention_metadata.tolist() == p_cpu.attention_metadata.tolist()
+        gpu.commit(p_gpu)
+        cpu.commit(p_cpu)
