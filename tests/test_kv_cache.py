@@ -366,3 +366,14 @@ def test_cuda_step_buffers_replay_in_a_cuda_graph_and_match_cpu():
         assert p_gpu.attention_metadata.tolist() == p_cpu.attention_metadata.tolist()
         gpu.commit(p_gpu)
         cpu.commit(p_cpu)
+
+
+def test_docs_example_runs_and_prints_what_it_says(capsys):
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "kv-cache.md").read_text(encoding="utf-8")
+    (code,) = re.findall(r"```python\n(.*?)```", text, re.S)
+    exec(compile(code, "docs/kv-cache.md", "exec"), {})
+    promised = [m.strip() for m in re.findall(r"print\(.*?\)\s+# (.*)", code)]
+    assert capsys.readouterr().out.split("\n")[: len(promised)] == promised
