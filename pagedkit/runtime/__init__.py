@@ -1,5 +1,11 @@
 """pagedkit.runtime: InferenceSession (ONNX on torch, CPU or CUDA) and the KV block manager."""
 
+from .kv_cache import KVCacheExhausted, KVCacheManager
+from .kv_config import GroupConfig, KVCacheConfig, LayerCacheSpec
+from .kv_plan import StepPlan
 from .session import InferenceSession, NodeArg
 
-__all__ = ["InferenceSession", "NodeArg"]
+__all__ = [
+    "GroupConfig", "InferenceSession", "KVCacheConfig", "KVCacheExhausted", "KVCacheManager", "LayerCacheSpec",
+    "NodeArg", "StepPlan",
+]
