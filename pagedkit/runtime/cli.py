@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
           f"decode {len(steps) - 1} tokens in {decode:.3f} s ({rate})")
     if not args.parity:
         return 0
-    from .generate import hf_logits, parity
+    from .parity import hf_logits, parity
 
     tol = args.tol if args.tol is not None else TOLERANCES[gen.dtype]
     try:

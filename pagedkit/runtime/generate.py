@@ -1,11 +1,12 @@
-"""Greedy generation over a model folder (model.onnx + genai_config.json) with pagedkit's InferenceSession,
-and the step-by-step parity check against Hugging Face eager.
+"""Greedy (or teacher-forced) generation over a model folder (model.onnx + genai_config.json) with
+pagedkit's InferenceSession.
 
     gen = Generator("model_dir")                          # session + caches, from genai_config.json
     for step in gen.greedy([1, 5, 9], max_new_tokens=8):   # prefill, then one token per step
         print(step.token)
-    report = parity(gen.history, hf_logits("hf_dir", gen.history.token_ids), tol=2e-2)
+    gen.history                                           # prompt, steps (token, logits, position)
 
+Parity with Hugging Face eager lives in parity.py.
 The config is onnxruntime-genai's (decoder input / output names, layer count, heads, eos, sliding
 window layers) or ours (the same plus the `pagedkit` section: block size, cache dtypes, extension
 inputs). Two layouts:
@@ -34,7 +35,7 @@ from .session import InferenceSession
 from .tensors import ONNX_TO_TORCH
 from ..validators.nodeview import dtype_from_type_str
 
-# default tolerances (max|diff| <= tol * max|ref|) of a model's logits vs HF eager float32, by model dtype
+# parity tolerances (max|diff| <= tol * max|ref|) of a model's logits vs HF eager float32, by model dtype
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 # torch storage dtype of a cache input -> the cache dtype spelling of KVCacheConfig
 _CACHE_DTYPE = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8",
@@ -326,91 +327,3 @@ class Generator:
         """Logits after the prompt and after each continuation token but the last."""
         return list(self.run(prompt, len(continuation), forced=continuation))
 
-
-# ---- parity with Hugging Face eager -------------------------------------------------------------------
-
-@dataclass
-class ParityStep:
-    step: int
-    position: int  # position whose next-token logits are compared
-    max_abs_diff: float
-    max_ref: float
-    ours: int  # our greedy token (argmax of our logits)
-    ref: int  # the reference's greedy token
-    near_tie: bool  # the reference's top-2 logits are within tol * max|ref|
-
-    @property
-    def rel(self) -> float:
-        return self.max_abs_diff / max(self.max_ref, 1e-30)
-
-    @property
-    def agree(self) -> bool:
-        return self.ours == self.ref
-
-
-@dataclass
-class ParityReport:
-    steps: list[ParityStep]
-    tol: float
-
-    @property
-    def max_rel(self) -> float:
-        return max((s.rel for s in self.steps), default=0.0)
-
-    @property
-    def disagreements(self) -> list[ParityStep]:
-        """Steps whose greedy tokens differ where the reference has no near-tie."""
-        return [s for s in self.steps if not s.agree and not s.near_tie]
-
-    @property
-    def ok(self) -> bool:
-        return self.max_rel <= self.tol and not self.disagreements
-
-    def lines(self) -> list[str]:
-        out = [f"{'step':>4} {'pos':>5} {'ours':>7} {'ref':>7} {'max|diff|':>10} {'/max|ref|':>10}  tokens"]
-        for s in self.steps:
-            mark = "agree" if s.agree else ("differ (near-tie)" if s.near_tie else "DIFFER")
-            if s.agree and s.near_tie:
-                mark += " (near-tie)"
-            flag = "" if s.rel <= self.tol else "  > tol"
-            out.append(f"{s.step:>4} {s.position:>5} {s.ours:>7} {s.ref:>7} {s.max_abs_diff:>10.3e} {s.rel:>10.3e}"
-                       f"  {mark}{flag}")
-        verdict = "OK" if self.ok else "FAIL"
-        out.append(f"parity {verdict}: largest max|diff| / max|ref| = {self.max_rel:.3e} (tol {self.tol:g}), "
-                   f"{sum(s.agree for s in self.steps)}/{len(self.steps)} greedy tokens agree, "
-                   f"{sum(s.near_tie for s in self.steps)} near-ties, {len(self.disagreements)} real disagreements")
-        return out
-
-
-def hf_logits(hf_dir: str | Path, token_ids: Sequence[int]) -> torch.Tensor:
-    """Hugging Face eager, float32, teacher-forced over token_ids in one forward pass: [L, V] logits
-    (row t = next-token logits after token t). Local folder only: offline, no remote code."""
-    import os
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import transformers
-
-    if not Path(hf_dir).is_dir():
-        raise FileNotFoundError(f"Hugging Face checkpoint folder not found: {hf_dir}")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(hf_dir), dtype=torch.float32, attn_implementation="eager", local_files_only=True,
-        trust_remote_code=False).eval()
-    with torch.no_grad():
-        out = model(torch.tensor([list(token_ids)], dtype=torch.long), use_cache=False)
-    return out.logits[0].float()
-
-
-def parity(history: History, ref_logits: torch.Tensor, tol: float) -> ParityReport:
-    """Compare every step of a run with the reference's logits at the same position."""
-    steps = []
-    for k, s in enumerate(history.steps):
-        ref = ref_logits[s.position].float()
-        ours = s.logits.float()
-        if ours.shape != ref.shape:
-            raise ValueError(f"step {k}: our logits have shape {tuple(ours.shape)}, the reference's {tuple(ref.shape)}")
-        top2 = torch.topk(ref, 2).values
-        max_ref = float(ref.abs().max())
-        steps.append(ParityStep(k, s.position, float((ours - ref).abs().max()), max_ref, int(torch.argmax(ours)),
-                                int(torch.argmax(ref)), float(top2[0] - top2[1]) <= tol * max_ref))
-    return ParityReport(steps, tol)
