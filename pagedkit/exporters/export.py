@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import onnx
 import torch
 
 from .config import ModelSpec, with_decoded_pagedkit, genai_config, write_genai_config
-from .families.base import ExportContext, ExportOptions
+from .families.base import ExportContext, ExportOptions, KVOptions
 from .registry import family_for
 from .weights import copy_tokenizer_files, load_model
 
@@ -118,29 +118,60 @@ def check_exported(path: Path, config: dict) -> None:
 
 def export_hf_model(hf_model: torch.nn.Module, output_dir: str | os.PathLike, opts: ExportOptions | None = None, *,
                     weights: str = "in-memory", source: dict | None = None, tokenizer_dir: Path | None = None,
-                    validate: bool = True) -> ExportResult:
-    """Export an in-memory HF model to output_dir (model.onnx, genai_config.json, tokenizer files)."""
+                    weight_format: str = "fp16", calibration: str | os.PathLike | None = None,
+                    percentile: float = 100.0, validate: bool = True) -> ExportResult:
+    """Export an in-memory HF model to output_dir (model.onnx, genai_config.json, tokenizer files).
+
+    Quantized caches: the unquantized graph is built first and run over the calibration text (default:
+    the text shipped with pagedkit) for PER_TENSOR / PER_CHANNEL scales and the per-layer SNR report.
+    weight_format "int4": MatMul weights to MatMulNBits (onnxruntime's quantizer)."""
+    from .quantize import calibrate, calibration_sequences, needs_calibration, quantize_weights_int4
+
     opts = opts or ExportOptions()
     out = Path(output_dir)
+    notes = []
+    calib = None
+    if needs_calibration(family_for(hf_model.config).model_spec(hf_model, opts).layers):
+        base_opts = replace(opts, kv=KVOptions(), kv_scales={}, progress=False)
+        base, base_spec = build_model(hf_model, base_opts)
+        final_spec = family_for(hf_model.config).model_spec(hf_model, opts)
+        seqs = calibration_sequences(calibration, tokenizer_dir, hf_model.config.vocab_size)
+        scales, calib = calibrate(base, final_spec, seqs, percentile)
+        del base
+        opts = replace(opts, kv_scales=scales)
+        calib["text"] = str(calibration) if calibration else "pagedkit built-in calibration text"
+        snr = calib["snr_db"]
+        notes.append("KV quantization SNR (dB) per layer: " + ", ".join(
+            f"{i}: K {r.get('k_snr_db', '-')} / V {r.get('v_snr_db', '-')}" for i, r in snr.items()))
     proto, spec = build_model(hf_model, opts, progress=opts.progress)
-    spec.source = dict(source or {}) | {"weights": weights}
+    spec.calibration = calib
+    spec.source = dict(source or {}) | {"weights": weights, "weight_format": weight_format}
+    if weight_format == "int4":
+        proto = quantize_weights_int4(proto)
+        n = sum(1 for node in proto.graph.node if node.op_type == "MatMulNBits")
+        notes.append(f"int4 weights: {n} MatMul nodes -> MatMulNBits (block 32, symmetric)")
+    elif weight_format != "fp16":
+        raise ValueError(f"weights: expected fp16 or int4, got {weight_format!r}")
     path = save_model(proto, out, spec.filename)
     del proto
     write_genai_config(out, spec)
     copy_tokenizer_files(tokenizer_dir, out)
     if validate:
         check_exported(path, genai_config(spec))
-    files = [path] + ([path.with_name(path.name + ".data")] if path.with_name(path.name + ".data").exists() else [])
+    data = path.with_name(path.name + ".data")
+    files = [path] + ([data] if data.exists() else [])
     params = sum(p.numel() for p in hf_model.parameters())
     return ExportResult(out, path, spec, params, sum(f.stat().st_size for f in files), kv_bytes_per_token(spec),
-                        weights)
+                        weights, notes)
 
 
 def export(model: str | os.PathLike, output_dir: str | os.PathLike, opts: ExportOptions | None = None, *,
-           num_layers: int | None = None, num_experts: int | None = None, seed: int = 0,
+           num_layers: int | None = None, num_experts: int | None = None, seed: int = 0, weights: str = "fp16",
+           calibration: str | os.PathLike | None = None, percentile: float = 100.0,
            validate: bool = True) -> ExportResult:
     """`paged-export`'s work: load (local safetensors / GGUF / built-in config), export, check, summarize."""
     loaded = load_model(model, num_layers=num_layers, num_experts=num_experts, seed=seed)
     source = {"model": str(model), "num_hidden_layers": loaded.config.num_hidden_layers}
     return export_hf_model(loaded.model, output_dir, opts, weights=loaded.weights, source=source,
-                           tokenizer_dir=loaded.source_dir, validate=validate)
+                           tokenizer_dir=loaded.source_dir, weight_format=weights, calibration=calibration,
+                           percentile=percentile, validate=validate)

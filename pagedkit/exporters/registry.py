@@ -14,6 +14,7 @@ FAMILIES: dict[str, str] = {
     "phi3": "phi3:Phi3Family",
     "gemma2": "gemma2:Gemma2Family",
     "gpt_oss": "gpt_oss:GptOssFamily",
+    "deepseek_v2": "deepseek:DeepseekFamily", "deepseek_v3": "deepseek:DeepseekFamily",
 }
 
 

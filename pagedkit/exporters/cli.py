@@ -1,0 +1,119 @@
+"""`paged-export`: Hugging Face checkpoint (local folder, GGUF file or built-in name) -> PagedAttention
+ONNX model + genai_config.json, validated before success is declared.
+
+    paged-export --model llama-3.1-8b --num-layers 2 --output /tmp/llama2l
+    paged-export --model ./my-checkpoint --output out --kv-cache int8 --kv-quant PER_TOKEN
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never the network
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+CACHE_CHOICES = {"fp16": "float16", "bf16": "bfloat16", "int8": "int8", "fp8": "float8e4m3fn", "int4": "int4"}
+QUANT_CHOICES = ("NONE", "PER_TENSOR", "PER_CHANNEL", "PER_TOKEN")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .weights import builtin_names
+
+    p = argparse.ArgumentParser(
+        prog="paged-export",
+        description="Export a Hugging Face causal LM to an ONNX graph with com.microsoft::PagedAttention "
+                    "(onnxruntime-genai's paged layout). Never downloads: NAME_OR_PATH is a local checkpoint "
+                    "folder (config.json + *.safetensors), a local .gguf file, or a built-in name "
+                    f"({', '.join(builtin_names())}); without local weights it exports random weights and "
+                    "says so.")
+    p.add_argument("--model", "-m", help="local checkpoint folder, .gguf file, or built-in name")
+    p.add_argument("--output", "-o", help="output folder (model.onnx, genai_config.json, tokenizer files)")
+    p.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="activation / weight dtype (fp16)")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size written to the config (16)")
+    p.add_argument("--kv-cache", choices=tuple(CACHE_CHOICES), help="K and V cache dtype (default: --dtype)")
+    p.add_argument("--k-cache", choices=tuple(CACHE_CHOICES), help="K cache dtype (overrides --kv-cache)")
+    p.add_argument("--v-cache", choices=tuple(CACHE_CHOICES), help="V cache dtype (overrides --kv-cache)")
+    p.add_argument("--kv-quant", choices=QUANT_CHOICES, type=str.upper,
+                   help="quantization granularity of quantized caches (PER_TOKEN when not given)")
+    p.add_argument("--k-quant", choices=QUANT_CHOICES, type=str.upper, help="K granularity (overrides --kv-quant)")
+    p.add_argument("--v-quant", choices=QUANT_CHOICES, type=str.upper, help="V granularity (overrides --kv-quant)")
+    p.add_argument("--rotate-kv", action="store_true",
+                   help="Walsh-Hadamard rotation of Q/K and V per head (qk_rotation / v_rotation)")
+    p.add_argument("--weights", choices=("fp16", "int4"), default="fp16",
+                   help="int4: MatMul weights to MatMulNBits with onnxruntime's quantizer")
+    p.add_argument("--calibration", metavar="TEXT_FILE",
+                   help="text for PER_TENSOR / PER_CHANNEL scale calibration (default: a text shipped with pagedkit)")
+    p.add_argument("--calibration-percentile", type=float, default=100.0,
+                   help="percentile of |x| taken as the calibrated maximum (100 = max-abs)")
+    p.add_argument("--num-layers", type=int, help="keep only the first N decoder layers")
+    p.add_argument("--num-experts", type=int, help="keep only N routed experts (MoE models; quick runs)")
+    p.add_argument("--max-seq-len", type=int, help="context length (rotary table rows); default: the config's")
+    p.add_argument("--extra-inputs", default="",
+                   help="comma list of optional pagedkit graph inputs: slot_mapping, query_positions")
+    p.add_argument("--seed", type=int, default=0, help="seed of random weights (no local weights)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--list", action="store_true", help="list built-in names and supported model types, then exit")
+    return p
+
+
+def kv_options(args) -> "KVOptions":
+    from .families.base import KVOptions
+
+    kv_default = args.kv_cache
+    k = CACHE_CHOICES.get(args.k_cache or kv_default or "", "")
+    v = CACHE_CHOICES.get(args.v_cache or kv_default or "", "")
+    quantized = ("int8", "float8e4m3fn", "int4")
+
+    def quant(side_dtype: str, side_quant: str | None) -> str:
+        q = side_quant or args.kv_quant
+        if side_dtype in quantized:
+            return q or "PER_TOKEN"
+        if q not in (None, "NONE"):
+            raise SystemExit(f"paged-export: --*-quant {q} needs a quantized cache (--kv-cache int8|fp8|int4)")
+        return "NONE"
+
+    if k != v:
+        raise SystemExit(f"paged-export: K and V caches must share one dtype (the operator binds both to T_CACHE), "
+                         f"got --k-cache {args.k_cache or kv_default} and --v-cache {args.v_cache or kv_default}")
+    return KVOptions(k_dtype=k, v_dtype=v, k_quant=quant(k, args.k_quant), v_quant=quant(v, args.v_quant),
+                     rotate=args.rotate_kv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.list:
+        from .registry import supported
+        from .weights import builtin_names
+
+        print("built-in models:", ", ".join(builtin_names()))
+        for model_type, features in supported().items():
+            print(f"{model_type}: {'; '.join(features)}")
+        return 0
+    if not args.model or not args.output:
+        build_parser().error("--model and --output are required")
+    from .export import ExportError, export
+    from .families.base import ExportOptions
+    from .weights import WeightsError
+
+    extras = {e.strip() for e in args.extra_inputs.split(",") if e.strip()}
+    unknown = extras - {"slot_mapping", "query_positions"}
+    if unknown:
+        build_parser().error(f"--extra-inputs: unknown {sorted(unknown)}; expected slot_mapping, query_positions")
+    opts = ExportOptions(dtype=args.dtype, block_size=args.block_size, max_seq_len=args.max_seq_len,
+                         kv=kv_options(args), slot_mapping="slot_mapping" in extras,
+                         query_positions="query_positions" in extras, progress=not args.quiet)
+    try:
+        result = export(args.model, args.output, opts, num_layers=args.num_layers, num_experts=args.num_experts,
+                        seed=args.seed, weights=args.weights, calibration=args.calibration,
+                        percentile=args.calibration_percentile)
+    except (WeightsError, ExportError, NotImplementedError, ValueError) as exc:
+        print(f"paged-export: error: {exc}", file=sys.stderr)
+        return 1
+    print(result.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

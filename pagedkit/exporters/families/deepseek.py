@@ -1,0 +1,338 @@
+"""DeepSeek V2 / V3 (model_type deepseek_v2 / deepseek_v3): Multi-head Latent Attention exported in absorbed
+form through one PagedAttention node with kv_cache_layout="LATENT" (design §12), and the MoE MLP.
+
+Attention of layer i (T tokens, H heads, rank = kv_lora_rank, rope = qk_rope_head_dim, nope =
+qk_nope_head_dim, dv = v_head_dim; W_UK [H, nope, rank] and W_UV [H, dv, rank] are the two halves of each
+head's rows of kv_b_proj):
+  q        [T, H*(nope+rope)] = q_proj(x)  or  q_b_proj(RMSNorm_q_a(q_a_proj(x)))    (q_lora_rank)
+  q_nope   [T, H, nope], q_pe [T, H, rope]                                          (split per head)
+  q_abs    [T, H, rank] = q_nope[h] @ W_UK[h]          (batched MatMul over heads: W_UK absorbed into Q)
+  query    [T, H*(rank+rope)] = q_abs ‖ q_pe
+  latent   [T, rank + rope] = kv_a_proj_with_mqa(x);  key [T, 1*(rank+rope)] = RMSNorm_kv_a(c) ‖ k_pe
+  PagedAttention: LATENT, kv_num_heads 1, head_size rank+rope, v_head_size rank, do_rotary 1 with
+      rotary_offset = rank (RoPE on the trailing rope channels of Q and K, cos/sin [P, rope/2]),
+      rotary_interleaved as the model rotates (V2: complex pairs = interleaved; V3: `rope_interleave`),
+      scale = the model's softmax_scale (YaRN mscale^2 / sqrt(nope + rope), never 1/sqrt(rank + rope)).
+      Cache past_key_values.{i}.key [num_blocks, block_size, 1, rank + rope]; no value cache.
+  o_lat    [T, H*rank] -> o [T, H*dv] = o_lat[h] @ W_UV[h]^T (batched MatMul: W_UV after the op) -> o_proj
+V3's interleaved RoPE returns its pairs de-interleaved ([evens | odds]); Q and K get the same permutation,
+so the scores equal the interleaved rotation's and the cache simply holds k_pe interleaved.
+
+MLP: the first `first_k_dense_replace` layers are dense (gated MLP); the others are MoE with shared
+experts. Routing is computed exactly as Hugging Face does:
+- V2 `greedy` (softmax over all experts, top-k, weights not renormalized — HF's DeepseekV2 ignores
+  norm_topk_prob — times routed_scaling_factor): com.microsoft::MoE (router logits computed in float32,
+  SwiGLU with alpha 1 / beta 0 / no limit == silu(gate) * up), the scaling factor a Mul after it;
+- everything else (V2 `group_limited_greedy`; V3: sigmoid scores, + e_score_correction_bias for the
+  choice, groups ranked by the sum of their top-2 choice scores, topk_group groups kept, top-k of the
+  rest, weights = the scores of the chosen experts, renormalized when norm_topk_prob, times
+  routed_scaling_factor): plain ONNX ops in float32 giving routing weights R [T, E] (zero off the top-k),
+  and the experts evaluated densely ([E, T, ...] batched MatMuls) and summed with R — exact, at E/k times
+  the expert FLOPs of a sparse kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from onnx import TensorProto
+
+from ..config import LayerSpec
+from ..graph import MS_DOMAIN, GraphBuilder, activation, cast, gated_mlp, linear, paged_attention, rms_norm, \
+    rotary_tables
+from .base import DecoderFamily, ExportContext, ExportOptions
+
+F32, I64 = TensorProto.FLOAT, TensorProto.INT64
+
+
+class DeepseekFamily(DecoderFamily):
+    name = "deepseek"
+    model_types = ("deepseek_v2", "deepseek_v3")
+    features = ("MLA absorbed into PagedAttention LATENT (one [blocks, block_size, 1, rank + rope] cache)",
+                "q_lora_rank (q_a_proj -> RMSNorm -> q_b_proj) or q_proj",
+                "RoPE offset to the latent's rope channels, interleaved as the model rotates, YaRN",
+                "softmax scale with YaRN mscale^2 (explicit node scale)",
+                "MoE with shared experts: V2 greedy softmax as com.microsoft::MoE; group-limited / sigmoid "
+                "(V3, e_score_correction_bias) routing as plain ONNX ops", "first_k_dense_replace dense layers")
+
+    # ---- per-model facts ---------------------------------------------------------------------
+    def check(self, config) -> None:
+        super().check(config)
+        if config.num_key_value_heads != config.num_attention_heads:
+            raise NotImplementedError(
+                f"num_key_value_heads {config.num_key_value_heads} != num_attention_heads "
+                f"{config.num_attention_heads}: Hugging Face's MLA expands the latent to one K/V per query head")
+        rank, rope = config.kv_lora_rank, config.qk_rope_head_dim
+        if rank % 8 or rope % 2 or (rank + rope) % 8:
+            raise NotImplementedError(f"kv_lora_rank {rank} must be a multiple of 8 (rotary_offset) and "
+                                      f"kv_lora_rank + qk_rope_head_dim {rank + rope} a multiple of 8 (head_size)")
+        if config.model_type == "deepseek_v2" and getattr(config, "topk_method", "greedy") not in (
+                "greedy", "group_limited_greedy"):
+            raise NotImplementedError(f"deepseek_v2 topk_method {config.topk_method!r}: Hugging Face's "
+                                      "DeepseekV2 routes with 'greedy' or 'group_limited_greedy' only")
+
+    def latent_width(self, config) -> int:
+        return config.kv_lora_rank + config.qk_rope_head_dim
+
+    def rotary_interleaved(self, config) -> int:
+        if config.model_type == "deepseek_v2":  # torch.view_as_complex over (x0, x1), (x2, x3), ...
+            return 1
+        return int(bool(getattr(config, "rope_interleave", True)))
+
+    def rope_tables(self, model, max_positions: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        rot, config = self.decoder(model).rotary_emb, model.config
+        if config.model_type != "deepseek_v2":
+            cos, sin = rotary_tables(rot, max_positions)
+        else:  # V2's module returns freqs_cis = attention_scaling * exp(i pos inv_freq): [1, P, rope / 2] complex
+            pos = torch.arange(max_positions, dtype=torch.int64)[None, :]
+            freqs = rot(torch.zeros(1, dtype=torch.float32), pos)[0]
+            cos, sin = freqs.real.float().contiguous(), freqs.imag.float().contiguous()
+        if 2 * cos.shape[1] != config.qk_rope_head_dim:
+            raise NotImplementedError(f"the rotary module's table covers {2 * cos.shape[1]} channels, not "
+                                      f"qk_rope_head_dim {config.qk_rope_head_dim} (config.head_dim "
+                                      f"{getattr(config, 'head_dim', None)})")
+        return {"cos_cache": (cos, sin)}
+
+    def model_spec(self, model, opts: ExportOptions):
+        spec = super().model_spec(model, opts)
+        config, kv = model.config, opts.kv
+        if kv.rotate:
+            raise ValueError("--rotate-kv: qk_rotation / v_rotation are rejected with kv_cache_layout LATENT "
+                             "(DeepSeek's absorbed MLA)")
+        if (kv.v_dtype, kv.v_quant) != (kv.k_dtype, kv.k_quant):
+            raise ValueError("DeepSeek exports one LATENT cache per layer (K); set its dtype / quantization with "
+                             "--kv-cache / --kv-quant or --k-*, not --v-*")
+        width = self.latent_width(config)
+        for l in spec.layers:
+            l.layout, l.kv_num_heads, l.head_size, l.v_head_size, l.v_cache = "LATENT", 1, width, \
+                config.kv_lora_rank, None
+        spec.kv_num_heads, spec.head_size = 1, width
+        return spec
+
+    # ---- attention ----------------------------------------------------------------------------
+    def attention(self, ctx: ExportContext, i: int, attn, x: str) -> str:
+        g, l, config = ctx.g, ctx.spec.layers[i], ctx.config
+        p, ip = f"/model/layers.{i}/attn", f"model.layers.{i}.attn"
+        heads, rank, rope = l.num_heads, config.kv_lora_rank, config.qk_rope_head_dim
+        nope, dv = config.qk_nope_head_dim, config.v_head_dim
+        rows = g.shape_of(x)[0]
+
+        # query [T, H*(nope+rope)] -> q_abs ‖ q_pe [T, H*(rank+rope)]
+        if attn.q_lora_rank is None:
+            q = linear(g, x, attn.q_proj.weight, attn.q_proj.bias, f"{p}/q_proj", f"{ip}.q_proj")
+        else:
+            q = linear(g, x, attn.q_a_proj.weight, attn.q_a_proj.bias, f"{p}/q_a_proj", f"{ip}.q_a_proj")
+            q = rms_norm(g, q, self.norm_weight(attn.q_a_layernorm), self.norm_eps(attn.q_a_layernorm),
+                         f"{p}/q_a_layernorm", f"{ip}.q_a_layernorm.weight")
+            q = linear(g, q, attn.q_b_proj.weight, attn.q_b_proj.bias, f"{p}/q_b_proj", f"{ip}.q_b_proj")
+        q = reshape(g, q, [-1, heads, nope + rope], (rows, heads, nope + rope), f"{p}/q/Reshape")
+        q_nope, q_pe = split(g, q, [nope, rope], -1, f"{p}/q/Split")
+        w_kv = attn.kv_b_proj.weight.detach().reshape(heads, nope + dv, rank)  # per head [k_nope rows | v rows]
+        w_uk = g.initializer(f"{ip}.kv_b_proj.W_UK", w_kv[:, :nope, :])  # [H, nope, rank]
+        q_abs = head_matmul(g, q_nope, w_uk, rank, f"{p}/q_absorb")  # [T, H, rank]
+        query = g.node("Concat", [q_abs, q_pe], f"{p}/query/Concat", axis=-1, out_type=g.float_type,
+                       out_shape=(rows, heads, rank + rope))
+        query = reshape(g, query, [-1, heads * (rank + rope)], (rows, heads * (rank + rope)), f"{p}/query/Reshape")
+
+        # key [T, rank+rope] = RMSNorm(compressed_kv) ‖ k_pe (RoPE'd by the node, channels rank..)
+        kv_a = attn.kv_a_proj_with_mqa
+        latent = linear(g, x, kv_a.weight, kv_a.bias, f"{p}/kv_a_proj_with_mqa", f"{ip}.kv_a_proj_with_mqa")
+        c, k_pe = split(g, latent, [rank, rope], -1, f"{p}/kv_a/Split")
+        c = rms_norm(g, c, self.norm_weight(attn.kv_a_layernorm), self.norm_eps(attn.kv_a_layernorm),
+                     f"{p}/kv_a_layernorm", f"{ip}.kv_a_layernorm.weight")
+        key = g.node("Concat", [c, k_pe], f"{p}/key/Concat", axis=-1, out_type=g.float_type,
+                     out_shape=(rows, rank + rope))
+
+        attrs: dict[str, Any] = dict(num_heads=heads, kv_num_heads=1, scale=self.attention_scale(attn, config),
+                                     kv_cache_layout="LATENT", v_head_size=rank, do_rotary=1,
+                                     rotary_offset=rank, rotary_interleaved=self.rotary_interleaved(config))
+        extra: dict[str, str] = {}
+        caches = self.cache_io(ctx, l, extra, attrs)
+        out = paged_attention(g, layer=i, io=ctx.io, query=query, key=key, value=None, caches=caches,
+                              windowed_table=False, rope=ctx.rope[l.rope], extra_inputs=extra, attrs=attrs,
+                              out_width=heads * rank)
+
+        # o_lat [T, H*rank] -> per head @ W_UV^T -> [T, H*dv] -> o_proj
+        o = reshape(g, out, [-1, heads, rank], (rows, heads, rank), f"{p}/o_lat/Reshape")
+        w_uv = g.initializer(f"{ip}.kv_b_proj.W_UV_T", w_kv[:, nope:, :].transpose(1, 2))  # [H, rank, dv]
+        o = head_matmul(g, o, w_uv, dv, f"{p}/v_up")
+        o = reshape(g, o, [-1, heads * dv], (rows, heads * dv), f"{p}/v_up/Reshape")
+        return linear(g, o, attn.o_proj.weight, attn.o_proj.bias, f"{p}/o_proj", f"{ip}.o_proj")
+
+    # ---- MLP / MoE ----------------------------------------------------------------------------
+    def mlp(self, ctx: ExportContext, i: int, mlp, x: str) -> str:
+        if not hasattr(mlp, "experts"):  # first_k_dense_replace layers
+            return super().mlp(ctx, i, mlp, x)
+        g, config = ctx.g, ctx.config
+        p, ip = f"/model/layers.{i}/mlp", f"model.layers.{i}.mlp"
+        if self.moe_op_fits(config):
+            routed = self.moe_op(ctx, mlp, x, p, ip)
+        else:
+            routed = self.moe_dense(ctx, mlp, x, p, ip)
+        shared = super().mlp(ctx, i, mlp.shared_experts, x)  # /model/layers.{i}/mlp/{gate,up,down}_proj
+        return g.node("Add", [routed, shared], f"{p}/shared/Add", out_type=g.float_type, out_shape=g.shape_of(x))
+
+    def moe_op_fits(self, config) -> bool:
+        """com.microsoft::MoE routes by softmax over all experts + top-k: Hugging Face's DeepseekV2 'greedy'."""
+        return (config.model_type == "deepseek_v2" and config.topk_method == "greedy"
+                and config.hidden_act == "silu")
+
+    def router_logits(self, ctx: ExportContext, mlp, x: str, p: str, ip: str) -> str:
+        """[T, E] float32, as Hugging Face (float32 gate weight, float32 hidden states)."""
+        g = ctx.g
+        w = g.initializer(f"{ip}.gate.weight", mlp.gate.weight.detach().float().t(), F32)
+        x32 = cast(g, x, F32, f"{p}/gate/Cast")
+        return g.node("MatMul", [x32, w], f"{p}/gate/MatMul", out_type=F32,
+                      out_shape=(g.shape_of(x)[0], mlp.gate.weight.shape[0]))
+
+    def moe_op(self, ctx: ExportContext, mlp, x: str, p: str, ip: str) -> str:
+        g, config = ctx.g, ctx.config
+        logits = cast(g, self.router_logits(ctx, mlp, x, p, ip), g.float_type, f"{p}/gate/Cast_1")
+        ex = mlp.experts
+        n_exp, two_i, hidden = ex.gate_up_proj.shape
+        gate, up = ex.gate_up_proj.detach().chunk(2, dim=1)  # HF: [gate | up] rows
+        fc1 = torch.stack([gate, up], dim=2).reshape(n_exp, two_i, hidden)  # interleaved (swiglu_fusion=1)
+        fc1 = g.initializer(f"{ip}.experts.gate_up_proj.weight", fc1)
+        fc2 = g.initializer(f"{ip}.experts.down_proj.weight", ex.down_proj.detach())
+        y = g.node("MoE", [x, logits, fc1, "", fc2], f"{p}/MoE", domain=MS_DOMAIN, k=int(config.num_experts_per_tok),
+                   activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
+                   normalize_routing_weights=0, use_sparse_mixer=0, out_type=g.float_type,
+                   out_shape=g.shape_of(x))
+        factor = float(config.routed_scaling_factor)
+        if factor != 1.0:
+            y = g.node("Mul", [y, g.const(factor, g.float_type)], f"{p}/MoE/Mul", out_type=g.float_type,
+                       out_shape=g.shape_of(x))
+        return y
+
+    def routing_weights(self, ctx: ExportContext, mlp, x: str, p: str, ip: str) -> str:
+        """R [T, E] float32: each token's routing weight per expert (0 off its top-k), as Hugging Face."""
+        g, config = ctx.g, ctx.config
+        rows = g.shape_of(x)[0]
+        n_exp, k = mlp.gate.weight.shape[0], int(config.num_experts_per_tok)
+        v3 = config.model_type != "deepseek_v2"
+        logits = self.router_logits(ctx, mlp, x, p, ip)
+        te = (rows, n_exp)
+        if v3:
+            scores = g.node("Sigmoid", [logits], f"{p}/gate/Sigmoid", out_type=F32, out_shape=te)
+            bias = g.initializer(f"{ip}.gate.e_score_correction_bias", mlp.gate.e_score_correction_bias.detach(), F32)
+            choice = g.node("Add", [scores, bias], f"{p}/gate/bias/Add", out_type=F32, out_shape=te)
+        else:
+            scores = choice = g.node("Softmax", [logits], f"{p}/gate/Softmax", axis=-1, out_type=F32, out_shape=te)
+        if v3 or config.topk_method == "group_limited_greedy":
+            choice = self.group_limit(g, choice, int(config.n_group), int(config.topk_group), v3, p, rows, n_exp)
+            if not v3:  # V2: the masked scores are both the choice and the weights
+                scores = choice
+        tk = (rows, k)
+        _, idx = topk(g, choice, k, f"{p}/gate/TopK", tk)
+        w = g.node("GatherElements", [scores, idx], f"{p}/gate/GatherElements", axis=1, out_type=F32, out_shape=tk)
+        if v3 and config.norm_topk_prob:
+            s = g.node("ReduceSum", [w, g.const([-1], I64)], f"{p}/gate/ReduceSum", keepdims=1, out_type=F32,
+                       out_shape=(rows, 1))
+            s = g.node("Add", [s, g.const(1e-20, F32)], f"{p}/gate/eps/Add", out_type=F32, out_shape=(rows, 1))
+            w = g.node("Div", [w, s], f"{p}/gate/Div", out_type=F32, out_shape=tk)
+        w = g.node("Mul", [w, g.const(float(config.routed_scaling_factor), F32)], f"{p}/gate/scale/Mul",
+                   out_type=F32, out_shape=tk)
+        zeros = g.node("ConstantOfShape", [g.node("Shape", [logits], f"{p}/gate/Shape", out_type=I64,
+                                                  out_shape=(2,))],
+                       f"{p}/gate/ConstantOfShape", value=_scalar_proto(0.0), out_type=F32, out_shape=te)
+        return g.node("ScatterElements", [zeros, idx, w], f"{p}/gate/ScatterElements", axis=1, out_type=F32,
+                      out_shape=te)
+
+    @staticmethod
+    def group_limit(g: GraphBuilder, choice: str, n_group: int, topk_group: int, v3: bool, p: str, rows,
+                    n_exp: int) -> str:
+        """choice [T, E] with the experts outside each token's topk_group best groups masked (V3: -inf,
+        groups ranked by the sum of their top-2 scores; V2: 0, groups ranked by their max score)."""
+        if n_exp % n_group:
+            raise NotImplementedError(f"n_routed_experts {n_exp} is not a multiple of n_group {n_group}")
+        per = n_exp // n_group
+        grouped = reshape(g, choice, [-1, n_group, per], (rows, n_group, per), f"{p}/gate/group/Reshape")
+        tg = (rows, n_group)
+        if v3:
+            top2, _ = topk(g, grouped, 2, f"{p}/gate/group/TopK", (rows, n_group, 2))
+            gs = g.node("ReduceSum", [top2, g.const([-1], I64)], f"{p}/gate/group/ReduceSum", keepdims=0,
+                        out_type=F32, out_shape=tg)
+        else:
+            gs = g.node("ReduceMax", [grouped, g.const([-1], I64)], f"{p}/gate/group/ReduceMax", keepdims=0,
+                        out_type=F32, out_shape=tg)
+        _, gidx = topk(g, gs, topk_group, f"{p}/gate/group/TopK_1", (rows, topk_group))
+        onehot = g.node("OneHot", [gidx, g.const([n_group], I64), g.const([0.0, 1.0], F32)], f"{p}/gate/group/OneHot",
+                        axis=-1, out_type=F32, out_shape=(rows, topk_group, n_group))
+        keep = g.node("ReduceMax", [onehot, g.const([1], I64)], f"{p}/gate/group/ReduceMax_1", keepdims=0,
+                      out_type=F32, out_shape=tg)
+        keep = g.node("Unsqueeze", [keep, g.const([-1], I64)], f"{p}/gate/group/Unsqueeze", out_type=F32,
+                      out_shape=(rows, n_group, 1))
+        keep = g.node("Cast", [keep], f"{p}/gate/group/Cast", to=TensorProto.BOOL, out_type=TensorProto.BOOL,
+                      out_shape=(rows, n_group, 1))
+        fill = g.const(float("-inf") if v3 else 0.0, F32)
+        masked = g.node("Where", [keep, grouped, fill], f"{p}/gate/group/Where", out_type=F32,
+                        out_shape=(rows, n_group, per))
+        return reshape(g, masked, [-1, n_exp], (rows, n_exp), f"{p}/gate/group/Reshape_1")
+
+    def moe_dense(self, ctx: ExportContext, mlp, x: str, p: str, ip: str) -> str:
+        """sum_e R[:, e] * down_e(act(gate_e x) * up_e x), all experts evaluated as [E, T, ...] MatMuls."""
+        g, config = ctx.g, ctx.config
+        rows = g.shape_of(x)[0]
+        ex = mlp.experts
+        n_exp, two_i, hidden = ex.gate_up_proj.shape
+        inter = two_i // 2
+        r = self.routing_weights(ctx, mlp, x, p, ip)  # [T, E] f32
+        w1 = g.initializer(f"{ip}.experts.gate_up_proj.MatMul.weight", ex.gate_up_proj.detach().transpose(1, 2))
+        h = g.node("MatMul", [x, w1], f"{p}/experts/gate_up_proj/MatMul", out_type=g.float_type,
+                   out_shape=(n_exp, rows, two_i))  # [T, H] @ [E, H, 2I] -> [E, T, 2I]
+        gate, up = split(g, h, [inter, inter], -1, f"{p}/experts/Split")
+        act = activation(g, gate, config.hidden_act, f"{p}/experts/act_fn")
+        m = g.node("Mul", [act, up], f"{p}/experts/Mul", out_type=g.float_type, out_shape=(n_exp, rows, inter))
+        w2 = g.initializer(f"{ip}.experts.down_proj.MatMul.weight", ex.down_proj.detach().transpose(1, 2))
+        y = g.node("MatMul", [m, w2], f"{p}/experts/down_proj/MatMul", out_type=g.float_type,
+                   out_shape=(n_exp, rows, hidden))  # [E, T, I] @ [E, I, H] -> [E, T, H]
+        y = cast(g, y, F32, f"{p}/experts/Cast")
+        rt = g.node("Transpose", [r], f"{p}/experts/Transpose", perm=[1, 0], out_type=F32, out_shape=(n_exp, rows))
+        rt = g.node("Unsqueeze", [rt, g.const([-1], I64)], f"{p}/experts/Unsqueeze", out_type=F32,
+                    out_shape=(n_exp, rows, 1))
+        y = g.node("Mul", [y, rt], f"{p}/experts/weights/Mul", out_type=F32, out_shape=(n_exp, rows, hidden))
+        y = g.node("ReduceSum", [y, g.const([0], I64)], f"{p}/experts/ReduceSum", keepdims=0, out_type=F32,
+                   out_shape=(rows, hidden))
+        return cast(g, y, g.float_type, f"{p}/experts/Cast_1")
+
+
+# ---- small graph pieces ---------------------------------------------------------------------------
+
+def reshape(g: GraphBuilder, x: str, shape: list[int], out_shape: tuple, name: str) -> str:
+    return g.node("Reshape", [x, g.const(shape, I64)], name, out_type=g.vi[x][0], out_shape=out_shape)
+
+
+def split(g: GraphBuilder, x: str, sizes: list[int], axis: int, name: str) -> list[str]:
+    """Split x along `axis` into pieces of `sizes` (outputs `{name}/output_{j}`)."""
+    elem, shape = g.vi[x]
+    outs = [f"{name}/output_{j}" for j in range(len(sizes))]
+    g.node("Split", [x, g.const(sizes, I64)], name, outputs=outs, axis=axis)
+    ax = axis % len(shape)
+    for o, n in zip(outs, sizes):
+        g.vi[o] = (elem, tuple(shape[:ax]) + (n,) + tuple(shape[ax + 1:]))
+    return outs
+
+
+def topk(g: GraphBuilder, x: str, k: int, name: str, out_shape: tuple) -> tuple[str, str]:
+    """TopK along the last axis: (values, int64 indices)."""
+    outs = [f"{name}/output_0", f"{name}/output_1"]
+    g.node("TopK", [x, g.const([k], I64)], name, outputs=outs, axis=-1, largest=1, sorted=1)
+    g.vi[outs[0]], g.vi[outs[1]] = (g.vi[x][0], out_shape), (I64, out_shape)
+    return outs[0], outs[1]
+
+
+def head_matmul(g: GraphBuilder, x: str, weight: str, width: int, prefix: str) -> str:
+    """Per-head projection: x [T, H, a] with weight [H, a, b] -> [T, H, b] (Transpose, MatMul, Transpose)."""
+    rows, heads, _ = g.shape_of(x)
+    t = g.node("Transpose", [x], f"{prefix}/Transpose", perm=[1, 0, 2], out_type=g.float_type,
+               out_shape=(heads, rows, g.shape_of(x)[2]))
+    y = g.node("MatMul", [t, weight], f"{prefix}/MatMul", out_type=g.float_type, out_shape=(heads, rows, width))
+    return g.node("Transpose", [y], f"{prefix}/Transpose_1", perm=[1, 0, 2], out_type=g.float_type,
+                  out_shape=(rows, heads, width))
+
+
+def _scalar_proto(value: float):
+    import onnx
+
+    return onnx.helper.make_tensor("value", F32, [1], [value])

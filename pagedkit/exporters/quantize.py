@@ -1,0 +1,170 @@
+"""KV-cache calibration and quantization reports, and int4 weights.
+
+Calibration runs the *unquantized* export (same graph, float caches) with pagedkit's InferenceSession
+over a text (default: `builtin/calibration.txt`), then reads back what the caches hold: K after QK-norm
+and RoPE, V — exactly the values a quantized cache stores (rotated first when --rotate-kv). From them:
+- PER_TENSOR / PER_CHANNEL scales: max-abs (or a percentile of |x|) / qmax, per layer and side
+  ([1] or [kv_heads, 1, head_size], float32);
+- per-layer K and V quantization SNR (dB) of the chosen format and granularity (PER_TOKEN included),
+  10 log10(sum x^2 / sum (x - dequant(quant(x)))^2), using pagedkit.kernels.quant (the kernels' code).
+
+`--weights int4` runs onnxruntime's own MatMulNBitsQuantizer (4 bits, symmetric, block 32) on the graph.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+
+from ..kernels import quant as kq
+from .config import LayerSpec, ModelSpec, PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE
+
+DEFAULT_CALIBRATION_TEXT = Path(__file__).with_name("builtin") / "calibration.txt"
+SEQ_LEN = 128  # tokens per calibration sequence
+MAX_TOKENS = 1024
+
+
+def calibration_sequences(text_file: str | Path | None, tokenizer_dir: Path | None, vocab_size: int,
+                          seq_len: int = SEQ_LEN, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    """Token ids of the calibration text in sequences of seq_len: the model's tokenizer when its files are
+    at hand, else (random-weight exports) the text's bytes folded into the vocabulary."""
+    text = Path(text_file or DEFAULT_CALIBRATION_TEXT).read_text(encoding="utf-8")
+    ids = None
+    if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer_config.json").exists():
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+            ids = tok(text)["input_ids"]
+            unk = tok.unk_token_id
+            if unk is not None and sum(i == unk for i in ids) > len(ids) // 2:
+                ids = None  # a toy tokenizer that does not know the text's words: bytes are more varied
+        except Exception:  # a tokenizer transformers cannot build offline: fall back to bytes
+            ids = None
+    if ids is None:
+        ids = [3 + b % (vocab_size - 3) for b in text.encode("utf-8")]
+    ids = [int(i) for i in ids[:max_tokens]]
+    return [ids[i:i + seq_len] for i in range(0, len(ids), seq_len) if len(ids[i:i + seq_len]) > 1]
+
+
+@torch.no_grad()
+def collect_kv(model: onnx.ModelProto, spec: ModelSpec, sequences: list[list[int]], block_size: int = 16
+               ) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Run the unquantized model over each sequence (one prefill each) and return, per layer, the cached
+    K and V of every token: [N, kv_heads, head_size] float32."""
+    try:
+        from .. import InferenceSession
+    except ImportError:
+        from ..runtime.session import InferenceSession
+
+    sess = InferenceSession(model)
+    names = {i.name for i in sess.get_inputs()}
+    dtype = torch.float16 if spec.dtype == "float16" else torch.bfloat16
+    out: dict[int, list[list[torch.Tensor]]] = {l.layer: [[], []] for l in spec.layers}
+    for seq in sequences:
+        n = len(seq)
+        nb = math.ceil(n / block_size)
+        feeds = {"input_ids": torch.tensor(seq, dtype=torch.int64),
+                 "block_table": torch.arange(nb, dtype=torch.int32)[None],
+                 "cumulative_sequence_lengths": torch.tensor([0, n], dtype=torch.int32),
+                 "past_sequence_lengths": torch.tensor([0], dtype=torch.int32),
+                 "attention_metadata": torch.tensor([n, n, 0], dtype=torch.int32)}
+        if "block_table_windowed" in names:  # a full-size table for the windowed layers too (pool large enough)
+            feeds["block_table_windowed"] = feeds["block_table"]
+        if "slot_mapping" in names:
+            feeds["slot_mapping"] = torch.arange(n, dtype=torch.int32)
+        if "query_positions" in names:
+            feeds["query_positions"] = torch.arange(n, dtype=torch.int32)
+        for l in spec.layers:
+            feeds[PAST_KEY % l.layer] = torch.zeros(nb, block_size, l.kv_num_heads, l.head_size, dtype=dtype)
+            if l.v_cache is not None:
+                feeds[PAST_VALUE % l.layer] = torch.zeros(nb, block_size, l.kv_num_heads, l.head_size, dtype=dtype)
+        res = sess.run_torch(feeds)
+        for l in spec.layers:
+            k = res[PRESENT_KEY % l.layer].reshape(nb * block_size, l.kv_num_heads, -1)[:n].float()
+            out[l.layer][0].append(k)
+            if l.v_cache is not None:
+                out[l.layer][1].append(res[PRESENT_VALUE % l.layer].reshape(nb * block_size, l.kv_num_heads, -1)[:n]
+                                       .float())
+    return {i: (torch.cat(k), torch.cat(v) if v else None) for i, (k, v) in out.items()}
+
+
+def _amax(x: torch.Tensor, dims: tuple[int, ...], percentile: float) -> torch.Tensor:
+    a = x.abs()
+    if percentile >= 100.0:
+        return a.amax(dim=dims, keepdim=True)
+    keep = [d for d in range(a.dim()) if d not in dims]
+    flat = a.permute(*dims, *keep).reshape(-1, *[a.shape[d] for d in keep]) if keep else a.reshape(-1, 1)
+    q = torch.quantile(flat.double(), percentile / 100.0, dim=0).float()
+    return q.reshape([1 if d in dims else a.shape[d] for d in range(a.dim())])
+
+
+def static_scale_of(x: torch.Tensor, fmt: str, quant: str, percentile: float = 100.0) -> torch.Tensor:
+    """Calibrated scale of x [N, Hkv, D]: PER_TENSOR [1], PER_CHANNEL [Hkv, 1, D] (float32)."""
+    if quant == "PER_TENSOR":
+        amax = _amax(x, (0, 1, 2), percentile).reshape(1)
+    elif quant == "PER_CHANNEL":
+        amax = _amax(x, (0,), percentile).reshape(x.shape[1], 1, x.shape[2])
+    else:
+        raise ValueError(f"static scales are PER_TENSOR or PER_CHANNEL, got {quant!r}")
+    scale = amax / kq.QMAX[fmt]
+    return torch.where(scale > 0, scale, torch.ones_like(scale)).float()
+
+
+def _rotated(x: torch.Tensor, rotate: bool) -> torch.Tensor:
+    return kq.hadamard(x, "head_size") if rotate else x
+
+
+def snr_db(x: torch.Tensor, fmt: str, quant: str, scale: torch.Tensor | None, scale_dtype=torch.float16) -> float:
+    """SNR of x [N, Hkv, D] through the cache format (quantize -> dequantize), in dB."""
+    d = x.shape[-1]
+    if quant == "PER_TOKEN":
+        s = kq.per_token_scale(x, fmt, scale_dtype).float()
+    else:
+        s = kq.static_scale(scale, quant, x.shape[1], d)
+    xq = kq.dequantize(kq.quantize(x, s, fmt), s, fmt, head_size=d)
+    noise = float(((x - xq) ** 2).sum())
+    return float("inf") if noise == 0 else 10.0 * math.log10(float((x ** 2).sum()) / noise)
+
+
+def calibrate(model: onnx.ModelProto, spec: ModelSpec, sequences: list[list[int]], percentile: float = 100.0
+              ) -> tuple[dict[int, tuple[torch.Tensor | None, torch.Tensor | None]], dict]:
+    """Static scales for the PER_TENSOR / PER_CHANNEL sides of `spec` (run on the unquantized `model`) and
+    the per-layer SNR report of every quantized side."""
+    kv = collect_kv(model, spec, sequences, spec.block_size)
+    scales: dict[int, tuple] = {}
+    report: dict[str, dict] = {}
+    for l in spec.layers:
+        k, v = kv[l.layer]
+        pair, row = [None, None], {}
+        for j, (x, cache) in enumerate(((k, l.k_cache), (v, l.v_cache))):
+            if cache is None or x is None or not cache.quantized:
+                continue
+            x = _rotated(x, cache.rotation)
+            s = None
+            if cache.quant in ("PER_TENSOR", "PER_CHANNEL"):
+                s = pair[j] = static_scale_of(x, cache.dtype, cache.quant, percentile)
+            row["k_snr_db" if j == 0 else "v_snr_db"] = round(snr_db(x, cache.dtype, cache.quant, s), 2)
+        scales[l.layer] = tuple(pair)
+        if row:
+            report[str(l.layer)] = row
+    meta = {"tokens": sum(len(s) for s in sequences), "percentile": percentile, "snr_db": report}
+    return scales, meta
+
+
+def needs_calibration(layers: list[LayerSpec]) -> bool:
+    return any(c is not None and c.quantized for l in layers for c in (l.k_cache, l.v_cache))
+
+
+def quantize_weights_int4(model: onnx.ModelProto, block_size: int = 32) -> onnx.ModelProto:
+    """MatMul weights -> com.microsoft MatMulNBits (4 bits, symmetric) with onnxruntime's quantizer."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    q = MatMulNBitsQuantizer(model, bits=4, block_size=block_size, is_symmetric=True,
+                             op_types_to_quantize=("MatMul",))
+    q.process()
+    return q.model.model
