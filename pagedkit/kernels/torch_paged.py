@@ -1,0 +1,208 @@
+"""PagedAttention vectorized in torch (variant "torch_sdpa"): the CPU path of the runtime, and a
+device-agnostic one (the same code runs on CUDA tensors). The loop-based reference stays the oracle.
+
+It shares the prologue with the reference (paged_prologue.prepare: split, QK-norm, RoPE, rotation,
+slots) and writes the caches with one index_put per cache. Attention then runs per work item instead of
+per (sequence, head, query row):
+- sequences with few tokens in the step (decode, speculative drafts) are batched by token count, their
+  contexts padded to the longest; longer sequences (prefill) go alone, their query rows chunked so the
+  score workspace stays bounded;
+- each sequence gathers only its live blocks: up to its extent past[b] + n_b (causal: up to the chunk's
+  last query position), and from the window start when local_window_size > 0 (design §9.2: blocks
+  wholly below the window are skipped); block_table -1 entries read as masked;
+- the blocks are dequantized, positions outside [0, extent) or in unmapped blocks are zeroed and masked
+  (stale cache bytes never reach the math), and the boolean mask [rows, context] is built in one shot
+  (extent, causal, window);
+- GQA by reshape: the G = H / Hkv query heads sharing a KV head become G x rows query rows of that KV
+  head, so K/V are never repeated per query head;
+- torch.nn.functional.scaled_dot_product_attention with that mask when there is no softcap, head_sink,
+  attention_bias or output_qk; else an explicit float32 matmul / softmax that adds the bias after the
+  scale, soft-caps, puts the sink into the denominator only and returns the scores or probabilities.
+A row with no admitted key gets output 0, like the reference.
+
+Host reads of device tensors (CPU variant, not CUDA-graph capturable; the GPU engine uses Triton
+kernels): cumulative_sequence_length and past_seqlens are read to the host to slice per sequence (so
+are the window / causal block ranges derived from them), plus what paged_prologue documents
+(query_positions' max with RoPE, slot_mapping's range check, the slot deduplication of the cache write).
+With query_positions the key range is not clamped (positions are device values): correct, less pruned.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .attention_math import default_scale
+from .paged_prologue import Step, prepare
+
+NAME = "torch_sdpa"
+CAPTURABLE = False  # host reads per call (see the module docstring)
+SMALL_STEP = 16  # sequences with at most this many tokens in the step are batched by token count
+BUDGET = 1 << 22  # score elements (heads x query rows x context) per attention call
+
+
+def supports(info: Any) -> str | None:
+    """None when this variant serves the node (dispatch.NodeInfo), else the reason it does not."""
+    if info.op_type != "PagedAttention":
+        return f"serves com.microsoft::PagedAttention only, not {info.op_type}"
+    if info.device.type not in ("cpu", "cuda"):
+        return f"runs on cpu or cuda tensors only, not {info.device.type}"
+    return None
+
+
+def paged_attention(
+    inputs: Mapping[str, Any],
+    *,
+    outputs: Sequence[str] | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    output_dtype: torch.dtype | None = None,
+    **attributes: Any,
+) -> dict[str, torch.Tensor]:
+    """com.microsoft::PagedAttention, same signature and results as reference.paged_attention."""
+    step = prepare(inputs, attributes, outputs, compute_dtype, vectorized_write=True)
+    q = step.q  # [N, H, D]
+    n_tok, dev = q.shape[0], q.device
+    out = torch.empty(n_tok, step.num_heads, step.v_head, dtype=q.dtype, device=dev)  # [N, H, Dv]
+    qk_mode = int(step.attrs["qk_output"])
+    qk = torch.zeros(step.num_heads, n_tok, step.capacity, dtype=q.dtype, device=dev) if qk_mode else None
+    for seqs, j0, j1 in _work_items(step):
+        _attend_item(step, seqs, j0, j1, out, qk)
+    return step.finish(out, qk, outputs, output_dtype)
+
+
+def _work_items(step: Step) -> list[tuple[list[int], int, int]]:
+    """(sequences, j0, j1): query rows [j0, j1) of each listed sequence, all with the same row count."""
+    heads, items = step.num_heads, []
+    by_len: dict[int, list[int]] = {}
+    for b in range(len(step.past)):
+        n = step.csl[b + 1] - step.csl[b]
+        if n == 0:
+            continue
+        extent = step.extent(b)
+        if n <= SMALL_STEP:
+            by_len.setdefault(n, []).append(b)
+            continue
+        rows = max(1, BUDGET // (heads * extent))
+        items += [([b], j0, min(n, j0 + rows)) for j0 in range(0, n, rows)]
+    for n, seqs in by_len.items():
+        group: list[int] = []
+        widest = 0
+        for b in seqs:
+            wide = max(widest, step.extent(b))
+            if group and (len(group) + 1) * heads * n * wide > BUDGET:
+                items.append((group, 0, n))
+                group, wide = [], step.extent(b)
+            group.append(b)
+            widest = wide
+        items.append((group, 0, n))
+    return items
+
+
+def _block_range(step: Step, b: int, j0: int, j1: int) -> tuple[int, int]:
+    """Blocks [first, end) of sequence b that rows [j0, j1) can admit (host ints)."""
+    a, bs = step.attrs, step.block_size
+    lo, hi = 0, step.extent(b)
+    if "query_positions" not in step.x:  # positions are past[b] + j: clamp to what the rows can see
+        if int(a["is_causal"]):
+            hi = min(hi, step.past[b] + j1)
+        window = int(a["local_window_size"])
+        if window > 0:
+            lo = max(0, step.past[b] + j0 - window + 1)
+    return lo // bs, -(-hi // bs)
+
+
+def _attend_item(step: Step, seqs: list[int], j0: int, j1: int, out: torch.Tensor,
+                 qk: torch.Tensor | None) -> None:
+    a, q, dev = step.attrs, step.q, step.q.device
+    bg, rows, bs = len(seqs), j1 - j0, step.block_size
+    hkv, group, d, dv = step.kv_heads, step.num_heads // step.kv_heads, step.head_size, step.v_head
+    ranges = [_block_range(step, b, j0, j1) for b in seqs]
+    nb = max(end - first for first, end in ranges)
+    ctx = nb * bs  # padded context of the item
+
+    # live blocks of each sequence [Bg, nb] (-1: padding / beyond its range) and their key positions
+    first = torch.tensor([f for f, _ in ranges], dtype=torch.long)
+    end = torch.tensor([e for _, e in ranges], dtype=torch.long)
+    cols = first[:, None] + torch.arange(nb)  # [Bg, nb] block_table columns
+    rows_bt = step.block_table[torch.tensor(seqs, device=dev)[:, None], cols.clamp(max=step.block_table.shape[1] - 1).to(dev)]
+    blocks = torch.where((cols < end[:, None]).to(dev), rows_bt, torch.full_like(rows_bt, -1))
+    kpos = (cols[:, :, None] * bs + torch.arange(bs)).reshape(bg, ctx).to(dev)  # [Bg, C] logical positions
+    extent = torch.tensor([step.extent(b) for b in seqs], dtype=torch.long, device=dev)
+
+    keys, mapped = step.kside.read(blocks.reshape(-1), q.dtype)  # [Bg*C, Hkv, D], [Bg*C]
+    key_ok = mapped.view(bg, ctx) & (kpos < extent[:, None])  # [Bg, C]
+    keys = keys.view(bg, ctx, hkv, d).masked_fill_(~key_ok[:, :, None, None], 0)
+    if step.vside is None:  # LATENT: V is the leading Dv channels of the key cache
+        values = keys[..., :dv]
+    else:
+        values = step.vside.read(blocks.reshape(-1), q.dtype)[0].view(bg, ctx, hkv, dv)
+        values = values.masked_fill_(~key_ok[:, :, None, None], 0)
+
+    tok = (torch.tensor([step.csl[b] + j0 for b in seqs], dtype=torch.long)[:, None]
+           + torch.arange(rows)).to(dev)  # [Bg, r] token indices
+    qpos = step.positions[tok]  # [Bg, r]
+    allowed = key_ok[:, None, :].expand(bg, rows, ctx)  # [Bg, r, C]
+    if int(a["is_causal"]):
+        allowed = allowed & (kpos[:, None, :] <= qpos[:, :, None])
+    window = int(a["local_window_size"])
+    if window > 0:
+        allowed = allowed & (kpos[:, None, :] >= qpos[:, :, None] - window + 1)
+
+    # GQA by reshape: rows (j, g) of KV head kvh are query head kvh * G + g at row j
+    qh = q[tok].view(bg, rows, hkv, group, d).transpose(1, 2).reshape(bg, hkv, rows * group, d)
+    kh, vh = keys.transpose(1, 2), values.transpose(1, 2)  # [Bg, Hkv, C, D], [Bg, Hkv, C, Dv]
+    mask = allowed[:, None, :, None, :].expand(bg, 1, rows, group, ctx).reshape(bg, 1, rows * group, ctx)
+    scale = default_scale(float(a["scale"]), d)
+    explicit = qk is not None or "head_sink" in step.x or "attention_bias" in step.x or float(a["softcap"]) > 0
+    if explicit:
+        o, s, p = _explicit(step, seqs, j0, j1, ranges, qh, kh, vh, mask, scale)
+    else:
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+        o = torch.where(mask.any(-1, keepdim=True), o, torch.zeros((), dtype=o.dtype, device=dev))
+    out[tok] = o.view(bg, hkv, rows, group, dv).transpose(1, 2).reshape(bg, rows, step.num_heads, dv)
+    if qk is not None:
+        val = (s if int(a["qk_output"]) == 1 else p).view(bg, hkv, rows, group, ctx).transpose(1, 2)
+        val = val.reshape(bg, rows, step.num_heads, ctx)
+        for i, (f, _) in enumerate(ranges):
+            c0 = f * bs
+            width = min(ctx, step.capacity - c0)
+            qk[:, tok[i], c0:c0 + width] = val[i, :, :, :width].transpose(0, 1)
+
+
+def _explicit(step: Step, seqs, j0, j1, ranges, qh, kh, vh, mask, scale):
+    """Scores [Bg, Hkv, r*G, C] = q k^T * scale (+ bias) -> softcap; softmax with the sink as one extra
+    denominator term. Returns (out, scores with 0 where masked, probs)."""
+    a, bg, rows = step.attrs, len(seqs), j1 - j0
+    hkv, group, ctx = step.kv_heads, step.num_heads // step.kv_heads, kh.shape[2]
+    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    if "attention_bias" in step.x:
+        bias = torch.stack([_bias_window(step, b, j0, j1, f * step.block_size, ctx)
+                            for b, (f, _) in zip(seqs, ranges)])  # [Bg, H or 1, r, C]
+        bias = bias.expand(bg, step.num_heads, rows, ctx).reshape(bg, hkv, group, rows, ctx)
+        s = s + bias.transpose(2, 3).reshape(bg, hkv, rows * group, ctx)
+    softcap = float(a["softcap"])
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    masked = s.masked_fill(~mask, float("-inf"))
+    top = masked.amax(-1, keepdim=True)  # [Bg, Hkv, r*G, 1]
+    sink = None
+    if "head_sink" in step.x:
+        sink = step.x["head_sink"].to(s.dtype).view(1, hkv, 1, group, 1).expand(1, hkv, rows, group, 1)
+        sink = sink.reshape(1, hkv, rows * group, 1)
+        top = torch.maximum(top, sink)
+    top = torch.where(torch.isfinite(top), top, torch.zeros((), dtype=s.dtype, device=s.device))
+    e = torch.exp(masked - top)  # 0 where masked
+    denom = e.sum(-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink - top)
+    p = e / denom.clamp_min(torch.finfo(s.dtype).tiny)  # a row with no key and no sink: 0
+    return torch.matmul(p, vh), s.masked_fill(~mask, 0), p
+
+
+def _bias_window(step: Step, b: int, j0: int, j1: int, c0: int, ctx: int) -> torch.Tensor:
+    """Bias of sequence b's rows [j0, j1) over key positions [c0, c0 + ctx): [H or 1, r, ctx]."""
+    rows = step.bias_rows(b)[:, j0:j1]  # [H or 1, r, capacity]
+    rows = F.pad(rows, (0, max(0, c0 + ctx - rows.shape[-1])))
+    return rows[..., c0:c0 + ctx]
