@@ -1,0 +1,155 @@
+"""`paged-run`: greedy generation over a model folder, streaming tokens and a tokens/s summary, --prompt through
+the folder's tokenizer, --parity against Hugging Face eager (exit 0 on parity, 1 on a mismatch), clear exit 2
+on bad arguments.
+
+The tokens of examples/tiny-paged are checked against an independent greedy loop that feeds the session by
+hand (contiguous blocks, no block manager); parity runs use onnxruntime-genai builder models of a local
+random checkpoint (shared with test_genai_run.py)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pagedkit import InferenceSession
+from pagedkit.runtime.cli import main
+from pagedkit.runtime.generate import Generator
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_PAGED = ROOT / "examples" / "tiny-paged"
+
+
+def _ids(out: str) -> list[int]:
+    line = next(l for l in out.splitlines() if l.startswith("ids: "))
+    return [int(t) for t in re.findall(r"-?\d+", line[len("ids: "):])]
+
+
+def hand_greedy(model_dir: Path, prompt: list[int], n: int, block_size: int = 16, num_blocks: int = 4) -> list[int]:
+    """Greedy decoding with hand-made feeds: one sequence in blocks 0, 1, ... of zero-initialised caches."""
+    sess = InferenceSession(model_dir / "model.onnx")
+    caches = {a.name: np.zeros((num_blocks, block_size) + tuple(a.shape[2:]), np.float16)
+              for a in sess.get_inputs() if a.name.startswith("past_key_values.")}
+    table = np.arange(num_blocks, dtype=np.int32)[None]
+    ids, past, out = list(prompt), 0, []
+    for _ in range(n):
+        q = len(ids)
+        feeds = {"input_ids": np.array(ids, np.int64), "block_table": table,
+                 "cumulative_sequence_lengths": np.array([0, q], np.int32),
+                 "past_sequence_lengths": np.array([past], np.int32),
+                 "attention_metadata": np.array([q, past + q, past + q], np.int32), **caches}
+        res = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+        caches = {k: res[k.replace("past_key_values", "present")] for k in caches}
+        out.append(int(np.argmax(res["logits"][-1].astype(np.float32))))
+        past, ids = past + q, [out[-1]]
+    return out
+
+
+def test_tiny_paged_tokens_match_a_hand_fed_greedy_loop(capsys):
+    assert main([str(TINY_PAGED), "--prompt-ids", "1, 7,9,30", "--max-new-tokens", "6", "--ignore-eos"]) == 0
+    out = capsys.readouterr().out
+    tokens = _ids(out)
+    assert tokens == hand_greedy(TINY_PAGED, [1, 7, 9, 30], 6)
+    assert "prompt: 4 tokens [1, 7, 9, 30]" in out
+    streamed = out.splitlines()[2].split()  # tokens printed as they came, before the summary
+    assert [int(t) for t in streamed] == tokens
+    assert re.search(r"generated 6 tokens: prefill 4 tokens in [\d.]+ s, decode 5 tokens in [\d.]+ s "
+                     r"\([\d.]+ tokens/s\)", out), out
+    assert "paged layout, 2 layers, float16" in out
+
+
+def test_generation_stops_at_eos():
+    gen = Generator(TINY_PAGED)
+    first = next(iter(gen.greedy([1, 7, 9, 30], 5))).token
+    gen.config.eos_token_ids = [first]
+    assert [s.token for s in gen.greedy([1, 7, 9, 30], 5)] == [first]
+    assert len([s.token for s in gen.greedy([1, 7, 9, 30], 5, stop_at_eos=False)]) == 5
+
+
+def test_bad_arguments_exit_2(capsys, tmp_path):
+    assert main([str(TINY_PAGED), "--prompt-ids", "1,2", "--max-new-tokens", "0"]) == 2
+    assert main([str(tmp_path), "--prompt-ids", "1,2"]) == 2
+    assert "genai_config.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main([str(TINY_PAGED), "--prompt-ids", "1,x"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        main([str(TINY_PAGED)])  # a prompt is required
+    assert main([str(TINY_PAGED), "--prompt-ids", "1,2", "--max-new-tokens", "500"]) == 2  # beyond context 128
+
+
+def test_prompt_text_needs_the_tokenizer(capsys):
+    assert main([str(TINY_PAGED), "--prompt", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "--prompt needs" in err and "tokenizer.json" in err
+
+
+def test_module_entry_point():
+    proc = subprocess.run([sys.executable, "-m", "pagedkit.runtime.cli", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "--parity" in proc.stdout and "paged-run" in proc.stdout
+
+
+# ---- parity with Hugging Face on builder models -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def builder(tmp_path_factory):
+    pytest.importorskip("onnxruntime_genai")
+    pytest.importorskip("transformers")
+    from test_genai_run import build, shared_root, write_checkpoint
+
+    root = shared_root(tmp_path_factory)
+
+    def get(layout: str) -> tuple[Path, Path]:
+        return build(root, "llama", layout)
+
+    other = root / "hf-llama-other-seed"
+    if not (other / "config.json").exists():
+        write_checkpoint("llama", other, seed=1)
+    return get, other
+
+
+def _table(out: str) -> list[str]:
+    lines = out.splitlines()
+    start = next(i for i, l in enumerate(lines) if l.lstrip().startswith("step"))
+    return [l for l in lines[start + 1:] if re.match(r"\s*\d+\s", l)]
+
+
+@pytest.mark.parametrize("layout", ["paged", "gqa"])
+def test_parity_with_hf(builder, layout, capsys):
+    get, _ = builder
+    model_dir, hf_dir = get(layout)
+    args = [str(model_dir), "--prompt", "t5 t9 t33 t70 t4 t101", "--max-new-tokens", "8", "--parity", str(hf_dir),
+            "--ignore-eos"]
+    if layout == "paged":
+        args += ["--block-size", "16"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "prompt: 6 tokens [5, 9, 33, 70, 4, 101]" in out  # word-level tokenizer of the folder
+    rows = _table(out)
+    assert len(rows) == 8
+    for row in rows:
+        assert "agree" in row or "near-tie" in row, row
+        assert "> tol" not in row and "DIFFER" not in row, row
+    tol = "0.02" if layout == "paged" else "0.0001"
+    assert re.search(rf"parity OK: largest max\|diff\| / max\|ref\| = \S+ \(tol {tol}\)", out), out
+    text = out.splitlines()[2]  # streamed text: the tokenizer's words
+    assert all(w.startswith("t") or w in ("<s>", "</s>", "<unk>") for w in text.split())
+    hf_tokens = [int(r.split()[3]) for r in rows]
+    ours = _ids(out)
+    assert [o for o, h, r in zip(ours, hf_tokens, rows) if o != h and "near-tie" not in r] == []
+
+
+def test_parity_failure_exits_1(builder, capsys):
+    get, other = builder
+    model_dir, _ = get("gqa")
+    assert main([str(model_dir), "--prompt-ids", "1,5,9", "--max-new-tokens", "3", "--parity", str(other)]) == 1
+    out = capsys.readouterr().out
+    assert "parity FAIL" in out and "> tol" in out
+    assert main([str(model_dir), "--prompt-ids", "1,5", "--max-new-tokens", "2", "--parity",
+                 str(other / "missing")]) == 2
