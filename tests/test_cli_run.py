@@ -153,3 +153,19 @@ def test_parity_failure_exits_1(builder, capsys):
     assert "parity FAIL" in out and "> tol" in out
     assert main([str(model_dir), "--prompt-ids", "1,5", "--max-new-tokens", "2", "--parity",
                  str(other / "missing")]) == 2
+
+
+def test_docs_examples_run(monkeypatch, capsys):
+    """Every python block of docs/runtime.md runs as written (from the repository root), and the documented
+    paged-run output of examples/tiny-paged is what the command prints."""
+    monkeypatch.chdir(ROOT)
+    doc = (ROOT / "docs" / "runtime.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    assert len(blocks) >= 3
+    for block in blocks:
+        exec(compile(block, "docs/runtime.md", "exec"), {})
+    capsys.readouterr()
+    assert main(["examples/tiny-paged", "--prompt-ids", "1,7,9", "--max-new-tokens", "5", "--ignore-eos"]) == 0
+    out = capsys.readouterr().out
+    documented = re.search(r"\$ paged-run examples/tiny-paged .*?\n(.*?)```", doc, re.S).group(1).splitlines()
+    assert out.splitlines()[1:4] == documented[1:4]  # prompt, streamed tokens, ids (timings vary)

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(text[len(shown):], end="", flush=True)
                 shown = text
             else:
-                print(step.token, end=" ", flush=True)
+                print(f"{' ' if len(tokens) > 1 else ''}{step.token}", end="", flush=True)
     except (ValueError, RuntimeError) as exc:
         print(f"\npaged-run: {exc}", file=sys.stderr)
         return 2
