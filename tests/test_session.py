@@ -172,8 +172,13 @@ def test_paged_model_matches_the_reference_kernel_layer_by_layer():
     feeds = {k: v.clone() for k, v in case.inputs.items()}
     ref = paged_attention({k: v.clone() for k, v in case.inputs.items()}, outputs=case.outputs, **case.attrs)
     out = sess.run_torch(feeds)
+    assert sess.attention_variants["PagedAttention_0"] in ("torch_sdpa", "reference")
     for name in case.outputs:
-        torch.testing.assert_close(out[name], ref[name], rtol=0, atol=0)
+        if name == "output":  # fp16 output computed in float32 by both: equal up to rounding
+            err = (out[name].float() - ref[name].float()).abs().max() / ref[name].float().abs().max()
+            assert err <= 1e-3, err
+        else:  # the cache writes are bit-exact
+            torch.testing.assert_close(out[name], ref[name], rtol=0, atol=0)
 
 
 # ---- creation-time errors ------------------------------------------------------------------------
