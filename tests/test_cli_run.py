@@ -169,3 +169,15 @@ def test_docs_examples_run(monkeypatch, capsys):
     out = capsys.readouterr().out
     documented = re.search(r"\$ paged-run examples/tiny-paged .*?\n(.*?)```", doc, re.S).group(1).splitlines()
     assert out.splitlines()[1:4] == documented[1:4]  # prompt, streamed tokens, ids (timings vary)
+
+
+@pytest.mark.gpu
+def test_cuda_generation_matches_cpu(capsys):
+    cpu, gpu = Generator(TINY_PAGED), Generator(TINY_PAGED, device="cuda")
+    assert gpu.session.device.type == "cuda" and gpu.state.mgr.device.type == "cuda"
+    a = cpu.teacher_forced([1, 7, 9, 30], [5, 6, 7, 8, 9])
+    b = gpu.teacher_forced([1, 7, 9, 30], [5, 6, 7, 8, 9])
+    for x, y in zip(a, b):
+        assert (x.logits - y.logits).abs().max() <= 2e-3 * x.logits.abs().max()
+    assert main([str(TINY_PAGED), "--prompt-ids", "1,7,9", "--max-new-tokens", "4", "--device", "cuda"]) == 0
+    assert "on cuda" in capsys.readouterr().out

@@ -370,3 +370,72 @@ def test_intermediates_are_released_after_their_last_use():
     released = {n for s in sess._compiled.graph.steps for n in s.release}
     assert {"x", "qkv", "attn", "msum"} <= released
     assert not released & {"logits", "present_key", "present_value"}
+
+
+# ---- CUDA (run with -m gpu on the device) -------------------------------------------------------------
+
+def _shape_model() -> onnx.ModelProto:
+    """Device math around host shape arithmetic: Shape -> Gather -> Concat -> Reshape, Slice bounds from a
+    Shape, a small int constant used both as a device operand and as a host one."""
+    nodes = [helper.make_node("Shape", ["x"], ["xs"]),
+             helper.make_node("Gather", ["xs", "zero_i"], ["b"], axis=0),
+             helper.make_node("Concat", ["b", "minus1"], ["shape2"], axis=0),
+             helper.make_node("Reshape", ["x", "shape2"], ["flat"]),
+             helper.make_node("MatMul", ["flat", "w"], ["y0"]),
+             helper.make_node("Cast", ["b"], ["bf"], to=TensorProto.FLOAT),
+             helper.make_node("Add", ["y0", "bf"], ["y1"]),
+             helper.make_node("Slice", ["y1", "zero_i", "b", "zero_i"], ["y"]),
+             helper.make_node("Add", ["ids", "zero_i"], ["ids2"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", F, ["B", 4, 8]),
+                     helper.make_tensor_value_info("ids", TensorProto.INT64, ["B"])],
+        [helper.make_tensor_value_info("y", F, ["B", 5]), helper.make_tensor_value_info("ids2", TensorProto.INT64, ["B"])],
+        [_w("w", (32, 5)), numpy_helper.from_array(np.array([0], np.int64), "zero_i"),
+         numpy_helper.from_array(np.array([-1], np.int64), "minus1")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+@pytest.mark.gpu
+def test_cuda_shape_arithmetic_stays_on_the_host_and_runs_without_syncs():
+    model = _shape_model()
+    cpu, gpu = InferenceSession(model), InferenceSession(model, providers=["CUDAExecutionProvider"])
+    assert gpu.get_providers()[0] == "CUDAExecutionProvider"
+    x = RNG.standard_normal((3, 4, 8)).astype(np.float32)
+    ids = np.array([4, 5, 6], np.int64)
+    for g, c in zip(gpu.run(None, {"x": x, "ids": ids}), cpu.run(None, {"x": x, "ids": ids})):
+        _close(g, c)
+    feeds = {"x": torch.from_numpy(x).cuda(), "ids": torch.from_numpy(ids).cuda()}
+    gpu.run_torch(feeds)  # warm-up: device copies of host constants are made once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = gpu.run_torch(feeds)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out["y"].is_cuda and out["ids2"].is_cuda
+    _close(out["y"].cpu().numpy(), cpu.run(["y"], {"x": x, "ids": ids})[0])
+
+
+@pytest.mark.gpu
+def test_cuda_sessions_match_cpu_and_update_device_caches_in_place():
+    cpu = InferenceSession(TINY_PAGED)
+    gpu = InferenceSession(TINY_PAGED, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert gpu.host_inputs == {"attention_metadata"}
+    feeds = _paged_feeds()
+    want = cpu.run_torch({k: v.clone() for k, v in feeds.items()})
+    dev = {k: (v if k == "attention_metadata" else v.cuda()) for k, v in feeds.items()}
+    got = gpu.run_torch(dev)
+    for name, ref in want.items():
+        err = (got[name].float().cpu() - ref.float()).abs().max() / ref.float().abs().max()
+        assert err <= 2e-3, (name, float(err))
+    assert got["present.0.key"] is dev["past_key_values.0.key"]
+    with pytest.raises(ValueError, match="must be on cuda"):
+        gpu.run_torch({**dev, "past_key_values.0.key": feeds["past_key_values.0.key"]})
+    np_out = gpu.run(["logits"], {k: v.numpy() for k, v in feeds.items()})[0]
+    assert np.abs(np_out.astype(np.float32) - want["logits"].float().numpy()).max() <= 2e-3 * want["logits"].abs().max().item()
+
+    model = gqa_model()
+    cpu, gpu = InferenceSession(model), InferenceSession(model, providers=["CUDAExecutionProvider"])
+    feeds = gqa_feeds(2, 1, 4)
+    for g, c in zip(gpu.run(None, feeds), cpu.run(None, feeds)):
+        _close(g, c)
