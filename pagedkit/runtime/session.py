@@ -261,8 +261,8 @@ class InferenceSession:
             t = inputs[i]
             if t.device.type != dev.type:
                 cached = self._dev_copies.get(id(t)) if id(t) in self._compiled.host_const_ids else None
-                if cached is None:
-                    cached = t.to(dev)
+                if cached is None:  # a small host value (shape arithmetic): no wait for the copy
+                    cached = t.to(dev, non_blocking=True)
                     if id(t) in self._compiled.host_const_ids:
                         self._dev_copies[id(t)] = cached
                 out[i] = cached
