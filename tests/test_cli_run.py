@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from pagedkit import InferenceSession
 from pagedkit.runtime.cli import main

@@ -305,7 +305,7 @@ def test_bad_index_inputs_are_clear_errors_and_write_nothing(bad):
     caches = {k: feeds[k].clone() for k in ("key_cache", "value_cache")}
     with pytest.raises(ValueError, match=words) as err:
         sess.run_torch(feeds)
-    assert "PagedAttention" in str(err.value)
+    assert "PagedAttention" in str(err.value) and isinstance(err.value, ValidationError)
     for k, v in caches.items():  # nothing was written, in or out of range
         assert torch.equal(feeds[k], v), k
 

@@ -98,7 +98,8 @@ class InferenceSession:
                 self._input_types[vi.name] = elem
                 self._ranks[vi.name] = len(arg.shape) if vi.type.tensor_type.HasField("shape") else None
         self._outputs = [_node_arg(vi)[0] for vi in graph.output]
-        self._input_names = {a.name for a in self._inputs}
+        self._args = {a.name: a for a in self._inputs}
+        self._input_names = set(self._args)
         self._output_names = [a.name for a in self._outputs]
         self._compiled: CompiledModel = compile_model(self._model, self.device, allow_reference_fallback)
         self._dev_copies: dict[int, torch.Tensor] = {}  # id(host const) -> its device copy (mixed ops)
@@ -188,7 +189,7 @@ class InferenceSession:
         return names
 
     def _check_feed(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        arg = next(a for a in self._inputs if a.name == name)
+        arg = self._args[name]
         want = self._input_types[name]
         if TORCH_TO_ONNX.get(t.dtype) != want:
             raise TypeError(f"input '{name}': unexpected data type {torch_type_name(t.dtype)}, "
