@@ -180,3 +180,20 @@ def test_cuda_generation_matches_cpu(capsys):
         assert (x.logits - y.logits).abs().max() <= 2e-3 * x.logits.abs().max()
     assert main([str(TINY_PAGED), "--prompt-ids", "1,7,9", "--max-new-tokens", "4", "--device", "cuda"]) == 0
     assert "on cuda" in capsys.readouterr().out
+
+
+def test_pagedkit_exported_model_runs_with_parity(tmp_path, capsys):
+    """A model of pagedkit's own exporter (genai_config with the pagedkit section; Gemma 2 with a windowed
+    layer served from a ring, prompt longer than the window) generates with --parity OK."""
+    pytest.importorskip("transformers")
+    from export_utils import export_tiny, tiny_model
+
+    hf = tiny_model("Gemma2Config", sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                    query_pre_attn_scalar=16)
+    hf.save_pretrained(tmp_path / "hf")
+    export_tiny(hf, tmp_path / "onnx")
+    prompt = ",".join(str(3 + (i * 7) % 130) for i in range(30))
+    assert main([str(tmp_path / "onnx"), "--prompt-ids", prompt, "--max-new-tokens", "6", "--parity",
+                 str(tmp_path / "hf"), "--ignore-eos"]) == 0
+    out = capsys.readouterr().out
+    assert len(_table(out)) == 6 and "parity OK" in out
