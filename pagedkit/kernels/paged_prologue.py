@@ -13,7 +13,7 @@ vectorized torch variant (torch_paged) so both see the same Q, the same slots an
 `Step.finish(out, qk)` undoes the V rotation and assembles the outputs.
 
 Host reads (the rest is device-agnostic torch): cumulative_sequence_length and past_seqlens (.tolist(),
-to slice per sequence), the max of query_positions when given with do_rotary (cos_cache bound), and
+to slice per sequence), the min / max of query_positions when given with do_rotary (cos_cache bounds), and
 with slot_mapping its range check plus the slot deduplication of the vectorized write.
 """
 
@@ -136,10 +136,14 @@ def prepare(
     outputs: Sequence[str] | None,
     compute_dtype: torch.dtype = torch.float32,
     vectorized_write: bool = False,
+    validate: bool = True,
 ) -> Step:
     """Validate the call, run the prologue and write the step's K/V (and PER_TOKEN scales) into the caches.
-    Raises pagedkit.validators.ValidationError listing every contract violation."""
-    require_valid_inputs(inputs, attributes, op_type="PagedAttention", outputs=outputs)
+    Raises pagedkit.validators.ValidationError listing every contract violation. validate=False skips the
+    contract validator (~1 ms a call on CPU) for callers that validated the node already (a session at
+    creation); the index guards that keep every read and write inside its tensor stay on."""
+    if validate:
+        require_valid_inputs(inputs, attributes, op_type="PagedAttention", outputs=outputs)
     a = PAGED_ATTENTION.defaults() | dict(attributes)
     x = {k: as_torch(v) for k, v in inputs.items() if v is not None}
     cdt = compute_dtype
@@ -169,6 +173,8 @@ def prepare(
     need(len(csl) == len(past) + 1 and csl[-1] == n_tok, "input 'cumulative_sequence_length'",
          f"expected batch_size + 1 = {len(past) + 1} entries ending at token_count {n_tok}, got {csl}")
     q_lens = [csl[b + 1] - csl[b] for b in range(len(past))]
+    need(min(q_lens, default=0) >= 0, "input 'cumulative_sequence_length'", f"should be non-decreasing, got {csl}")
+    need(min(past, default=0) >= 0, "input 'past_seqlens'", f"entries should be >= 0, got {past}")
     tok_seq = torch.repeat_interleave(torch.arange(len(past)), torch.tensor(q_lens, dtype=torch.long))  # [N]
     seq_pos = (torch.tensor(past, dtype=torch.long)[tok_seq] + torch.arange(n_tok)
                - torch.tensor(csl[:-1], dtype=torch.long)[tok_seq]).to(dev)  # [N] derived positions
@@ -180,9 +186,10 @@ def prepare(
         q = rms_norm_heads(q, x["q_norm_weight"].to(cdt), eps)
         k = rms_norm_heads(k, x["k_norm_weight"].to(cdt), eps)
     if int(a["do_rotary"]):
-        cos, sin = x["cos_cache"].to(cdt), x["sin_cache"].to(cdt)
-        if "query_positions" in x:
-            top = int(positions.max()) if n_tok else 0
+        cos, sin = x["cos_cache"], x["sin_cache"]  # [P, rotary_dim / 2] in T; apply_rope converts the rows it uses
+        if "query_positions" in x and n_tok:
+            low, top = (int(v) for v in positions.aminmax())
+            need(low >= 0, "input 'query_positions'", f"entries should be >= 0, got {low}")
         else:
             top = max((p + n - 1 for p, n in zip(past, q_lens) if n), default=0)
         need(n_tok == 0 or top < cos.shape[0], "input 'cos_cache'",
@@ -214,7 +221,8 @@ def _slots(x, block_table, past, q_lens, tok_seq, seq_pos, num_blocks: int, bloc
         slots = x["slot_mapping"].long()
         bad = (slots < -1) | (slots >= total)
         if bool(bad.any()):
-            need(False, "input 'slot_mapping'", f"entries should be -1 or in [0, {total}), got {slots[bad][:4].tolist()}")
+            need(False, "input 'slot_mapping'",
+                 f"entries should be -1 or in [0, {total}), got {slots[bad][:4].tolist()}")
         return slots
     mb = block_table.shape[1]
     for b, (p, n) in enumerate(zip(past, q_lens)):

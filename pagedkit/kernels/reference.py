@@ -19,7 +19,9 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .attention_math import attend, default_scale
-from .paged_prologue import as_torch, prepare  # noqa: F401  (as_torch: imported from here by reference_gqa)
+from .paged_prologue import as_torch, prepare
+
+__all__ = ["as_torch", "paged_attention"]  # as_torch: reference_gqa imports it from here
 
 
 def paged_attention(

@@ -34,8 +34,10 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from . import quant
 from .attention_math import default_scale
 from .paged_prologue import Step, prepare
+from .reference_cache import CacheSide
 
 NAME = "torch_sdpa"
 CAPTURABLE = False  # host reads per call (see the module docstring)
@@ -58,10 +60,12 @@ def paged_attention(
     outputs: Sequence[str] | None = None,
     compute_dtype: torch.dtype = torch.float32,
     output_dtype: torch.dtype | None = None,
+    validate: bool = True,
     **attributes: Any,
 ) -> dict[str, torch.Tensor]:
-    """com.microsoft::PagedAttention, same signature and results as reference.paged_attention."""
-    step = prepare(inputs, attributes, outputs, compute_dtype, vectorized_write=True)
+    """com.microsoft::PagedAttention, same signature and results as reference.paged_attention.
+    validate=False skips the contract validator (paged_prologue.prepare) for an already validated node."""
+    step = prepare(inputs, attributes, outputs, compute_dtype, vectorized_write=True, validate=validate)
     q = step.q  # [N, H, D]
     n_tok, dev = q.shape[0], q.device
     out = torch.empty(n_tok, step.num_heads, step.v_head, dtype=q.dtype, device=dev)  # [N, H, Dv]
@@ -73,7 +77,9 @@ def paged_attention(
 
 
 def _work_items(step: Step) -> list[tuple[list[int], int, int]]:
-    """(sequences, j0, j1): query rows [j0, j1) of each listed sequence, all with the same row count."""
+    """(sequences, j0, j1): query rows [j0, j1) of each listed sequence, all with the same row count.
+    Sequences with at most SMALL_STEP tokens are grouped by token count (contexts within ~2x of each
+    other, heads x rows x context <= BUDGET); longer ones go alone in row chunks within BUDGET."""
     heads, items = step.num_heads, []
     by_len: dict[int, list[int]] = {}
     for b in range(len(step.past)):
@@ -86,16 +92,14 @@ def _work_items(step: Step) -> list[tuple[list[int], int, int]]:
             continue
         rows = max(1, BUDGET // (heads * extent))
         items += [([b], j0, min(n, j0 + rows)) for j0 in range(0, n, rows)]
-    for n, seqs in by_len.items():
+    for n, seqs in by_len.items():  # by extent, so padding to the group's widest stays bounded
         group: list[int] = []
-        widest = 0
-        for b in seqs:
-            wide = max(widest, step.extent(b))
-            if group and (len(group) + 1) * heads * n * wide > BUDGET:
+        for b in sorted(seqs, key=step.extent):
+            wide = step.extent(b)
+            if group and ((len(group) + 1) * heads * n * wide > BUDGET or wide > 2 * step.extent(group[0]) + 64):
                 items.append((group, 0, n))
-                group, wide = [], step.extent(b)
+                group = []
             group.append(b)
-            widest = wide
         items.append((group, 0, n))
     return items
 
@@ -126,19 +130,20 @@ def _attend_item(step: Step, seqs: list[int], j0: int, j1: int, out: torch.Tenso
     first = torch.tensor([f for f, _ in ranges], dtype=torch.long)
     end = torch.tensor([e for _, e in ranges], dtype=torch.long)
     cols = first[:, None] + torch.arange(nb)  # [Bg, nb] block_table columns
-    rows_bt = step.block_table[torch.tensor(seqs, device=dev)[:, None], cols.clamp(max=step.block_table.shape[1] - 1).to(dev)]
-    blocks = torch.where((cols < end[:, None]).to(dev), rows_bt, torch.full_like(rows_bt, -1))
+    entries = step.block_table[torch.tensor(seqs, device=dev)[:, None],
+                               cols.clamp(max=step.block_table.shape[1] - 1).to(dev)]
+    blocks = torch.where((cols < end[:, None]).to(dev), entries, torch.full_like(entries, -1))
     kpos = (cols[:, :, None] * bs + torch.arange(bs)).reshape(bg, ctx).to(dev)  # [Bg, C] logical positions
     extent = torch.tensor([step.extent(b) for b in seqs], dtype=torch.long, device=dev)
 
-    keys, mapped = step.kside.read(blocks.reshape(-1), q.dtype)  # [Bg*C, Hkv, D], [Bg*C]
-    key_ok = mapped.view(bg, ctx) & (kpos < extent[:, None])  # [Bg, C]
-    keys = keys.view(bg, ctx, hkv, d).masked_fill_(~key_ok[:, :, None, None], 0)
+    blocks = blocks.reshape(-1)  # [Bg*nb]
+    mapped = ((blocks >= 0) & (blocks < step.kside.num_blocks))[:, None].expand(bg * nb, bs)
+    key_ok = mapped.reshape(bg, ctx) & (kpos < extent[:, None])  # [Bg, C] admitted by extent and mapping
+    keys = _read(step.kside, blocks, key_ok, q.dtype).view(bg, ctx, hkv, d)
     if step.vside is None:  # LATENT: V is the leading Dv channels of the key cache
         values = keys[..., :dv]
     else:
-        values = step.vside.read(blocks.reshape(-1), q.dtype)[0].view(bg, ctx, hkv, dv)
-        values = values.masked_fill_(~key_ok[:, :, None, None], 0)
+        values = _read(step.vside, blocks, key_ok, q.dtype).view(bg, ctx, hkv, dv)
 
     tok = (torch.tensor([step.csl[b] + j0 for b in seqs], dtype=torch.long)[:, None]
            + torch.arange(rows)).to(dev)  # [Bg, r] token indices
@@ -169,6 +174,23 @@ def _attend_item(step: Step, seqs: list[int], j0: int, j1: int, out: torch.Tenso
             c0 = f * bs
             width = min(ctx, step.capacity - c0)
             qk[:, tok[i], c0:c0 + width] = val[i, :, :, :width].transpose(0, 1)
+
+
+def _read(side: CacheSide, blocks: torch.Tensor, ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gather + dequantize blocks [M] (unmapped: block 0) -> [M * BS, Hkv, D] in dtype, with the positions
+    not ok ([M * BS] or broadcastable) zeroed so stale cache bytes (NaN included) never reach the math.
+    CacheSide.read with index_select (several times faster than advanced indexing on CPU)."""
+    safe = torch.where((blocks >= 0) & (blocks < side.num_blocks), blocks, torch.zeros_like(blocks))
+    stored = side.cache.index_select(0, safe).flatten(0, 1)  # [M * BS, Hkv, Dc]
+    if side.fmt is None:
+        vals = stored.to(dtype)
+    else:
+        if side.quant_type == "PER_TOKEN":
+            scale = side.scale_cache.index_select(0, safe).flatten(0, 1).to(dtype)[..., None]  # [M * BS, Hkv, 1]
+        else:
+            scale = side.scale.to(dtype)
+        vals = quant.dequantize(stored, scale, side.fmt, side.head_size, dtype)
+    return vals.index_fill_(0, (~ok).reshape(-1).nonzero().squeeze(1), 0)
 
 
 def _explicit(step: Step, seqs, j0, j1, ranges, qh, kh, vh, mask, scale):
