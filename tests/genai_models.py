@@ -21,7 +21,9 @@ import sys
 from pathlib import Path
 
 # Tiny configurations: head_size 16 (a multiple of 8), 2 layers, vocab 128.
-_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+# intermediate_size must differ from vocab_size: the builder takes any Linear whose out_features equals
+# the vocabulary for the LM head.
+_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                bos_token_id=1, eos_token_id=2, pad_token_id=2)
 FAMILIES: dict[str, tuple[str, dict]] = {

@@ -30,17 +30,13 @@ from pagedkit.runtime.parity import hf_logits, load_hf, parity  # noqa: E402
 
 STEPS = 16
 PROMPT = [1, 17, 5, 9, 33, 70, 4, 101, 66, 12, 45, 3, 88, 27, 54, 7, 99, 31, 120, 61] * 2  # 40 tokens
-# intermediate_size must differ from vocab_size: the builder takes any Linear whose out_features equals the
-# vocabulary for the LM head (tests/genai_models.py's _COMMON has both at 128, which puts the LM head after
-# the first MLP projection and makes its models disagree with HF).
-FIXED = dict(intermediate_size=96)
 
 
 def write_checkpoint(family: str, out: Path, seed: int = 0) -> Path:
-    """A random tiny checkpoint of `family` (genai_models.FAMILIES config + FIXED) with weights at
+    """A random tiny checkpoint of `family` (genai_models.FAMILIES config) with weights at
     1.5 / sqrt(fan_in) and non-trivial norm gains, plus the local tokenizer the builder needs."""
     cls, extra = genai_models.FAMILIES[family]
-    config = getattr(transformers, cls)(**(genai_models._COMMON | extra | FIXED))
+    config = getattr(transformers, cls)(**(genai_models._COMMON | extra))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     gen = torch.Generator().manual_seed(seed + 1)
