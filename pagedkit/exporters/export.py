@@ -125,33 +125,44 @@ def export_hf_model(hf_model: torch.nn.Module, output_dir: str | os.PathLike, op
     Quantized caches: the unquantized graph is built first and run over the calibration text (default:
     the text shipped with pagedkit) for PER_TENSOR / PER_CHANNEL scales and the per-layer SNR report.
     weight_format "int4": MatMul weights to MatMulNBits (onnxruntime's quantizer)."""
+    return _export([hf_model], output_dir, opts, weights=weights, source=source, tokenizer_dir=tokenizer_dir,
+                   weight_format=weight_format, calibration=calibration, percentile=percentile, validate=validate)
+
+
+def _export(holder: list, output_dir, opts, *, weights, source, tokenizer_dir, weight_format, calibration,
+            percentile, validate) -> ExportResult:
+    """export_hf_model's work; the model is taken out of `holder` and dropped once the graph is built (the
+    caller that owns it, `export`, then no longer keeps a float copy of every weight alive)."""
     from .quantize import calibrate, calibration_sequences, needs_calibration, quantize_weights_int4
 
+    hf_model = holder.pop()
     opts = opts or ExportOptions()
+    if weight_format not in ("fp16", "int4"):
+        raise ValueError(f"weights: expected fp16 or int4, got {weight_format!r}")
     out = Path(output_dir)
     notes = []
     calib = None
-    if needs_calibration(family_for(hf_model.config).model_spec(hf_model, opts).layers):
+    family = family_for(hf_model.config)
+    final_spec = family.model_spec(hf_model, opts)
+    if needs_calibration(final_spec.layers):
         base_opts = replace(opts, kv=KVOptions(), kv_scales={}, progress=False)
-        base, base_spec = build_model(hf_model, base_opts)
-        final_spec = family_for(hf_model.config).model_spec(hf_model, opts)
+        base, _ = build_model(hf_model, base_opts)
         seqs = calibration_sequences(calibration, tokenizer_dir, hf_model.config.vocab_size)
         scales, calib = calibrate(base, final_spec, seqs, percentile)
         del base
         opts = replace(opts, kv_scales=scales)
         calib["text"] = str(calibration) if calibration else "pagedkit built-in calibration text"
-        snr = calib["snr_db"]
         notes.append("KV quantization SNR (dB) per layer: " + ", ".join(
-            f"{i}: K {r.get('k_snr_db', '-')} / V {r.get('v_snr_db', '-')}" for i, r in snr.items()))
+            f"{i}: K {r.get('k_snr_db', '-')} / V {r.get('v_snr_db', '-')}" for i, r in calib["snr_db"].items()))
     proto, spec = build_model(hf_model, opts, progress=opts.progress)
+    params = sum(p.numel() for p in hf_model.parameters())
+    del hf_model
     spec.calibration = calib
     spec.source = dict(source or {}) | {"weights": weights, "weight_format": weight_format}
     if weight_format == "int4":
         proto = quantize_weights_int4(proto)
         n = sum(1 for node in proto.graph.node if node.op_type == "MatMulNBits")
         notes.append(f"int4 weights: {n} MatMul nodes -> MatMulNBits (block 32, symmetric)")
-    elif weight_format != "fp16":
-        raise ValueError(f"weights: expected fp16 or int4, got {weight_format!r}")
     path = save_model(proto, out, spec.filename)
     del proto
     write_genai_config(out, spec)
@@ -160,7 +171,6 @@ def export_hf_model(hf_model: torch.nn.Module, output_dir: str | os.PathLike, op
         check_exported(path, genai_config(spec))
     data = path.with_name(path.name + ".data")
     files = [path] + ([data] if data.exists() else [])
-    params = sum(p.numel() for p in hf_model.parameters())
     return ExportResult(out, path, spec, params, sum(f.stat().st_size for f in files), kv_bytes_per_token(spec),
                         weights, notes)
 
@@ -169,9 +179,13 @@ def export(model: str | os.PathLike, output_dir: str | os.PathLike, opts: Export
            num_layers: int | None = None, num_experts: int | None = None, seed: int = 0, weights: str = "fp16",
            calibration: str | os.PathLike | None = None, percentile: float = 100.0,
            validate: bool = True) -> ExportResult:
-    """`paged-export`'s work: load (local safetensors / GGUF / built-in config), export, check, summarize."""
-    loaded = load_model(model, num_layers=num_layers, num_experts=num_experts, seed=seed)
+    """`paged-export`'s work: load (local safetensors / GGUF / built-in config) in the export dtype, export,
+    check, summarize."""
+    opts = opts or ExportOptions()
+    dtype = torch.float16 if opts.dtype == "fp16" else torch.bfloat16
+    loaded = load_model(model, num_layers=num_layers, num_experts=num_experts, seed=seed, dtype=dtype)
     source = {"model": str(model), "num_hidden_layers": loaded.config.num_hidden_layers}
-    return export_hf_model(loaded.model, output_dir, opts, weights=loaded.weights, source=source,
-                           tokenizer_dir=loaded.source_dir, weight_format=weights, calibration=calibration,
-                           percentile=percentile, validate=validate)
+    holder, tokenizer_dir, kind = [loaded.model], loaded.source_dir, loaded.weights
+    del loaded
+    return _export(holder, output_dir, opts, weights=kind, source=source, tokenizer_dir=tokenizer_dir,
+                   weight_format=weights, calibration=calibration, percentile=percentile, validate=validate)

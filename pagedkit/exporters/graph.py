@@ -104,10 +104,21 @@ class GraphBuilder:
         return self.vi[name][1]
 
     def model(self, name: str, producer: str, doc: str = "") -> onnx.ModelProto:
-        graph = onnx.helper.make_graph(self.nodes, name, self.inputs, self.outputs, self.initializers)
-        model = onnx.helper.make_model(
-            graph, producer_name=producer, doc_string=doc, ir_version=10,
-            opset_imports=[onnx.helper.make_opsetid("", ONNX_OPSET), onnx.helper.make_opsetid(MS_DOMAIN, 1)])
+        """The ModelProto. Initializers move into it one at a time (the builder's list is emptied), so a
+        large model is never held twice (onnx.helper.make_graph / make_model would copy every weight)."""
+        model = onnx.ModelProto()
+        model.ir_version = 10
+        model.producer_name = producer
+        model.doc_string = doc
+        model.opset_import.extend([onnx.helper.make_opsetid("", ONNX_OPSET), onnx.helper.make_opsetid(MS_DOMAIN, 1)])
+        graph = model.graph
+        graph.name = name
+        graph.node.extend(self.nodes)
+        graph.input.extend(self.inputs)
+        graph.output.extend(self.outputs)
+        self.initializers.reverse()
+        while self.initializers:
+            graph.initializer.append(self.initializers.pop())
         return model
 
 
@@ -214,6 +225,8 @@ def rotary_tables(rotary_emb: torch.nn.Module, max_positions: int, layer_type: s
     positions 0..max_positions-1: its scaling (linear, llama3, YaRN incl. the attention factor folded
     into cos/sin, ...) is exactly what the model computes. duplicated: the module returns the
     rotate_half form [freqs, freqs] (most models); False: it returns [freqs] only (GPT-OSS)."""
+    # a fresh float32 module: a model loaded in fp16/bf16 may hold its inverse frequencies rounded
+    rotary_emb = type(rotary_emb)(config=rotary_emb.config)
     pos = torch.arange(max_positions, dtype=torch.int64)[None, :]
     probe = torch.zeros(1, dtype=torch.float32)
     params = inspect.signature(rotary_emb.forward).parameters

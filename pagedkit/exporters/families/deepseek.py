@@ -85,6 +85,7 @@ class DeepseekFamily(DecoderFamily):
         if config.model_type != "deepseek_v2":
             cos, sin = rotary_tables(rot, max_positions)
         else:  # V2's module returns freqs_cis = attention_scaling * exp(i pos inv_freq): [1, P, rope / 2] complex
+            rot = type(rot)(config=rot.config)  # float32 inverse frequencies, whatever the model's dtype
             pos = torch.arange(max_positions, dtype=torch.int64)[None, :]
             freqs = rot(torch.zeros(1, dtype=torch.float32), pos)[0]
             cos, sin = freqs.real.float().contiguous(), freqs.imag.float().contiguous()
