@@ -13,6 +13,7 @@ FAMILIES: dict[str, str] = {
     "qwen3": "qwen3:Qwen3Family",
     "phi3": "phi3:Phi3Family",
     "gemma2": "gemma2:Gemma2Family",
+    "gemma3_text": "gemma3:Gemma3Family",
     "gpt_oss": "gpt_oss:GptOssFamily",
     "deepseek_v2": "deepseek:DeepseekFamily", "deepseek_v3": "deepseek:DeepseekFamily",
 }

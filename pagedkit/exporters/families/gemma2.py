@@ -27,10 +27,13 @@ class Gemma2Family(DecoderFamily):
     def attention_softcap(self, config) -> float:
         return float(getattr(config, "attn_logit_softcapping", None) or 0.0)
 
+    def embed_scale(self, ctx: ExportContext) -> float:
+        return ctx.config.hidden_size ** 0.5
+
     def embed(self, ctx: ExportContext) -> str:
         g = ctx.g
         h = super().embed(ctx)
-        normalizer = g.const(ctx.config.hidden_size ** 0.5, g.float_type)
+        normalizer = g.const(self.embed_scale(ctx), g.float_type)
         h = g.node("Mul", [h, normalizer], "/model/embed_tokens/Mul", out_type=g.float_type,
                    out_shape=g.shape_of(h))
         return cast(g, h, TensorProto.FLOAT, "/model/embed_tokens/Cast")
