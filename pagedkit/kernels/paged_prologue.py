@@ -175,9 +175,9 @@ def prepare(
     q_lens = [csl[b + 1] - csl[b] for b in range(len(past))]
     need(min(q_lens, default=0) >= 0, "input 'cumulative_sequence_length'", f"should be non-decreasing, got {csl}")
     need(min(past, default=0) >= 0, "input 'past_seqlens'", f"entries should be >= 0, got {past}")
-    tok_seq = torch.repeat_interleave(torch.arange(len(past)), torch.tensor(q_lens, dtype=torch.long))  # [N]
-    seq_pos = (torch.tensor(past, dtype=torch.long)[tok_seq] + torch.arange(n_tok)
-               - torch.tensor(csl[:-1], dtype=torch.long)[tok_seq]).to(dev)  # [N] derived positions
+    tok_seq = torch.tensor([b for b, n in enumerate(q_lens) for _ in range(n)], dtype=torch.long, device=dev)  # [N]
+    pos_list = [p + j for p, n in zip(past, q_lens) for j in range(n)]
+    seq_pos = torch.tensor(pos_list, dtype=torch.long, device=dev)  # [N] derived positions
     positions = x["query_positions"].long() if "query_positions" in x else seq_pos  # RoPE + masks
 
     # 1. prologue: QK-norm -> RoPE -> rotation
@@ -195,8 +195,8 @@ def prepare(
         need(n_tok == 0 or top < cos.shape[0], "input 'cos_cache'",
              f"has {cos.shape[0]} positions, a token needs position {top}")
         inter, offset = bool(int(a["rotary_interleaved"])), int(a["rotary_offset"])
-        q = apply_rope(q, positions, cos, sin, inter, offset)
-        k = apply_rope(k, positions, cos, sin, inter, offset)
+        qk = apply_rope(torch.cat((q, k), dim=1), positions, cos, sin, inter, offset)  # per head: one call
+        q, k = qk.split([num_heads, kv_heads], dim=1)
     if int(a["qk_rotation"]):
         q, k = rotate(q), rotate(k)
     if v is not None and int(a["v_rotation"]):
@@ -206,7 +206,7 @@ def prepare(
     # 2. cache writes (all tokens of the step before any attention)
     kside = make_side(x, a, "k", kv_heads, head_size, cdt)
     vside = None if latent else make_side(x, a, "v", kv_heads, head_size, cdt)
-    slots = _slots(x, block_table, past, q_lens, tok_seq.to(dev), seq_pos, kside.num_blocks, kside.block_size)
+    slots = _slots(x, block_table, past, q_lens, tok_seq, pos_list, kside.num_blocks, kside.block_size)
     for side, val in ((kside, k), (vside, v)):
         if side is not None:
             write_vectorized(side, slots, val) if vectorized_write else side.write(slots.tolist(), val)
@@ -214,7 +214,7 @@ def prepare(
                 positions, kside, vside, slots)
 
 
-def _slots(x, block_table, past, q_lens, tok_seq, seq_pos, num_blocks: int, block_size: int) -> torch.Tensor:
+def _slots(x, block_table, past, q_lens, tok_seq, pos_list, num_blocks: int, block_size: int) -> torch.Tensor:
     """Write slot of each token [N] long: slot_mapping, or block_table[b][p // BS] * BS + p % BS (-1: no write)."""
     total = num_blocks * block_size
     if "slot_mapping" in x:
@@ -228,22 +228,28 @@ def _slots(x, block_table, past, q_lens, tok_seq, seq_pos, num_blocks: int, bloc
     for b, (p, n) in enumerate(zip(past, q_lens)):
         need(n == 0 or (p + n - 1) // block_size < mb, "input 'block_table'",
              f"sequence {b} writes position {max(p, mb * block_size)} but has {mb} blocks of {block_size}")
-    blk = block_table[tok_seq, seq_pos // block_size] if seq_pos.numel() else seq_pos
-    mapped = (blk >= 0) & (blk < num_blocks)
-    return torch.where(mapped, blk * block_size + seq_pos % block_size, torch.full_like(blk, -1))
+    dev = block_table.device
+    cols = torch.tensor([p // block_size for p in pos_list], dtype=torch.long, device=dev)
+    offs = torch.tensor([p % block_size for p in pos_list], dtype=torch.long, device=dev)
+    blk = block_table[tok_seq, cols]  # [N]
+    return torch.where((blk >= 0) & (blk < num_blocks), blk * block_size + offs, torch.full_like(blk, -1))
 
 
 def write_vectorized(side: CacheSide, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """CacheSide.write as one index_put: token t of x [N, Hkv, D] goes to flat slot slots[t]; -1 writes
+    """CacheSide.write as one index_copy_: token t of x [N, Hkv, D] goes to flat slot slots[t]; -1 writes
     nothing (nor its scale); of several tokens sharing a slot the last one wins (as the loop)."""
     stored, tok_scale = side.encode(x)  # [N, Hkv, Dc], [N, Hkv] or None
-    order = torch.sort(slots, stable=True)  # runs of equal slots, tokens in order within a run
-    s = order.values
+    s, order = torch.sort(slots, stable=True)  # runs of equal slots, tokens in order within a run
     last = torch.ones_like(s, dtype=torch.bool)
     last[:-1] = s[1:] != s[:-1]
-    keep = order.indices[last & (s >= 0)]  # one token per written slot: the latest
-    blk, off = slots[keep] // side.block_size, slots[keep] % side.block_size
-    raw = _RAW_INT[side.cache.element_size()]  # bit copies (index_put on float8 / bfloat16 included)
-    side.cache.view(raw).index_put_((blk, off), stored[keep].view(raw))
+    keep = order.masked_select(last & (s >= 0))  # one token per written slot: the latest
+    dst = slots.index_select(0, keep)  # distinct flat slots
+    raw = _RAW_INT[side.cache.element_size()]  # bit copies (float8 / bfloat16 included)
+    targets = [(side.cache.view(raw), stored.view(raw))]
     if tok_scale is not None:
-        side.scale_cache.index_put_((blk, off), tok_scale[keep])
+        targets.append((side.scale_cache, tok_scale))
+    for cache, rows in targets:  # [NB, BS, ...] <- rows [N, ...]
+        if cache.is_contiguous():
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, dst, rows.index_select(0, keep))
+        else:
+            cache.index_put_((dst // side.block_size, dst % side.block_size), rows.index_select(0, keep))

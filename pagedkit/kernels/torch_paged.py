@@ -127,26 +127,25 @@ def _attend_item(step: Step, seqs: list[int], j0: int, j1: int, out: torch.Tenso
     ctx = nb * bs  # padded context of the item
 
     # live blocks of each sequence [Bg, nb] (-1: padding / beyond its range) and their key positions
-    first = torch.tensor([f for f, _ in ranges], dtype=torch.long)
-    end = torch.tensor([e for _, e in ranges], dtype=torch.long)
-    cols = first[:, None] + torch.arange(nb)  # [Bg, nb] block_table columns
-    entries = step.block_table[torch.tensor(seqs, device=dev)[:, None],
-                               cols.clamp(max=step.block_table.shape[1] - 1).to(dev)]
-    blocks = torch.where((cols < end[:, None]).to(dev), entries, torch.full_like(entries, -1))
+    meta = torch.tensor([[f, e, b, step.extent(b), step.csl[b] + j0] for b, (f, e) in zip(seqs, ranges)],
+                        dtype=torch.long)  # host: first block, end block, sequence, extent, first token
+    cols = meta[:, :1] + torch.arange(nb)  # [Bg, nb] block_table columns
+    entries = step.block_table[meta[:, 2:3].to(dev), cols.clamp(max=step.block_table.shape[1] - 1).to(dev)]
+    blocks = torch.where((cols < meta[:, 1:2]).to(dev), entries, torch.full_like(entries, -1)).reshape(-1)
     kpos = (cols[:, :, None] * bs + torch.arange(bs)).reshape(bg, ctx).to(dev)  # [Bg, C] logical positions
-    extent = torch.tensor([step.extent(b) for b in seqs], dtype=torch.long, device=dev)
+    extent = meta[:, 3:4].to(dev)  # [Bg, 1]
 
-    blocks = blocks.reshape(-1)  # [Bg*nb]
-    mapped = ((blocks >= 0) & (blocks < step.kside.num_blocks))[:, None].expand(bg * nb, bs)
-    key_ok = mapped.reshape(bg, ctx) & (kpos < extent[:, None])  # [Bg, C] admitted by extent and mapping
-    keys = _read(step.kside, blocks, key_ok, q.dtype).view(bg, ctx, hkv, d)
+    mapped = (blocks >= 0) & (blocks < step.kside.num_blocks)  # [Bg*nb]
+    key_ok = mapped[:, None].expand(bg * nb, bs).reshape(bg, ctx) & (kpos < extent)  # [Bg, C]
+    safe = torch.where(mapped, blocks, torch.zeros_like(blocks))  # unmapped / padding: block 0, zeroed
+    stale = (~key_ok).reshape(-1).nonzero().squeeze(1)  # flat positions to zero
+    keys = _read(step.kside, safe, stale, q.dtype).view(bg, ctx, hkv, d)
     if step.vside is None:  # LATENT: V is the leading Dv channels of the key cache
         values = keys[..., :dv]
     else:
-        values = _read(step.vside, blocks, key_ok, q.dtype).view(bg, ctx, hkv, dv)
+        values = _read(step.vside, safe, stale, q.dtype).view(bg, ctx, hkv, dv)
 
-    tok = (torch.tensor([step.csl[b] + j0 for b in seqs], dtype=torch.long)[:, None]
-           + torch.arange(rows)).to(dev)  # [Bg, r] token indices
+    tok = (meta[:, 4:5] + torch.arange(rows)).to(dev)  # [Bg, r] token indices
     qpos = step.positions[tok]  # [Bg, r]
     allowed = key_ok[:, None, :].expand(bg, rows, ctx)  # [Bg, r, C]
     if int(a["is_causal"]):
@@ -176,21 +175,20 @@ def _attend_item(step: Step, seqs: list[int], j0: int, j1: int, out: torch.Tenso
             qk[:, tok[i], c0:c0 + width] = val[i, :, :, :width].transpose(0, 1)
 
 
-def _read(side: CacheSide, blocks: torch.Tensor, ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Gather + dequantize blocks [M] (unmapped: block 0) -> [M * BS, Hkv, D] in dtype, with the positions
-    not ok ([M * BS] or broadcastable) zeroed so stale cache bytes (NaN included) never reach the math.
+def _read(side: CacheSide, blocks: torch.Tensor, stale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gather + dequantize blocks [M] (valid block ids) -> [M * BS, Hkv, D] in dtype, with the flat
+    positions `stale` zeroed so stale cache bytes (NaN included) never reach the math.
     CacheSide.read with index_select (several times faster than advanced indexing on CPU)."""
-    safe = torch.where((blocks >= 0) & (blocks < side.num_blocks), blocks, torch.zeros_like(blocks))
-    stored = side.cache.index_select(0, safe).flatten(0, 1)  # [M * BS, Hkv, Dc]
+    stored = side.cache.index_select(0, blocks).flatten(0, 1)  # [M * BS, Hkv, Dc]
     if side.fmt is None:
         vals = stored.to(dtype)
     else:
         if side.quant_type == "PER_TOKEN":
-            scale = side.scale_cache.index_select(0, safe).flatten(0, 1).to(dtype)[..., None]  # [M * BS, Hkv, 1]
+            scale = side.scale_cache.index_select(0, blocks).flatten(0, 1).to(dtype)[..., None]  # [M * BS, Hkv, 1]
         else:
             scale = side.scale.to(dtype)
         vals = quant.dequantize(stored, scale, side.fmt, side.head_size, dtype)
-    return vals.index_fill_(0, (~ok).reshape(-1).nonzero().squeeze(1), 0)
+    return vals.index_fill_(0, stale, 0)
 
 
 def _explicit(step: Step, seqs, j0, j1, ranges, qh, kh, vh, mask, scale):
