@@ -345,6 +345,55 @@ def test_bad_index_values_are_clear_errors():
         torch_paged.paged_attention(_clone(case.inputs), **case.attrs)
 
 
+def test_validate_false_keeps_the_index_guards():
+    """Without the contract validator (a session validated the node) no index input can make a read or
+    write leave its tensor: the kernel's own guards name the input."""
+    base = _case(seed=1, slot_mapping=True, query_positions=True, **RAGGED)
+    good = torch_paged.paged_attention(_clone(base.inputs), outputs=["output"], validate=False, **base.attrs)
+    ref = reference.paged_attention(_clone(base.inputs), outputs=["output"], **base.attrs)
+    assert _rel(good["output"], ref["output"]) <= TOL_T
+    nb, bs = base.inputs["key_cache"].shape[:2]
+    bad = {
+        "slot_mapping": ("slot_mapping", lambda x: x["slot_mapping"].__setitem__(2, nb * bs)),
+        "past_seqlens": ("past_seqlens", lambda x: x["past_seqlens"].__setitem__(1, -3)),
+        "query_positions": ("query_positions", lambda x: x["query_positions"].__setitem__(0, -1)),
+        "cumulative_sequence_length": ("cumulative_sequence_length",
+                                       lambda x: x["cumulative_sequence_length"].__setitem__(2, 0)),
+        "cos_cache": ("cos_cache", lambda x: x["query_positions"].__setitem__(0, x["cos_cache"].shape[0])),
+    }
+    for what, (name, mutate) in bad.items():
+        x = _clone(base.inputs)
+        mutate(x)
+        with pytest.raises(ValueError, match=f"input '{name}'"):
+            torch_paged.paged_attention(x, validate=False, **base.attrs)
+    x = _clone(base.inputs)
+    del x["slot_mapping"]
+    x["block_table"] = x["block_table"][:, :1].contiguous()
+    with pytest.raises(ValueError, match="input 'block_table'"):
+        torch_paged.paged_attention(x, validate=False, **base.attrs)
+
+
+def test_non_contiguous_caches_are_updated_in_place():
+    """Caches that are strided views (here every other row of a larger buffer) are written through."""
+    case = _case(seed=6, cache="int8", quant="PER_TOKEN", **RAGGED)
+    x = {}
+    for name, t in case.inputs.items():
+        if name.endswith("cache") and name not in ("cos_cache", "sin_cache"):
+            big = torch.zeros((2 * t.shape[0], *t.shape[1:]), dtype=t.dtype)
+            big[::2] = t
+            x[name] = big[::2]
+            assert not x[name].is_contiguous()
+        else:
+            x[name] = t.clone()
+    ref = reference.paged_attention(_clone(case.inputs), outputs=case.outputs, output_dtype=torch.float32,
+                                    **case.attrs)
+    got = torch_paged.paged_attention(x, outputs=case.outputs, output_dtype=torch.float32, **case.attrs)
+    assert _rel(got["output"], ref["output"]) <= TOL_F32
+    for name in ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache"):
+        assert got[name + "_out"] is x[name]
+        assert torch.equal(_bits(x[name]), _bits(ref[name + "_out"])), name
+
+
 def _info(op_type="PagedAttention", device="cpu"):
     return dispatch.NodeInfo(op_type, {"num_heads": 8, "kv_num_heads": 2}, {"query"}, {"output"},
                              torch.device(device))
