@@ -22,6 +22,12 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", {}),
     "phi3": ("Phi3Config", dict(sliding_window=64, original_max_position_embeddings=256)),
     "gemma2": ("Gemma2Config", dict(num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=24)),
+    "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=24,
+                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                        rope_parameters={"sliding_attention": dict(rope_type="default",
+                                                                                   rope_theta=10000.0),
+                                                         "full_attention": dict(rope_type="default",
+                                                                                rope_theta=1000000.0)})),
     "gpt_oss": ("GptOssConfig", dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=2)),
 }
 
