@@ -10,8 +10,8 @@ import json
 import onnx
 import pytest
 
-from export_utils import (assert_valid_export, attention_attrs, check_parity, check_quantized_parity, export_tiny,
-                          io_signature, tiny_model)
+from export_quant_utils import check_quantized_parity
+from export_utils import assert_valid_export, attention_attrs, check_parity, export_tiny, io_signature, tiny_model
 
 CASES = {  # (fp8 per-channel: fp8 codes of a static scale)
     "int8-per-tensor": dict(k_dtype="int8", v_dtype="int8", k_quant="PER_TENSOR", v_quant="PER_TENSOR"),
@@ -80,7 +80,8 @@ def test_int4_weights(llama, tmp_path):
 
     from pagedkit.exporters.export import export_hf_model
     from pagedkit.exporters.families.base import ExportOptions
-    from export_utils import assert_close_logits, dequantized_matmul_model, hf_greedy_sequence, run_tokens
+    from export_quant_utils import dequantized_matmul_model
+    from export_utils import assert_close_logits, hf_greedy_sequence, run_tokens
 
     export_hf_model(llama, tmp_path / "int4", ExportOptions(progress=False), weight_format="int4")
     assert_valid_export(tmp_path / "int4")

@@ -8,7 +8,6 @@ import json
 
 import onnx
 import pytest
-import torch
 
 from export_utils import (assert_valid_export, attention_attrs, check_parity, export_tiny, io_signature,
                           save_tiny_checkpoint, tiny_model)

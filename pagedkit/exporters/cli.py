@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def kv_options(args) -> "KVOptions":
+def kv_options(args):
+    """The KVOptions of the --k-* / --v-* / --kv-* flags."""
     from .families.base import KVOptions
 
     kv_default = args.kv_cache

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import numpy as np
 import onnx
 import torch
 

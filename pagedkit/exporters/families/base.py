@@ -26,8 +26,7 @@ from onnx import TensorProto
 
 from ..config import CacheSpec, LayerSpec, ModelSpec, PAST_KEY, PAST_KEY_SCALE, PAST_VALUE, PAST_VALUE_SCALE, \
     PRESENT_KEY, PRESENT_KEY_SCALE, PRESENT_VALUE, PRESENT_VALUE_SCALE, genai_type_of
-from ..graph import MS_DOMAIN, GraphBuilder, GraphInputs, Residual, cast, gated_mlp, linear, paged_attention, \
-    rotary_tables
+from ..graph import GraphBuilder, GraphInputs, Residual, cast, gated_mlp, linear, paged_attention, rotary_tables
 
 FLOAT_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 CACHE_ELEM_TYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16, "int8": TensorProto.INT8,
@@ -146,7 +145,7 @@ class DecoderFamily:
             head_size=layers[0].head_size, context_length=context, layers=layers, block_size=opts.block_size,
             dtype=act, bos_token_id=config.bos_token_id,
             eos_token_id=eos if eos is not None else config.eos_token_id,
-            pad_token_id=config.pad_token_id if config.pad_token_id is not None else None,
+            pad_token_id=config.pad_token_id,
             slot_mapping="slot_mapping" if opts.slot_mapping else None,
             query_positions="query_positions" if opts.query_positions else None,
             rope=self.rope_info(config))

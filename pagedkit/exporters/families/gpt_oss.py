@@ -8,8 +8,8 @@ SwiGLU with alpha / limit and beta = 1 ((up + 1) * gate * sigmoid(alpha * gate))
 
 from __future__ import annotations
 
-from ..graph import linear, rotary_tables
-from .base import DecoderFamily, ExportContext, MS_DOMAIN
+from ..graph import MS_DOMAIN, linear, rotary_tables
+from .base import DecoderFamily, ExportContext
 
 
 class GptOssFamily(DecoderFamily):
@@ -26,7 +26,7 @@ class GptOssFamily(DecoderFamily):
         return attn.sinks
 
     def mlp(self, ctx: ExportContext, i: int, mlp, x: str) -> str:
-        g, config = ctx.g, ctx.config
+        g = ctx.g
         p, ip = f"/model/layers.{i}/moe", f"model.layers.{i}.moe"
         router = mlp.router
         logits = linear(g, x, router.weight, router.bias, f"{p}/router", f"{ip}.router")
