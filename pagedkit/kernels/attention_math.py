@@ -72,9 +72,9 @@ def attend(
     sq, h, _ = q.shape
     sk, hkv, dv = v.shape
     group = h // hkv
-    out = torch.zeros(sq, h, dv, dtype=q.dtype)
-    scores = torch.zeros(h, sq, sk, dtype=q.dtype)
-    probs = torch.zeros(h, sq, sk, dtype=q.dtype)
+    out = torch.zeros(sq, h, dv, dtype=q.dtype, device=q.device)
+    scores = torch.zeros(h, sq, sk, dtype=q.dtype, device=q.device)
+    probs = torch.zeros(h, sq, sk, dtype=q.dtype, device=q.device)
     for head in range(h):
         kvh = head // group
         for i in range(sq):
@@ -94,7 +94,7 @@ def attend(
             if sink is not None:
                 extra = sink[head].to(q.dtype)
             elif smooth:
-                extra = torch.zeros((), dtype=q.dtype)
+                extra = torch.zeros((), dtype=q.dtype, device=q.device)
             m = s.max() if extra is None else torch.maximum(s.max(), extra)
             e = torch.exp(s - m)
             denom = e.sum() + (0.0 if extra is None else torch.exp(extra - m))

@@ -71,7 +71,7 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     n = codes.shape[-1]
     nib = (codes.to(torch.int16) + 8).to(torch.uint8)
     if n % 2:
-        pad = torch.full((*nib.shape[:-1], 1), 8, dtype=torch.uint8)  # a zero code pads odd sizes
+        pad = torch.full((*nib.shape[:-1], 1), 8, dtype=torch.uint8, device=nib.device)  # a zero code pads odd sizes
         nib = torch.cat((nib, pad), dim=-1)
     low, high = nib[..., 0::2], nib[..., 1::2]
     return low | (high << 4)

@@ -56,9 +56,9 @@ def paged_attention(
     softcap, window = float(a["softcap"]), int(a["local_window_size"])
     causal, qk_mode = bool(int(a["is_causal"])), int(a["qk_output"])
     sink = step.x["head_sink"].to(cdt) if "head_sink" in step.x else None
-    out = torch.zeros(n_tok, num_heads, v_head, dtype=cdt)  # [N, H, Dv]
-    qk = torch.zeros(num_heads, n_tok, capacity, dtype=cdt) if qk_mode else None  # [H, N, C]
-    kpos = torch.arange(capacity)
+    out = torch.zeros(n_tok, num_heads, v_head, dtype=cdt, device=q.device)  # [N, H, Dv]
+    qk = torch.zeros(num_heads, n_tok, capacity, dtype=cdt, device=q.device) if qk_mode else None  # [H, N, C]
+    kpos = torch.arange(capacity, device=q.device)
     for b in range(len(past)):
         t0, t1 = csl[b], csl[b + 1]
         if t1 == t0:
