@@ -66,7 +66,7 @@ def export(model_dir: Path, out: Path, flags: list[str], threads: int | None = N
                                                              "--quiet"] + flags
     stamp = out / "pagedkit_export_command.json"
     if reuse and stamp.is_file() and json.loads(stamp.read_text())["command"][1:] == cmd[1:]:
-        info = json.loads(stamp.read_text())
+        info = json.loads(stamp.read_text()) | {"reused": True}
     else:
         t0 = time.perf_counter()
         res = subprocess.run(cmd, capture_output=True, text=True, env=_env(threads))
@@ -234,11 +234,12 @@ def main(argv: list[str] | None = None) -> dict:
     for name in names:
         out = work / name
         info = export(smol.model_dir, out, CONFIGS[name], args.threads, args.reuse)
-        print(f"{name}: exported ({info.get('seconds', 'reused')} s); teacher-forcing {len(tokens)} tokens ...",
-              flush=True)
+        how = "reused an export made by the same command" if info.get("reused") else f"exported in {info['seconds']} s"
+        print(f"{name}: {how}; teacher-forcing {len(tokens)} tokens ...", flush=True)
         r = teacher_forced(out, tokens, args.chunk, ref_logits)
         r |= {"export_command": " ".join(["paged-export"] + info["command"][info["command"].index("--model"):]),
-              "export_summary": info["summary"], "k_cache": info["k_cache"], "v_cache": info["v_cache"],
+              "export_summary": info["summary"], "export_seconds": info["seconds"],
+              "export_reused": bool(info.get("reused")), "k_cache": info["k_cache"], "v_cache": info["v_cache"],
               "ppl_vs_hf": r["ppl"] / hf_ppl["ppl"]}
         if info["calibration"]:
             r["calibration_tokens"] = info["calibration"].get("tokens")
