@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -194,7 +195,8 @@ def test_v2_genai_config(v2_dir):
 
 
 def _mutated(src, dst, **attrs):
-    """A copy of an export with attributes overwritten on every PagedAttention node (external data linked)."""
+    """A copy of an export with attributes overwritten on every PagedAttention node. External data is copied
+    once and reused when dst already holds it (links are refused by onnx and by the runtime)."""
     m = onnx.load(str(src / "model.onnx"), load_external_data=False)
     for n in m.graph.node:
         if n.op_type == "PagedAttention":
@@ -203,12 +205,12 @@ def _mutated(src, dst, **attrs):
                     if a.name == k:
                         n.attribute.remove(a)
                 n.attribute.append(onnx.helper.make_attribute(k, v))
-    dst.mkdir()
+    dst.mkdir(exist_ok=True)
     onnx.save(m, str(dst / "model.onnx"))
     data = src / "model.onnx.data"
-    if data.exists():
-        (dst / data.name).symlink_to(data)
-    (dst / "genai_config.json").write_text((src / "genai_config.json").read_text())
+    if data.exists() and not (dst / data.name).exists():
+        shutil.copyfile(data, dst / data.name)
+    shutil.copyfile(src / "genai_config.json", dst / "genai_config.json")
     return dst
 
 
@@ -234,6 +236,138 @@ def test_v3_parity_fp16(tmp_path, interleave):
     rep, margin = parity(hf, tmp_path)
     print(f"deepseek-v3 tiny ({'interleaved' if interleave else 'rotate_half'}): worst {rep.worst_ratio:.4g}, "
           f"near-ties {rep.near_ties}, routing margin {margin:.3g}")
+
+
+# ---- quantized LATENT cache (PER_TOKEN) ---------------------------------------------------------------------
+
+class substitute_latent:
+    """Context manager: layer i of HF's MLA attention uses the given latent rows [S, rank + rope] (the
+    export's cache, dequantized; float32) instead of its own [RMSNorm(compressed_kv) ‖ RoPE(k_pe)], and
+    records its own rows in `seen`. The cache holds k_pe as the node rotates it; V3 with rope_interleave
+    de-interleaves ([evens | odds]), so its rows are permuted to HF's layout."""
+
+    def __init__(self, hf, rows: dict[int, torch.Tensor]):
+        self.hf, self.rows, self.seen = hf, rows, {}
+        self.module = __import__(type(hf.model.layers[0].self_attn).__module__, fromlist=["x"])
+        self.names = [n for n in ("apply_rotary_emb", "apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")
+                      if hasattr(self.module, n)]
+        cfg = hf.config
+        self.rank = cfg.kv_lora_rank
+        self.deinterleave = cfg.model_type != "deepseek_v2" and getattr(cfg, "rope_interleave", True)
+
+    def __enter__(self):
+        stash = []
+
+        def grab(i):
+            def hook(module, args, out):
+                stash.append((i, out))
+            return hook
+
+        self.hooks = [l.self_attn.kv_a_layernorm.register_forward_hook(grab(i))
+                      for i, l in enumerate(self.hf.model.layers)]
+        self.orig = {n: getattr(self.module, n) for n in self.names}
+        rank = self.rank
+
+        def wrap(fn):
+            def rotated(q, k, *args, **kwargs):
+                q, k = fn(q, k, *args, **kwargs)  # k: [1, 1, S, rope]
+                i, c = stash.pop()  # c [1, S, rank]: the tensor the attention goes on to use (viewed)
+                self.seen[i] = torch.cat([c[0], k[0, 0]], dim=-1).detach().clone()
+                sub = self.rows[i]
+                pe = sub[:, rank:]
+                if self.deinterleave:
+                    pe = torch.cat([pe[:, 0::2], pe[:, 1::2]], dim=-1)
+                c.copy_(sub[None, :, :rank].to(c.dtype))
+                return q, pe[None, None].to(k.dtype)
+            return rotated
+
+        for n, fn in self.orig.items():
+            setattr(self.module, n, wrap(fn))
+        return self
+
+    def __exit__(self, *exc):
+        for n, fn in self.orig.items():
+            setattr(self.module, n, fn)
+        for h in self.hooks:
+            h.remove()
+        return False
+
+
+@torch.no_grad()
+def check_latent_quantized_parity(hf, model_dir, fmt: str, *, prompt_lens=(11, 37), steps: int = 4) -> float:
+    """A PER_TOKEN-quantized LATENT export vs HF eager whose MLA attends over the export's own cache rows
+    (dequantized with its stored scales), so the fp16 tolerance applies unchanged; and the cache codes are
+    HF's own latent quantized: stored scales = amax / qmax within 2^-8, rows within one code step."""
+    from export_utils import NEAR_TIE, TOL, PagedRunner, _Seq, hf_greedy_sequence
+    from pagedkit.kernels import quant as kq
+
+    rng = np.random.default_rng(0)
+    seqs = [_Seq(hf_greedy_sequence(hf, [int(t) for t in rng.integers(3, hf.config.vocab_size, n)], steps)[0])
+            for n in prompt_lens]
+    runner = PagedRunner(model_dir)
+    got = [[o] for o in runner.step(seqs, list(prompt_lens))]
+    for _ in range(steps):
+        for b, o in enumerate(runner.step(seqs, [1] * len(seqs))):
+            got[b].append(o)
+    width = hf.config.kv_lora_rank + hf.config.qk_rope_head_dim
+    worst = 0.0
+    for b, s in enumerate(seqs):
+        n = len(s.tokens)
+        rows, scales, codes = {}, {}, {}
+        for i in range(hf.config.num_hidden_layers):
+            stored = torch.cat([runner.caches[f"past_key_values.{i}.key"][blk] for blk in s.blocks])[:n]
+            codes[i] = kq.dequantize(stored, 1.0, fmt, head_size=width)[:, 0]  # [n, W] integer codes
+            scales[i] = torch.cat([runner.caches[f"past_key_values.{i}.key_scale"][blk] for blk in s.blocks])[:n]
+            rows[i] = codes[i] * scales[i].float()  # [n, 1] scale per token
+        with substitute_latent(hf, rows) as sub:
+            ref = hf(torch.tensor([s.tokens])).logits[0].float().numpy()
+        out = np.concatenate(got[b])
+        ratio = float(np.abs(out - ref).max() / np.abs(ref).max())
+        worst = max(worst, ratio)
+        assert ratio <= TOL, f"sequence {b}: max|diff| = {ratio:.3g} x max|ref| > {TOL}"
+        for j in range(n):
+            top = np.sort(ref[j])[-2:]
+            assert out[j].argmax() == ref[j].argmax() or top[1] - top[0] < NEAR_TIE * np.abs(ref).max()
+        for i in rows:  # the codes are HF's latent quantized (fp16 row, fp16 per-token scale)
+            x = sub.seen[i].to(torch.float16).float()
+            if sub.deinterleave:  # HF's [evens | odds] back to the cache's interleaved pairs
+                r, pe = hf.config.kv_lora_rank, x[:, hf.config.kv_lora_rank:]
+                x = torch.cat([x[:, :r], torch.stack(pe.chunk(2, dim=-1), dim=-1).reshape(n, -1)], dim=-1)
+            sc, stored = kq.per_token_scale(x, fmt).float(), scales[i].float()
+            rel = float(((stored - sc).abs() / sc).max())
+            assert rel <= 2.0 ** -8, f"layer {i}: PER_TOKEN scales differ by {rel:.3g} (relative)"
+            # HF's row quantized with the stored scale: the same codes, except one step where fp16 vs fp32
+            # rounding straddles a code boundary
+            diff = (codes[i] - kq.dequantize(kq.quantize(x, stored, fmt), 1.0, fmt, head_size=width)).abs()
+            assert float(diff.max()) <= 1.0 and float((diff > 0).float().mean()) <= 0.1, (
+                f"layer {i}: codes differ by up to {float(diff.max()):.3g} steps on "
+                f"{float((diff > 0).float().mean()):.1%} of the elements")
+    return worst
+
+
+@pytest.mark.parametrize("case", ["v2-int8", "v2-int4", "v3-int8"])
+def test_latent_per_token_cache(v2, tmp_path, case):
+    """A PER_TOKEN-quantized LATENT cache: one scale cache per layer (key side only), k_quant_type on the
+    node, parity with HF attending over the export's dequantized latent (not with plain HF: the cache is
+    what makes it pass). v3: interleaved RoPE, whose cached k_pe HF holds de-interleaved."""
+    from pagedkit.exporters.export import export_hf_model
+    from pagedkit.exporters.families.base import ExportOptions, KVOptions
+
+    model, fmt = case.split("-")
+    hf = v2 if model == "v2" else deepseek("DeepseekV3Config", seed=6, bias=V3_BIAS, router_gain=0.1, **V3)
+    res = export_hf_model(hf, tmp_path, ExportOptions(kv=KVOptions(fmt, fmt, "PER_TOKEN", "PER_TOKEN"),
+                                                      progress=False))
+    assert_valid_export(tmp_path)
+    sig = io_signature(tmp_path / "model.onnx")
+    assert sig["past_key_values.0.key_scale"] == ("input", TensorProto.FLOAT16, 3)
+    assert not any(name.endswith((".value", ".value_scale")) for name in sig)
+    for a in attention_attrs(tmp_path / "model.onnx"):
+        assert a["k_quant_type"] == "PER_TOKEN" and a.get("v_quant_type", "NONE") == "NONE"
+        assert a.get("k_cache_dtype", "") == ("int4" if fmt == "int4" else "")
+    worst = check_latent_quantized_parity(hf, tmp_path, fmt)
+    print(f"LATENT {case} PER_TOKEN: worst {worst:.4g} vs HF over the export's latent; {res.notes}")
+    with pytest.raises(AssertionError, match="max\\|diff\\|"):
+        check_parity(hf, tmp_path, steps=2)
 
 
 # ---- MoE block in float32 (exact routing) ---------------------------------------------------------------
@@ -284,6 +418,18 @@ def test_moe_block_fp32_exact(case):
     assert err <= 1e-5
 
 
+def test_v2_bf16(v2, tmp_path):
+    """bf16 graph (float32 logits, as onnxruntime-genai); bf16 keeps 8 mantissa bits (fp16: 11), so the
+    tolerance is 8x fp16's, as for Llama. The harness's near-tie threshold is fp16's (2e-2 x max|ref|), so
+    greedy agreement is not asserted here: a top-2 gap below bf16's error is a near-tie for bf16."""
+    export_tiny(v2, tmp_path, dtype="bf16")
+    assert_valid_export(tmp_path)
+    sig = io_signature(tmp_path / "model.onnx")
+    assert sig["past_key_values.0.key"][1] == TensorProto.BFLOAT16 and sig["logits"][1] == TensorProto.FLOAT
+    rep = check_parity(v2, tmp_path, steps=4, tol=8 * 2e-2, greedy=False)
+    print(f"deepseek-v2 tiny bf16: worst {rep.worst_ratio:.4g}, argmax differences {rep.near_ties + rep.mismatches}")
+
+
 def test_latent_rejects_rotation_and_v_options(v2, tmp_path):
     from pagedkit.exporters.families.base import ExportOptions, KVOptions
     from pagedkit.exporters.export import export_hf_model
@@ -322,15 +468,17 @@ def test_paged_export_deepseek_v2_lite(tmp_path, capsys):
         assert (a["kv_cache_layout"], a["v_head_size"], a["kv_num_heads"], a["rotary_offset"], a["num_heads"],
                 a.get("rotary_interleaved", 0), a["do_rotary"]) == ("LATENT", 512, 1, 512, 16, 1, 1)
         assert a["scale"] == np.float32(V2_LITE_SCALE)  # the attribute is a float32
-    # the same random weights (same seed) as the CLI built: HF's fp32 model is the oracle
-    hf = load_model("deepseek-v2-lite", num_layers=2, num_experts=8, seed=0).model
+    # the same random weights as the CLI built (same seed, built in the export dtype), run by HF eager in
+    # float32 with a float32 rotary module (its inverse frequencies are not rounded to fp16)
+    hf = load_model("deepseek-v2-lite", num_layers=2, num_experts=8, seed=0, dtype=torch.float16).model.float()
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf.config)
     assert hf.model.layers[0].self_attn.scaling == V2_LITE_SCALE
     kw = dict(prompt_lens=(11, 37), steps=3)
     rep, margin = parity(hf, out, margin=0.0, **kw)  # greedy softmax: no renormalization
     print(f"deepseek-v2-lite (2 layers): worst {rep.worst_ratio:.4g}, near-ties {rep.near_ties}, "
           f"routing margin {margin:.3g}")
     for bad_attrs in (dict(scale=576 ** -0.5), dict(rotary_interleaved=0)):
-        bad = _mutated(out, tmp_path / f"bad{len(list(tmp_path.iterdir()))}", **bad_attrs)
+        bad = _mutated(out, tmp_path / "bad", **bad_attrs)
         with pytest.raises(AssertionError, match="max\\|diff\\|") as exc:
             check_parity(hf, bad, **kw)
         print(f"teeth {bad_attrs}: {str(exc.value).splitlines()[0]}")
