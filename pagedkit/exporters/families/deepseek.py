@@ -38,9 +38,7 @@ from typing import Any
 import torch
 from onnx import TensorProto
 
-from ..config import LayerSpec
-from ..graph import MS_DOMAIN, GraphBuilder, activation, cast, gated_mlp, linear, paged_attention, rms_norm, \
-    rotary_tables
+from ..graph import MS_DOMAIN, GraphBuilder, activation, cast, linear, paged_attention, rms_norm, rotary_tables
 from .base import DecoderFamily, ExportContext, ExportOptions
 
 F32, I64 = TensorProto.FLOAT, TensorProto.INT64
@@ -101,7 +99,8 @@ class DeepseekFamily(DecoderFamily):
         if kv.rotate:
             raise ValueError("--rotate-kv: qk_rotation / v_rotation are rejected with kv_cache_layout LATENT "
                              "(DeepSeek's absorbed MLA)")
-        if (kv.v_dtype, kv.v_quant) != (kv.k_dtype, kv.k_quant):
+        v_set = kv.v_dtype or kv.v_quant != "NONE"
+        if v_set and (kv.v_dtype, kv.v_quant) != (kv.k_dtype, kv.k_quant):  # --kv-* set both alike: fine
             raise ValueError("DeepSeek exports one LATENT cache per layer (K); set its dtype / quantization with "
                              "--kv-cache / --kv-quant or --k-*, not --v-*")
         width = self.latent_width(config)
