@@ -40,15 +40,19 @@ def matmul(inputs, attrs, ctx):
 @register("Gemm")
 def gemm(inputs, attrs, ctx):
     a, b, c = inputs[0], inputs[1], opt(inputs, 2)  # a [M, K] (or [K, M]), b [K, N] (or [N, K]), c -> [M, N]
+    out_dtype = a.dtype
+    if a.device.type == "cpu" and a.dtype in HALF_TYPES:  # float32 before transposing: the copy is reused
+        a, b = _f32(a), _f32(b)
+        c = None if c is None else c.float()
     a = a.T if attrs.get("transA", 0) else a
     b = b.T if attrs.get("transB", 0) else b
     alpha, beta = attrs.get("alpha", 1.0), attrs.get("beta", 1.0)
-    y = _mm(a, b)
+    y = a @ b
     if alpha != 1.0:
         y = y * alpha
     if c is not None:
         y = y + (c if beta == 1.0 else c * beta)
-    return [y]
+    return [y.to(out_dtype)]
 
 
 @register("Einsum")
