@@ -413,3 +413,50 @@ def run_ort_cpu(case: Case):
     sess = ort.InferenceSession(case.model().SerializeToString(), providers=["CPUExecutionProvider"])
     feeds = {n: t.numpy() for n, t in case.inputs.items()}
     return sess.run(None, feeds)
+
+
+# ---- mutation combinators for the negative tests: each returns f(case) that edits the case ----
+
+def attrs(**kw):
+    return lambda c: c.attrs.update(kw)
+
+
+
+def unset(*names):
+    return lambda c: [c.attrs.pop(n, None) for n in names]
+
+
+
+def seq(*fs):
+    return lambda c: [f(c) for f in fs]
+
+
+
+def shape(name, *s):
+    return lambda c: with_shape(c, name, s)
+
+
+
+def dtype(name, dt):
+    return lambda c: with_dtype(c, name, dt)
+
+
+
+def vals(name, v):
+    return lambda c: with_values(c, name, v)
+
+
+
+def rm(*names):
+    return lambda c: drop(c, *names)
+
+
+
+def out_add(name):
+    return lambda c: c.outputs.append(name)
+
+
+
+def out_rm(name):
+    return lambda c: c.outputs.remove(name)
+

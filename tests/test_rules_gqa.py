@@ -12,7 +12,10 @@ from typing import Callable, NamedTuple
 import pytest
 import torch
 
-from nodes import GQA_CONFIGS, GQA_ORT_CPU, add_input, drop, gqa_case, run_ort_cpu, with_dtype, with_shape, with_values
+from nodes import (
+    attrs, dtype, out_add, out_rm, rm, seq, shape, unset, vals,
+    GQA_CONFIGS, GQA_ORT_CPU, add_input, drop, gqa_case, run_ort_cpu, with_dtype, with_shape, with_values,
+)
 from pagedkit.validators.rules_gqa import RULE_DOCS
 
 
@@ -26,44 +29,8 @@ class Neg(NamedTuple):
     ort: bool = False  # onnxruntime's CPU kernel rejects this mutation too
 
 
-def attrs(**kw):
-    return lambda c: c.attrs.update(kw)
-
-
-def unset(*names):
-    return lambda c: [c.attrs.pop(n, None) for n in names]
-
-
-def seq(*fs):
-    return lambda c: [f(c) for f in fs]
-
-
-def shape(name, *s):
-    return lambda c: with_shape(c, name, s)
-
-
-def dtype(name, dt):
-    return lambda c: with_dtype(c, name, dt)
-
-
-def vals(name, v):
-    return lambda c: with_values(c, name, v)
-
-
 def add(name, s, dt=torch.float32):
     return lambda c: add_input(c, name, s, dt)
-
-
-def rm(*names):
-    return lambda c: drop(c, *names)
-
-
-def out_add(name):
-    return lambda c: c.outputs.append(name)
-
-
-def out_rm(name):
-    return lambda c: c.outputs.remove(name)
 
 
 def rebuild(config, **kw):
