@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from pagedkit.kernels import reference, torch_paged
+from pagedkit.kernels.paged import reference, torch_sdpa as torch_paged
 
 H, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedkit.kernels.gqa_cache import resident_count
+from pagedkit.kernels.gqa.cache import resident_count
 
 CACHE_DTYPES = {"float": None, "int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn}
 BITS = {"int8": 8, "int4": 4, "fp8": 8}

@@ -12,7 +12,7 @@ from onnx import TensorProto as TP
 from onnx import helper
 
 from pagedkit.validators import ValidationError, make_gqa_node, make_paged_attention_node
-from pagedkit.validators import rules_gqa, rules_paged
+from pagedkit.validators.rules import gqa as rules_gqa, paged as rules_paged
 from pagedkit.validators.issues import Issue
 
 F16, F32, I8, I32 = TP.FLOAT16, TP.FLOAT, TP.INT8, TP.INT32

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from cases import HERE, load_cases, load_index, compare_case
-from pagedkit.kernels.reference import paged_attention
-from pagedkit.kernels.reference_gqa import group_query_attention
+from pagedkit.kernels.paged.reference import paged_attention
+from pagedkit.kernels.gqa.reference import group_query_attention
 from pagedkit.validators.contract import get_contract
 
 INDEX = load_index()

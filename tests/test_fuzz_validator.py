@@ -19,8 +19,8 @@ import torch
 from nodes import gqa_case, paged_case, random_like
 from pagedkit.validators import get_contract
 from pagedkit.validators.nodeview import onnx_dtype_of, type_str
-from pagedkit.validators.rules_gqa import RULE_DOCS as GQA_DOCS
-from pagedkit.validators.rules_paged import RULE_DOCS as PA_DOCS
+from pagedkit.validators.rules.gqa import RULE_DOCS as GQA_DOCS
+from pagedkit.validators.rules.paged import RULE_DOCS as PA_DOCS
 
 SEED = 20261130
 N_TARGETED = 2000

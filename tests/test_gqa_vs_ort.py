@@ -1,7 +1,7 @@
 """The GroupQueryAttention reference against onnxruntime 1.32.0's CPU GroupQueryAttention kernel.
 
 Every configuration runs as a single-node model on ORT CPU (an independent implementation) and through
-`pagedkit.kernels.reference_gqa.group_query_attention` on the same fresh seeded inputs (tests/paged_gqa.py:
+`pagedkit.kernels.gqa.reference.group_query_attention` on the same fresh seeded inputs (tests/paged_gqa.py:
 NaN in every cache row and padded q/k/v row the operator must not read). Compared where the operator
 defines a value: output rows [0, Q_b), output_qk rows [0, Q_b) (every column), present rows [0, T_b) (or
 [0, L(T_b)) for a windowed cache). fp32: max|diff| <= 1e-5 * max|ref|; fp16 T: 2e-3 * max|ref| (the fp16
@@ -23,7 +23,7 @@ import torch
 from nodes import Case
 from paged_gqa import GqaSpec, make_gqa_inputs
 from pagedkit.kernels import quant
-from pagedkit.kernels.reference_gqa import group_query_attention
+from pagedkit.kernels.gqa.reference import group_query_attention
 from pagedkit.validators.nodeview import onnx_dtype_of
 
 FP16 = torch.float16

@@ -1,4 +1,4 @@
-"""Unit tests of the KV block manager (pagedkit.runtime.kv_cache): allocation, plans, prefix cache,
+"""Unit tests of the KV block manager (pagedkit.runtime.kv.cache): allocation, plans, prefix cache,
 copy-on-write, rings, speculation, errors."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from pagedkit.runtime.kv_cache import KVCacheExhausted, KVCacheManager
-from pagedkit.runtime.kv_config import GroupConfig, KVCacheConfig, LayerCacheSpec
+from pagedkit.runtime.kv.cache import KVCacheExhausted, KVCacheManager
+from pagedkit.runtime.kv.config import GroupConfig, KVCacheConfig, LayerCacheSpec
 
 
 def layer(i, **kw):

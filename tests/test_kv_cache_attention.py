@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkit.kernels.reference import paged_attention
-from pagedkit.runtime.kv_cache import KVCacheManager
-from pagedkit.runtime.kv_config import GroupConfig, KVCacheConfig, LayerCacheSpec
+from pagedkit.kernels.paged.reference import paged_attention
+from pagedkit.runtime.kv.cache import KVCacheManager
+from pagedkit.runtime.kv.config import GroupConfig, KVCacheConfig, LayerCacheSpec
 
 H, HKV, D, BS, VOCAB, MAX_LEN = 4, 2, 16, 16, 11, 96
 

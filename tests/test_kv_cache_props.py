@@ -18,8 +18,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 
-from pagedkit.runtime.kv_cache import KVCacheExhausted, KVCacheManager
-from pagedkit.runtime.kv_config import GroupConfig, KVCacheConfig, LayerCacheSpec
+from pagedkit.runtime.kv.cache import KVCacheExhausted, KVCacheManager
+from pagedkit.runtime.kv.config import GroupConfig, KVCacheConfig, LayerCacheSpec
 
 BS, MAX_LEN, VOCAB = 4, 32, 3
 

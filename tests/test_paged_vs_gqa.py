@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from paged_gqa import gqa_from_paged, gqa_output_as_paged, gqa_present_as_paged, gqa_qk_as_paged
-from pagedkit.kernels.reference import paged_attention
-from pagedkit.kernels.reference_gqa import group_query_attention
+from pagedkit.kernels.paged.reference import paged_attention
+from pagedkit.kernels.gqa.reference import group_query_attention
 
 TOL = 5e-3
 BLOCK = 16

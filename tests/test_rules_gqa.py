@@ -16,7 +16,7 @@ from nodes import (
     attrs, dtype, out_add, out_rm, rm, seq, shape, unset, vals,
     GQA_CONFIGS, GQA_ORT_CPU, add_input, drop, gqa_case, run_ort_cpu, with_dtype, with_shape, with_values,
 )
-from pagedkit.validators.rules_gqa import RULE_DOCS
+from pagedkit.validators.rules.gqa import RULE_DOCS
 
 
 class Neg(NamedTuple):

@@ -16,7 +16,7 @@ from nodes import (
     attrs, dtype, out_add, out_rm, rm, seq, shape, unset, vals,
     add_input, drop, paged_case, with_dtype, with_shape, with_values,
 )
-from pagedkit.validators.rules_paged import RULE_DOCS
+from pagedkit.validators.rules.paged import RULE_DOCS
 
 
 class Neg(NamedTuple):

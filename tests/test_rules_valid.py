@@ -9,7 +9,7 @@ import pytest
 
 from nodes import GQA_CONFIGS, PAGED_CONFIGS, gqa_case, paged_case
 from pagedkit.validators import validate_node
-from pagedkit.validators.rules_paged_dims import paged_dims
+from pagedkit.validators.rules.paged_dims import paged_dims
 from pagedkit.validators.checks import view_of_node
 
 ALL = [("PagedAttention", n) for n in PAGED_CONFIGS] + [("GroupQueryAttention", n) for n in GQA_CONFIGS]
@@ -89,7 +89,7 @@ def test_int4_cache_head_size_is_packed():
 def test_odd_head_size_int4_rounds_up():
     """(head_size + 1) // 2 for int4 when head_size is odd is only reachable through the formula (head_size % 8
     is enforced), so check the derivation directly."""
-    from pagedkit.validators.rules_paged_dims import cache_head_size
+    from pagedkit.validators.rules.paged_dims import cache_head_size
 
     assert [cache_head_size(h, True) for h in (7, 8, 576)] == [4, 4, 288]
     assert cache_head_size(96, False) == 96

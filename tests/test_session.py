@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from nodes import make_paged_case
 from pagedkit import InferenceSession
-from pagedkit.kernels.reference import paged_attention
+from pagedkit.kernels.paged.reference import paged_attention
 from pagedkit.runtime.loading import UnsafeModelError
 from pagedkit.validators import ValidationError
 

@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from pagedkit import InferenceSession
-from pagedkit.kernels.gqa_cache import resident_count
+from pagedkit.kernels.gqa.cache import resident_count
 
 F = TensorProto.FLOAT
 HEADS, KV_HEADS, HEAD, HIDDEN, VOCAB, MAX_POS = 4, 2, 16, 64, 96, 64

@@ -1,4 +1,4 @@
-"""The vectorized torch PagedAttention (pagedkit.kernels.torch_paged, variant "torch_sdpa") against the
+"""The vectorized torch PagedAttention (pagedkit.kernels.paged.torch_sdpa, variant "torch_sdpa") against the
 loop-based reference, which stays the oracle.
 
 Every PagedAttention case file and randomized configurations (ragged batches, decode batches, speculative
@@ -17,7 +17,9 @@ import torch
 
 from cases import compare_case, load_cases
 from nodes import make_paged_case
-from pagedkit.kernels import dispatch, reference, torch_paged
+from pagedkit.kernels import dispatch
+from pagedkit.kernels.paged import reference
+from pagedkit.kernels.paged import torch_sdpa as torch_paged
 
 TOL_F32 = 1e-5  # float32 outputs: summation order only
 TOL_T = 2e-3  # fp16 outputs: rounding is 2**-11 of the largest element
@@ -259,7 +261,7 @@ def test_chunked_rows_and_split_groups(monkeypatch, extra):
 
 
 def _prepared(case):
-    from pagedkit.kernels.paged_prologue import prepare
+    from pagedkit.kernels.paged.prologue import prepare
 
     return prepare(_clone(case.inputs), case.attrs, case.outputs)
 

@@ -105,7 +105,8 @@ def _info(node: onnx.NodeProto, device: torch.device) -> NodeInfo:
 
 
 def _reference(op_type: str) -> Variant:
-    from . import reference, reference_gqa
+    from .gqa import reference as reference_gqa
+    from .paged import reference
 
     fn = reference.paged_attention if op_type == "PagedAttention" else reference_gqa.group_query_attention
     return Variant("reference", op_type, fn, cpu_only=True)
@@ -116,7 +117,7 @@ def _fast_variants(op_type: str) -> list[tuple[Callable[[NodeInfo], str | None],
     else the reason it does not."""
     variants = []
     try:
-        from . import torch_paged
+        from .paged import torch_sdpa as torch_paged
     except ImportError:
         return variants
     if op_type == "PagedAttention":

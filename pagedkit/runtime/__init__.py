@@ -1,8 +1,8 @@
 """pagedkit.runtime: InferenceSession (ONNX on torch, CPU or CUDA) and the KV block manager."""
 
-from .kv_cache import KVCacheExhausted, KVCacheManager
-from .kv_config import GroupConfig, KVCacheConfig, LayerCacheSpec
-from .kv_plan import StepPlan
+from .kv.cache import KVCacheExhausted, KVCacheManager
+from .kv.config import GroupConfig, KVCacheConfig, LayerCacheSpec
+from .kv.plan import StepPlan
 from .session import InferenceSession, NodeArg
 
 __all__ = [

@@ -29,8 +29,8 @@ from typing import Iterator, Sequence
 import torch
 
 from ..exporters.config import read_pagedkit_section
-from .kv_cache import KVCacheManager
-from .kv_config import GroupConfig, KVCacheConfig, LayerCacheSpec
+from .kv.cache import KVCacheManager
+from .kv.config import GroupConfig, KVCacheConfig, LayerCacheSpec
 from .session import InferenceSession
 from .tensors import ONNX_TO_TORCH
 from ..validators.nodeview import dtype_from_type_str

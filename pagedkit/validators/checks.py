@@ -1,7 +1,7 @@
 """Public validation entry points: one node (static), concrete inputs (run time).
 
 `validate_node` and `check_inputs` build a `NodeView` and run the same rule set
-(rules_paged.RULES / rules_gqa.RULES); they return a list of Issues and never raise for bad input.
+(rules/paged.py and rules/gqa.py RULES); they return a list of Issues and never raise for bad input.
 `require_valid_inputs` is the raising boundary used by kernels and the runtime.
 """
 
@@ -19,9 +19,9 @@ from .nodeview import Dim, NodeView, TensorInfo
 
 def _rules_for(contract: OpContract):
     if contract.name == "PagedAttention":
-        from .rules_paged import RULES
+        from .rules.paged import RULES
     else:
-        from .rules_gqa import RULES
+        from .rules.gqa import RULES
     return RULES
 
 

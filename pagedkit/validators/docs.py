@@ -5,7 +5,7 @@
 
 Each page follows the kernel-card layout (../shared/seeds/webgpu-gqa-kernel-card.txt): header,
 description, Inputs / Outputs / Attributes / Type constraints tables, the semantics of each feature
-(`contract.semantics`), then the validation rules (`RULE_DOCS` of rules_paged.py / rules_gqa.py and
+(`contract.semantics`), then the validation rules (`RULE_DOCS` of rules/paged.py / rules/gqa.py and
 the whole-model rules of model.py). Nothing here restates contract data: it is all read from contract.py.
 """
 
@@ -22,7 +22,7 @@ from .model import RULE_DOCS as MODEL_RULE_DOCS
 
 DOCS_DIR = Path(__file__).resolve().parents[2] / "docs" / "ops"
 COMMAND = "python -m pagedkit.validators.docs"
-_RULE_MODULES = {"PagedAttention": "rules_paged", "GroupQueryAttention": "rules_gqa"}
+_RULE_MODULES = {"PagedAttention": "rules.paged", "GroupQueryAttention": "rules.gqa"}
 ORT_VERSION = "1.32.0"
 
 

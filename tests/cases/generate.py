@@ -24,8 +24,8 @@ from nodes import make_paged_case  # noqa: E402
 from paged_gqa import GqaSpec, make_gqa_inputs  # noqa: E402
 from test_gqa_vs_ort import CONFIGS as ORT_CHECKED  # noqa: E402
 
-from pagedkit.kernels.reference import paged_attention  # noqa: E402
-from pagedkit.kernels.reference_gqa import group_query_attention  # noqa: E402
+from pagedkit.kernels.paged.reference import paged_attention  # noqa: E402
+from pagedkit.kernels.gqa.reference import group_query_attention  # noqa: E402
 
 SENTINEL = 300.0
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}

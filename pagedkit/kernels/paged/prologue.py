@@ -1,5 +1,5 @@
 """The PagedAttention step before attention and after it, shared by the loop-based reference and the
-vectorized torch variant (torch_paged) so both see the same Q, the same slots and the same caches.
+vectorized torch variant (torch_sdpa) so both see the same Q, the same slots and the same caches.
 
 `prepare(...)` validates the call and does, for every token of the step (contract-decisions §2, §3, §7):
 1. [packed QKV split] -> QK-norm -> RoPE -> Hadamard rotation (Q/K with qk_rotation, V with v_rotation);
@@ -9,7 +9,7 @@ vectorized torch variant (torch_paged) so both see the same Q, the same slots an
 3. the write slot of every token: slot_mapping, or block_table[b][p // BS] * BS + p % BS (-1 or an
    unmapped block: no write);
 4. the cache writes (all tokens of the step before any attention): the reference's loop
-   (CacheSide.write, the oracle) or a vectorized index_put over the slots (same bytes).
+   (PagedCacheSide.write, the oracle) or a vectorized index_put over the slots (same bytes).
 `Step.finish(out, qk)` undoes the V rotation and assembles the outputs.
 
 Host reads (the rest is device-agnostic torch): cumulative_sequence_length and past_seqlens (.tolist(),
@@ -28,9 +28,9 @@ import torch
 from pagedkit.validators.checks import require_valid_inputs
 from pagedkit.validators.contract import PAGED_ATTENTION
 
-from .attention_math import apply_rope, rms_norm_heads
-from .quant import hadamard_matrix
-from .reference_cache import CacheSide, make_side
+from ..attention_math import apply_rope, rms_norm_heads
+from ..quant import hadamard_matrix
+from .cache import PagedCacheSide, make_side
 
 _NP_VIEWS = {"bfloat16": (np.uint16, torch.bfloat16), "float8_e4m3fn": (np.uint8, torch.float8_e4m3fn)}
 _RAW_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bit views by element size
@@ -75,8 +75,8 @@ class Step:
     past: list  # [B] host ints
     block_table: torch.Tensor  # [B, MB] long
     positions: torch.Tensor  # [N] long: RoPE / mask position of each token
-    kside: CacheSide
-    vside: CacheSide | None  # None with LATENT (V = leading Dv channels of the key cache)
+    kside: PagedCacheSide
+    vside: PagedCacheSide | None  # None with LATENT (V = leading Dv channels of the key cache)
     slots: torch.Tensor  # [N] long flat write slot of each token (-1: not written)
 
     @property
@@ -235,8 +235,8 @@ def _slots(x, block_table, past, q_lens, tok_seq, pos_list, num_blocks: int, blo
     return torch.where((blk >= 0) & (blk < num_blocks), blk * block_size + offs, torch.full_like(blk, -1))
 
 
-def write_vectorized(side: CacheSide, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """CacheSide.write as one index_copy_: token t of x [N, Hkv, D] goes to flat slot slots[t]; -1 writes
+def write_vectorized(side: PagedCacheSide, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """PagedCacheSide.write as one index_copy_: token t of x [N, Hkv, D] goes to flat slot slots[t]; -1 writes
     nothing (nor its scale); of several tokens sharing a slot the last one wins (as the loop)."""
     stored, tok_scale = side.encode(x)  # [N, Hkv, Dc], [N, Hkv] or None
     s, order = torch.sort(slots, stable=True)  # runs of equal slots, tokens in order within a run

@@ -4,7 +4,7 @@ Per batch entry b (ORT 1.32.0 schema): T = seqlens_k[b] + 1 tokens are cached af
 Q = query_seqlens[b] (default min(S, T)) query rows [0, Q) are valid, P = T - Q tokens were cached
 before, and query row s sits at absolute position P + s (causal mask, window, default RoPE position).
 key/value with 0 rows ("shared KV", ORT CPU accepts it): nothing is appended, the past holds all T.
-Pipeline: split packed QKV -> QK-norm -> RoPE -> quantize/store the new K/V (gqa_cache) -> attend over
+Pipeline: split packed QKV -> QK-norm -> RoPE -> quantize/store the new K/V (gqa/cache.py) -> attend over
 the cached positions (read back from the cache, dequantized) -> output [B, S, H*D]. Output rows
 [Q, S) are unspecified by the operator; the reference leaves them 0.
 
@@ -28,11 +28,11 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from ..validators.checks import require_valid_inputs
-from ..validators.contract import GROUP_QUERY_ATTENTION as _C
-from .attention_math import apply_rope, attend, default_scale, rms_norm_heads
-from .gqa_cache import CacheSide, KVLayout
-from .reference import as_torch
+from ...validators.checks import require_valid_inputs
+from ...validators.contract import GROUP_QUERY_ATTENTION as _C
+from ..attention_math import apply_rope, attend, default_scale, rms_norm_heads
+from .cache import GqaCacheSide, KVLayout
+from ..paged.reference import as_torch
 
 _OP = "GroupQueryAttention"
 
@@ -118,8 +118,8 @@ def group_query_attention(
 
     layout = KVLayout.of(x, a, total)
     bits = int(a["kv_cache_bit_width"] or 0)
-    k_side = CacheSide.of(x["past_key"], x["k_scale"], a["k_quant_type"], bits, out_dtype, d)
-    v_side = CacheSide.of(x["past_value"], x["v_scale"], a["v_quant_type"], bits, out_dtype, d)
+    k_side = GqaCacheSide.of(x["past_key"], x["k_scale"], a["k_quant_type"], bits, out_dtype, d)
+    v_side = GqaCacheSide.of(x["past_value"], x["v_scale"], a["v_quant_type"], bits, out_dtype, d)
     present_k, keys, first = k_side.update(layout, k_new, t_len, kv_len, cd)  # keys[b]: [n_b, Hkv, D]
     present_v, values, _ = v_side.update(layout, v_new, t_len, kv_len, cd)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..validators.contract import get_contract
+from ...validators.contract import get_contract
 
 # logical cache dtype (k/v_cache_dtype attribute spelling) -> (torch storage dtype, ONNX tensor type)
 _CACHE_STORAGE = {

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .kv_config import KVCacheConfig
+from .config import KVCacheConfig
 
 # model input names (onnxruntime-genai paged layout; contract-decisions §5, §8)
 CU_SEQLENS = "cumulative_sequence_lengths"

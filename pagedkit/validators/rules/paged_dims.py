@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .nodeview import NodeView
-from .rules_common import dim, dtype_of, first_known, heads, int_attr, int_values, memo_dims, str_attr, valid_attr
+from ..nodeview import NodeView
+from .common import dim, dtype_of, first_known, heads, int_attr, int_values, memo_dims, str_attr, valid_attr
 
 SEPARATE, LATENT = "SEPARATE", "LATENT"
 UNPACKED, PACKED, LATENT_MODE = "unpacked", "packed", "latent"

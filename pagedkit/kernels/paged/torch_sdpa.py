@@ -1,7 +1,7 @@
 """PagedAttention vectorized in torch (variant "torch_sdpa"): the CPU path of the runtime, and a
 device-agnostic one (the same code runs on CUDA tensors). The loop-based reference stays the oracle.
 
-It shares the prologue with the reference (paged_prologue.prepare: split, QK-norm, RoPE, rotation,
+It shares the prologue with the reference (prologue.prepare: split, QK-norm, RoPE, rotation,
 slots) and writes the caches with one index_put per cache. Attention then runs per work item instead of
 per (sequence, head, query row):
 - sequences with few tokens in the step (decode, speculative drafts) are batched by token count, their
@@ -22,7 +22,7 @@ A row with no admitted key gets output 0, like the reference.
 
 Host reads of device tensors (CPU variant, not CUDA-graph capturable; the GPU engine uses Triton
 kernels): cumulative_sequence_length and past_seqlens are read to the host to slice per sequence (so
-are the window / causal block ranges derived from them), plus what paged_prologue documents
+are the window / causal block ranges derived from them), plus what prologue.py documents
 (query_positions' max with RoPE, slot_mapping's range check, the slot deduplication of the cache write).
 With query_positions the key range is not clamped (positions are device values): correct, less pruned.
 """
@@ -34,10 +34,10 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import quant
-from .attention_math import default_scale
-from .paged_prologue import Step, prepare
-from .reference_cache import CacheSide
+from .. import quant
+from ..attention_math import default_scale
+from .prologue import Step, prepare
+from .cache import PagedCacheSide
 
 NAME = "torch_sdpa"
 CAPTURABLE = False  # host reads per call (see the module docstring)
@@ -64,7 +64,7 @@ def paged_attention(
     **attributes: Any,
 ) -> dict[str, torch.Tensor]:
     """com.microsoft::PagedAttention, same signature and results as reference.paged_attention.
-    validate=False skips the contract validator (paged_prologue.prepare) for an already validated node."""
+    validate=False skips the contract validator (prologue.prepare) for an already validated node."""
     step = prepare(inputs, attributes, outputs, compute_dtype, vectorized_write=True, validate=validate)
     q = step.q  # [N, H, D]
     n_tok, dev = q.shape[0], q.device
@@ -175,10 +175,10 @@ def _attend_item(step: Step, seqs: list[int], j0: int, j1: int, out: torch.Tenso
             qk[:, tok[i], c0:c0 + width] = val[i, :, :, :width].transpose(0, 1)
 
 
-def _read(side: CacheSide, blocks: torch.Tensor, stale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _read(side: PagedCacheSide, blocks: torch.Tensor, stale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Gather + dequantize blocks [M] (valid block ids) -> [M * BS, Hkv, D] in dtype, with the flat
     positions `stale` zeroed so stale cache bytes (NaN included) never reach the math.
-    CacheSide.read with index_select (several times faster than advanced indexing on CPU)."""
+    PagedCacheSide.read with index_select (several times faster than advanced indexing on CPU)."""
     stored = side.cache.index_select(0, blocks).flatten(0, 1)  # [M * BS, Hkv, Dc]
     if side.fmt is None:
         vals = stored.to(dtype)

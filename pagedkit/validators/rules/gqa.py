@@ -12,15 +12,15 @@ from typing import Iterator
 
 import numpy as np
 
-from .contract import GROUP_QUERY_ATTENTION
-from .issues import Issue
-from .nodeview import NodeView
-from .rules_common import (
+from ..contract import GROUP_QUERY_ATTENTION
+from ..issues import Issue
+from ..nodeview import NodeView
+from .common import (
     COMMON_DOCS, QUANTIZED_CACHE_TYPES, VIEW_DOCS, attr_at, attribute_rules, dim, dtype_docs, dtype_of, dtype_rules,
     first_known, has_rank, head_count_rules, heads, inp, int_attr, int_values, memo_dims, outp, prefixed,
     presence_rules, rank_rules, scalar_attr_rules, shape_str, str_attr, valid_attr,
 )
-from .rules_common_features import (
+from .common_features import (
     bias_broadcast_rules, cache_quant_rules, head_sink_rules, head_size_rules, qk_norm_rules, qk_output_rules,
     rotary_presence_rules, scale_presence_rule,
 )

@@ -8,8 +8,8 @@ Semantics: contract-decisions.md §2, §3, §7 and the design doc §4-§12. One 
 3. attention per sequence over its context read back (dequantized) through its block_table row, so new
    tokens are seen exactly as cached, quantization error included. Unmapped blocks are masked.
 Everything is computed in float32 (float64 on request); output 0 is returned in T, output_qk in float32.
-Steps 1 and 2 (and the output assembly) live in paged_prologue, shared with the vectorized torch_paged;
-the cache writes here use the loop CacheSide.write.
+Steps 1 and 2 (and the output assembly) live in prologue.py, shared with the vectorized torch_sdpa;
+the cache writes here use the loop PagedCacheSide.write.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .attention_math import attend, default_scale
-from .paged_prologue import as_torch, prepare
+from ..attention_math import attend, default_scale
+from .prologue import as_torch, prepare
 
-__all__ = ["as_torch", "paged_attention"]  # as_torch: reference_gqa imports it from here
+__all__ = ["as_torch", "paged_attention"]  # as_torch: gqa/reference.py imports it from here
 
 
 def paged_attention(
@@ -42,7 +42,7 @@ def paged_attention(
     [num_heads, token_count, block_table.shape[1] * block_size] float32 when qk_output != 0.
     Raises pagedkit.validators.ValidationError listing every contract violation.
     """
-    # 1.-2. prologue and cache writes (paged_prologue; the loop write CacheSide.write)
+    # 1.-2. prologue and cache writes (prologue.py; the loop write PagedCacheSide.write)
     step = prepare(inputs, attributes, outputs, compute_dtype)
     a, q, cdt = step.attrs, step.q, compute_dtype
     csl, past, block_table = step.csl, step.past, step.block_table

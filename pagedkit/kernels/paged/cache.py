@@ -12,14 +12,14 @@ from typing import Mapping
 
 import torch
 
-from . import quant
+from .. import quant
 
 _QUANT_DTYPES = {torch.int8: "int8", torch.float8_e4m3fn: "float8e4m3fn"}
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass
-class CacheSide:
+class PagedCacheSide:
     """One physical cache (K or V) with its storage format and scales."""
 
     name: str  # ONNX input name, e.g. "key_cache"
@@ -97,13 +97,13 @@ def make_side(
     kv_num_heads: int,
     head_size: int,
     dtype: torch.dtype,
-) -> CacheSide:
+) -> PagedCacheSide:
     """The K (prefix "k") or V (prefix "v") cache side of a call; x holds the present inputs by ONNX name."""
     name = "key_cache" if prefix == "k" else "value_cache"
     cache = x[name]
     fmt = _cache_format(cache, str(attrs[f"{prefix}_cache_dtype"]), name)
     quant_type = str(attrs[f"{prefix}_quant_type"])
-    side = CacheSide(name, cache, fmt, quant_type, head_size)
+    side = PagedCacheSide(name, cache, fmt, quant_type, head_size)
     if fmt is None:
         if quant_type != "NONE":
             raise ValueError(f"attribute '{prefix}_quant_type': a {cache.dtype} {name} is not quantized; "

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .kv_config import GroupConfig
-from .kv_pool import BlockPool
+from .config import GroupConfig
+from .pool import BlockPool
 
 ALLOCATING = ("new", "cow", "fresh")
 

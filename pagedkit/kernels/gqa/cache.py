@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import quant
+from .. import quant
 
 
 def resident_count(t: int, capacity: int, window: int) -> int:
@@ -45,7 +45,7 @@ class KVLayout:
 
 
 @dataclass(frozen=True)
-class CacheSide:
+class GqaCacheSide:
     """One of the two caches: storage dtype and quantization (scale: one value, or [Hkv, D] per channel)."""
 
     past: torch.Tensor | None  # [B, Hkv, Cp, Dc]
@@ -55,7 +55,7 @@ class CacheSide:
     head_size: int
 
     @classmethod
-    def of(cls, past, scale, quant_type: str, bits: int, act_dtype: torch.dtype, head_size: int) -> "CacheSide":
+    def of(cls, past, scale, quant_type: str, bits: int, act_dtype: torch.dtype, head_size: int) -> "GqaCacheSide":
         if quant_type == "NONE":
             return cls(past, "float", past.dtype if past is not None else act_dtype, None, head_size)
         storage = past.dtype if past is not None else (torch.uint8 if bits == 4 else torch.int8)

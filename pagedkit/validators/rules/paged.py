@@ -2,25 +2,25 @@
 
 `RULES` is the list `checks.run_rules` runs; each rule takes a NodeView and yields Issues. Rule ids
 are stable and documented in `RULE_DOCS` (the docs generator and tests read it). Quantization,
-rotation and MLA rules live in rules_paged_quant.py, run-time value rules in rules_paged_values.py.
+rotation and MLA rules live in paged_quant.py, run-time value rules in paged_values.py.
 """
 
 from __future__ import annotations
 
 from typing import Iterator
 
-from .contract import PAGED_ATTENTION
-from .issues import Issue
-from .nodeview import NodeView
-from .rules_common import (
+from ..contract import PAGED_ATTENTION
+from ..issues import Issue
+from ..nodeview import NodeView
+from .common import (
     COMMON_DOCS, VIEW_DOCS, attr_at, attribute_rules, dim, dtype_docs, dtype_rules, has_rank, head_count_rules, inp,
     int_attr, is_pow2, ival, outp, prefixed, presence_rules, rank_rules, scalar_attr_rules, shape_str,
 )
-from .rules_common_features import (
+from .common_features import (
     bias_broadcast_rules, head_sink_rules, head_size_rules, qk_norm_rules, qk_output_rules, rotary_presence_rules,
 )
-from .rules_paged_dims import LATENT, PACKED, SEPARATE, paged_dims
-from . import rules_paged_quant, rules_paged_values
+from .paged_dims import LATENT, PACKED, SEPARATE, paged_dims
+from . import paged_quant as rules_paged_quant, paged_values as rules_paged_values
 
 P = "PA"
 

@@ -1,22 +1,22 @@
 """PagedAttention quantized-cache, cache-dtype, Hadamard-rotation and MLA (LATENT) rules.
 
 Design §8.7, §12.10, contract-decisions §3 / §7 and the int4 / PER_TOKEN / rotation PR. Rule ids
-are listed (without the "PA-" prefix) in DOCS; rules_paged.RULE_DOCS publishes them.
+are listed (without the "PA-" prefix) in DOCS; rules/paged.py RULE_DOCS publishes them.
 """
 
 from __future__ import annotations
 
 from typing import Iterator
 
-from .issues import Issue
-from .nodeview import NodeView
-from .rules_common import (
+from ..issues import Issue
+from ..nodeview import NodeView
+from .common import (
     attr_at, dim, dtype_of, fval, has_rank, inp, int_attr, is_pow2, outp, shape_str, str_attr,
 )
-from .rules_common_features import (
+from .common_features import (
     cache_quant_rules, scale_presence_rule,
 )
-from .rules_paged_dims import LATENT, PagedDims, paged_dims
+from .paged_dims import LATENT, PagedDims, paged_dims
 
 P = "PA"
 

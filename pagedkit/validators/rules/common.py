@@ -18,9 +18,9 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from .contract import OpContract
-from .issues import Issue
-from .nodeview import NodeView, TensorInfo, dtype_name, type_str
+from ..contract import OpContract
+from ..issues import Issue
+from ..nodeview import NodeView, TensorInfo, dtype_name, type_str
 
 # Issues raised while building a view (nodeview.py / checks.py), shared by both ops.
 VIEW_DOCS = {

@@ -9,10 +9,10 @@ from typing import Iterator
 
 import numpy as np
 
-from .issues import Issue
-from .nodeview import NodeView
-from .rules_common import dim, has_rank, inp, int_attr, int_values
-from .rules_paged_dims import paged_dims
+from ..issues import Issue
+from ..nodeview import NodeView
+from .common import dim, has_rank, inp, int_attr, int_values
+from .paged_dims import paged_dims
 
 P = "PA"
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from .issues import Issue
-from .nodeview import NodeView, TensorInfo
-from .rules_common import (
+from ..issues import Issue
+from ..nodeview import NodeView, TensorInfo
+from .common import (
     QUANTIZED_CACHE_TYPES, dim, dtype_of, has_rank, inp, int_attr, ival, outp, shape_str,
 )
 

@@ -38,10 +38,10 @@ from typing import Sequence
 
 import torch
 
-from .kv_blocks import ALLOCATING, GroupBlocks, GroupState
-from .kv_config import GroupConfig, KVCacheConfig
-from .kv_plan import PlanBuffers, StepPlan, step_metadata
-from .kv_pool import BlockPool, KVCacheExhausted, block_hash
+from .blocks import ALLOCATING, GroupBlocks, GroupState
+from .config import GroupConfig, KVCacheConfig
+from .plan import PlanBuffers, StepPlan, step_metadata
+from .pool import BlockPool, KVCacheExhausted, block_hash
 
 __all__ = ["KVCacheManager", "KVCacheExhausted"]
 
