@@ -21,19 +21,11 @@ from typing import Any, Callable
 import onnx
 import torch
 
-from ..validators.contract import get_contract
+from ..validators.contract import CONTRACTS, get_contract
 
-# Inputs onnxruntime's kernels take in CPU memory (OrtMemTypeCPUInput): the session keeps them on the host.
-HOST_INPUTS = {
-    "PagedAttention": ("attention_metadata",),
-    "GroupQueryAttention": ("total_sequence_length",),
-}
-# cache output -> the cache input it aliases (same buffer, updated in place)
-CACHE_ALIASES = {
-    "PagedAttention": {"key_cache_out": "key_cache", "value_cache_out": "value_cache",
-                       "k_scale_cache_out": "k_scale_cache", "v_scale_cache_out": "v_scale_cache"},
-    "GroupQueryAttention": {"present_key": "past_key", "present_value": "past_value"},
-}
+# host-memory inputs and cache aliasing are contract facts (validators/contract.py)
+HOST_INPUTS = {op: c.host_inputs for op, c in CONTRACTS.items()}
+CACHE_ALIASES = {op: c.cache_aliases for op, c in CONTRACTS.items()}
 
 
 @dataclass

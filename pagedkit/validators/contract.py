@@ -24,6 +24,9 @@ class Param:
     shape: str  # the documented shape, in words, e.g. "(num_tokens, hidden_size)"
     description: str
     shipped: bool = True  # part of the schema onnxruntime ships
+    aliases: str | None = None  # outputs: the input whose buffer this output IS (updated in place)
+    host: bool = False  # inputs: kept in host (CPU) memory, as onnxruntime's OrtMemTypeCPUInput
+    cache_kind: str | None = None  # cache inputs: the model-level cache kind (key / value / key_scale / value_scale)
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,21 @@ class OpContract:
     def defaults(self) -> dict[str, object]:
         return {a.name: a.default for a in self.attributes if a.default is not None}
 
+    @property
+    def cache_aliases(self) -> dict[str, str]:
+        """cache output name -> the cache input it aliases (same buffer, updated in place)."""
+        return {p.name: p.aliases for p in self.outputs if p.aliases}
+
+    @property
+    def cache_pairs(self) -> tuple[tuple[str, str, str], ...]:
+        """(cache input, its aliased output, model-level cache kind) for every in-place cache."""
+        return tuple((p.aliases, p.name, self.input(p.aliases).cache_kind) for p in self.outputs if p.aliases)
+
+    @property
+    def host_inputs(self) -> tuple[str, ...]:
+        """Inputs kept in host memory (onnxruntime's CPU-memory inputs)."""
+        return tuple(p.name for p in self.inputs if p.host)
+
     def allowed_types(self, param: Param) -> tuple[str, ...]:
         if param.type_param in self.type_constraints:
             return self.type_constraints[param.type_param]
@@ -120,9 +138,11 @@ PAGED_ATTENTION = OpContract(
               "New values. Absent in LATENT layout."),
         Param(3, "key_cache", "T_CACHE", False, 4, "(num_blocks, block_size, kv_num_heads, cache_head_size)",
               "Block cache for K, updated in place. cache_head_size is (head_size + 1) / 2 for int4, "
-              "else head_size. In LATENT layout the only cache; V is its leading v_head_size channels."),
+              "else head_size. In LATENT layout the only cache; V is its leading v_head_size channels.",
+              cache_kind="key"),
         Param(4, "value_cache", "T_CACHE", True, 4, "(num_blocks, block_size, kv_num_heads, cache_head_size)",
-              "Block cache for V, same shape as key_cache, updated in place. Absent in LATENT layout."),
+              "Block cache for V, same shape as key_cache, updated in place. Absent in LATENT layout.",
+              cache_kind="value"),
         Param(5, "cumulative_sequence_length", "S", False, 1, "(batch_size + 1)",
               "Cumulative new-token counts: sequence b owns packed tokens [csl[b], csl[b+1])."),
         Param(6, "past_seqlens", "S", False, 1, "(batch_size)",
@@ -148,11 +168,13 @@ PAGED_ATTENTION = OpContract(
               "Static value-cache dequantization scale (symmetric, no zero point)."),
         Param(16, "attention_metadata", "S", True, 1, "(2) or (3)",
               "CPU-resident replay-wide bounds [max_query_len_bound, max_kv_len_bound, "
-              "optional max_kv_len_lower_bound]; 0 = unknown. Sizes launches only, never a mask."),
+              "optional max_kv_len_lower_bound]; 0 = unknown. Sizes launches only, never a mask.", host=True),
         Param(17, "k_scale_cache", "T_SCALE_CACHE", True, 3, "(num_blocks, block_size, kv_num_heads)",
-              "PER_TOKEN key scales, one per cached token and KV head, written with the cache.", shipped=False),
+              "PER_TOKEN key scales, one per cached token and KV head, written with the cache.", shipped=False,
+              cache_kind="key_scale"),
         Param(18, "v_scale_cache", "T_SCALE_CACHE", True, 3, "(num_blocks, block_size, kv_num_heads)",
-              "PER_TOKEN value scales, one per cached token and KV head, written with the cache.", shipped=False),
+              "PER_TOKEN value scales, one per cached token and KV head, written with the cache.", shipped=False,
+              cache_kind="value_scale"),
         Param(19, "query_positions", "S", True, 1, "(token_count)",
               "Explicit logical position of each query token, used for RoPE and the causal/window masks.",
               shipped=False),
@@ -165,13 +187,13 @@ PAGED_ATTENTION = OpContract(
         Param(0, "output", "T", False, 2, "(token_count, num_heads * effective_v_head_size)",
               "Attention output."),
         Param(1, "key_cache_out", "T_CACHE", True, 4, "same as key_cache",
-              "Aliases key_cache (updated in place)."),
+              "Aliases key_cache (updated in place).", aliases="key_cache"),
         Param(2, "value_cache_out", "T_CACHE", True, 4, "same as value_cache",
-              "Aliases value_cache (updated in place). Absent in LATENT layout."),
+              "Aliases value_cache (updated in place). Absent in LATENT layout.", aliases="value_cache"),
         Param(3, "k_scale_cache_out", "T_SCALE_CACHE", True, 3, "same as k_scale_cache",
-              "Aliases k_scale_cache (PER_TOKEN).", shipped=False),
+              "Aliases k_scale_cache (PER_TOKEN).", shipped=False, aliases="k_scale_cache"),
         Param(4, "v_scale_cache_out", "T_SCALE_CACHE", True, 3, "same as v_scale_cache",
-              "Aliases v_scale_cache (PER_TOKEN).", shipped=False),
+              "Aliases v_scale_cache (PER_TOKEN).", shipped=False, aliases="v_scale_cache"),
         Param(5, "output_qk", "QK", True, 3, "(num_heads, token_count, context_capacity)",
               "Scores (qk_output=1) or probabilities (qk_output=2); context_capacity = "
               "block_table.shape[1] * block_size. Masked entries are 0.", shipped=False),
@@ -288,12 +310,12 @@ GROUP_QUERY_ATTENTION = OpContract(
         Param(1, "key", "T", True, 3, "(batch_size, kv_sequence_length, kv_num_heads * head_size)", "New keys."),
         Param(2, "value", "T", True, 3, "(batch_size, kv_sequence_length, kv_num_heads * head_size)", "New values."),
         Param(3, "past_key", "T_CACHE", True, 4, "(batch_size, kv_num_heads, past_or_max_sequence_length, head_size)",
-              "Past keys, BNSH; int4 packs two per uint8 (last dim (head_size + 1) / 2)."),
+              "Past keys, BNSH; int4 packs two per uint8 (last dim (head_size + 1) / 2).", cache_kind="key"),
         Param(4, "past_value", "T_CACHE", True, 4, "(batch_size, kv_num_heads, past_or_max_sequence_length, head_size)",
-              "Past values, BNSH."),
+              "Past values, BNSH.", cache_kind="value"),
         Param(5, "seqlens_k", "M", False, 1, "(batch_size)", "Total sequence length minus one, per batch entry."),
         Param(6, "total_sequence_length", "M", False, (0, 1), "scalar or (1)",
-              "Maximum total sequence length (past + new) of the batch."),
+              "Maximum total sequence length (past + new) of the batch.", host=True),
         Param(7, "cos_cache", "T", True, 2, "(max_sequence_length, rotary_dim / 2)", "Rotary cosine table."),
         Param(8, "sin_cache", "T", True, 2, "(max_sequence_length, rotary_dim / 2)", "Rotary sine table."),
         Param(9, "position_ids", "tensor(int64)", True, 2, "(batch_size, sequence_length)",
@@ -314,9 +336,9 @@ GROUP_QUERY_ATTENTION = OpContract(
     outputs=(
         Param(0, "output", "T", False, 3, "(batch_size, sequence_length, num_heads * head_size)", "Attention output."),
         Param(1, "present_key", "T_CACHE", True, 4, "(batch_size, kv_num_heads, present_sequence_length, head_size)",
-              "Updated keys, BNSH."),
+              "Updated keys, BNSH.", aliases="past_key"),
         Param(2, "present_value", "T_CACHE", True, 4, "(batch_size, kv_num_heads, present_sequence_length, head_size)",
-              "Updated values, BNSH."),
+              "Updated values, BNSH.", aliases="past_value"),
         Param(3, "output_qk", "T", True, 4, "(batch_size, num_heads, sequence_length, total_sequence_length)",
               "QK scores (qk_output=1) or probabilities (qk_output=2)."),
     ),
@@ -376,6 +398,59 @@ GROUP_QUERY_ATTENTION = OpContract(
 )
 
 CONTRACTS: dict[str, OpContract] = {c.name: c for c in (PAGED_ATTENTION, GROUP_QUERY_ATTENTION)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Facts beyond the schema that every layer reads (contract-decisions §2, §3)
+# ---------------------------------------------------------------------------------------------
+
+MIN_BLOCK_SIZE = 16
+BLOCK_SIZE_RULE = f"block_size must be a power of two >= {MIN_BLOCK_SIZE}"
+
+
+def block_size_error(block_size: object) -> str | None:
+    """None when `block_size` is a block size the contract accepts (any power of two >= 16, as
+    onnxruntime), else the one message every entry point prints."""
+    ok = isinstance(block_size, int) and not isinstance(block_size, bool) and block_size >= MIN_BLOCK_SIZE \
+        and block_size & (block_size - 1) == 0
+    return None if ok else f"{BLOCK_SIZE_RULE}, got {block_size!r}"
+
+
+@dataclass(frozen=True)
+class CacheFormat:
+    """One KV-cache storage format: the k/v_cache_dtype spelling, the ONNX element type of the cache
+    tensor, and how many channels one stored element holds."""
+
+    name: str
+    storage: str  # ONNX tensor type of the cache tensor
+    quantized: bool  # holds codes that need a scale (int8 / fp8 / int4)
+    per_element: int = 1  # channels per stored element (2 for packed int4)
+    qmax: float | None = None  # largest code magnitude (PER_TOKEN scale = amax / qmax)
+
+    def width(self, head_size: int) -> int:
+        """The cache's last dimension for `head_size` channels: (head_size + 1) // 2 for int4."""
+        return -(-head_size // self.per_element)
+
+
+CACHE_FORMATS: dict[str, CacheFormat] = {f.name: f for f in (
+    CacheFormat("float16", "tensor(float16)", False),
+    CacheFormat("bfloat16", "tensor(bfloat16)", False),
+    CacheFormat("int8", "tensor(int8)", True, qmax=127.0),
+    CacheFormat("float8e4m3fn", "tensor(float8e4m3fn)", True, qmax=448.0),
+    CacheFormat("int4", "tensor(uint8)", True, per_element=2, qmax=7.0),  # +8-biased nibbles, even channel low
+)}
+
+
+def cache_format(name: str) -> CacheFormat:
+    try:
+        return CACHE_FORMATS[name]
+    except KeyError:
+        raise ValueError(f"cache dtype should be one of {sorted(CACHE_FORMATS)}, got {name!r}") from None
+
+
+def cache_width(fmt: str, head_size: int) -> int:
+    """Last dimension of a cache holding `head_size` channels in format `fmt`."""
+    return cache_format(fmt).width(head_size)
 
 
 def get_contract(op_type: str) -> OpContract:

@@ -63,12 +63,7 @@ RULE_DOCS = {
 PAGED_ONLY_RULES = ("MODEL-attention-metadata-graph-input", "MODEL-extension-input")
 
 # (cache input, its updated output, genai name kind) of each cache pair, by contract name
-_CACHE_PAIRS = {
-    "PagedAttention": (("key_cache", "key_cache_out", "key"), ("value_cache", "value_cache_out", "value"),
-                       ("k_scale_cache", "k_scale_cache_out", "key_scale"),
-                       ("v_scale_cache", "v_scale_cache_out", "value_scale")),
-    "GroupQueryAttention": (("past_key", "present_key", "key"), ("past_value", "present_value", "value")),
-}
+_CACHE_PAIRS = {op: c.cache_pairs for op, c in CONTRACTS.items()}  # (input, output, kind)
 _GQA_PAIR_DIMS = (0, 1, 3)  # batch, kv heads, head size (dimension 2 is past vs present length)
 _MAX_CONST_ELEMS = 1 << 16
 _DEFAULT_NAMES = {"key": ("past_key_values.%d.key", "present.%d.key"),
