@@ -16,6 +16,8 @@ YaRN mscale^2), W_UV after the op, MoE with shared experts.
   the best single expert). Token-dependent top-k and group routing of every variant is checked exactly in
   float32 on 400 tokens against HF's MoE module;
 - the parity check's teeth: 1/sqrt(head_size) as scale, or the other rotary layout, must fail it;
+- bf16 (V2): against the bf16 checkpoint within export_utils.BF16_TOL with greedy agreement; a 5% wrong
+  scale must fail it;
 - slow: `paged-export --model deepseek-v2-lite --num-layers 2` (real V2-Lite dims, 8 routed experts).
 """
 
@@ -32,7 +34,8 @@ import pytest
 import torch
 from onnx import TensorProto
 
-from export_utils import assert_valid_export, attention_attrs, check_parity, export_tiny, io_signature, tiny_model
+from export_utils import (BF16_TOL, assert_valid_export, attention_attrs, bf16_weights, check_parity, export_tiny,
+                          io_signature, tiny_model)
 
 # The smallest k-th vs (k+1)-th choice-score gap (and group-score gap) of the reference that fp16 parity needs
 # for renormalized routing: > 4x the largest fp16-vs-fp32 choice-score deviation measured on these models
@@ -418,16 +421,39 @@ def test_moe_block_fp32_exact(case):
     assert err <= 1e-5
 
 
-def test_v2_bf16(v2, tmp_path):
-    """bf16 graph (float32 logits, as onnxruntime-genai); bf16 keeps 8 mantissa bits (fp16: 11), so the
-    tolerance is 8x fp16's, as for Llama. The harness's near-tie threshold is fp16's (2e-2 x max|ref|), so
-    greedy agreement is not asserted here: a top-2 gap below bf16's error is a near-tie for bf16."""
-    export_tiny(v2, tmp_path, dtype="bf16")
-    assert_valid_export(tmp_path)
-    sig = io_signature(tmp_path / "model.onnx")
+@pytest.fixture(scope="module")
+def v2_bf16_dir(v2, tmp_path_factory):
+    out = tmp_path_factory.mktemp("deepseek_v2_bf16")
+    export_tiny(v2, out, dtype="bf16")
+    return out
+
+
+def test_v2_bf16(v2, v2_bf16_dir):
+    """bf16 graph (float32 logits, as onnxruntime-genai). Against HF float32 weights: 8x fp16's tolerance
+    (bf16 keeps 8 mantissa bits, fp16 11), without the greedy check (fp16's near-tie threshold); that bound
+    passes a 5% wrong scale. Against the bf16 checkpoint (weights rounded to bf16, float32 compute):
+    BF16_TOL, greedy agreement asserted with near-ties at bf16's bound (test_v2_bf16_parity_has_teeth)."""
+    assert_valid_export(v2_bf16_dir)
+    sig = io_signature(v2_bf16_dir / "model.onnx")
     assert sig["past_key_values.0.key"][1] == TensorProto.BFLOAT16 and sig["logits"][1] == TensorProto.FLOAT
-    rep = check_parity(v2, tmp_path, steps=4, tol=8 * 2e-2, greedy=False)
-    print(f"deepseek-v2 tiny bf16: worst {rep.worst_ratio:.4g}, argmax differences {rep.near_ties + rep.mismatches}")
+    rep = check_parity(v2, v2_bf16_dir, steps=4, tol=8 * 2e-2, greedy=False)
+    print(f"deepseek-v2 tiny bf16 vs HF fp32: worst {rep.worst_ratio:.4g}, "
+          f"argmax differences {rep.near_ties + rep.mismatches}")
+    rep, margin = parity(bf16_weights(v2), v2_bf16_dir, tol=BF16_TOL, near_tie=BF16_TOL)
+    print(f"deepseek-v2 tiny bf16 vs its bf16 checkpoint: worst {rep.worst_ratio:.4g} (bound {BF16_TOL}), "
+          f"near-ties {rep.near_ties}, routing margin {margin:.3g}")
+
+
+@pytest.mark.parametrize("factor", [1.05, 0.95], ids=["scale+5%", "scale-5%"])
+def test_v2_bf16_parity_has_teeth(v2, v2_bf16_dir, tmp_path, factor):
+    """A 5% wrong attention scale on the bf16 export fails the bf16 parity bound (it passed 8 x 2e-2 against
+    HF float32: 0.12)."""
+    scale = attention_attrs(v2_bf16_dir / "model.onnx")[0]["scale"]
+    bad = _mutated(v2_bf16_dir, tmp_path / "bad", scale=factor * scale)
+    # the whole run's worst step (check_parity with tol=BF16_TOL fails at the first step above it)
+    rep = check_parity(bf16_weights(v2), bad, tol=math.inf, greedy=False)
+    print(f"deepseek-v2 bf16 teeth, scale x{factor}: worst {rep.worst_ratio:.4g} vs bound {BF16_TOL}")
+    assert rep.worst_ratio > BF16_TOL
 
 
 def test_latent_rejects_rotation_and_v_options(v2, tmp_path):

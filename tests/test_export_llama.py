@@ -1,16 +1,18 @@
 """paged-export, Llama: tiny random checkpoint -> fp16 PagedAttention graph; parity with HF eager over a
 shuffled, non-contiguous block table (prefill + 16 teacher-forced decode steps); the parity check's
-teeth (a wrong rotary layout or scale must fail it); bf16; the optional pagedkit inputs; the CLI path."""
+teeth (a wrong rotary layout, a 20% or a 5% wrong scale must fail it); bf16 against the bf16 checkpoint
+within export_utils.BF16_TOL, whose teeth are a 5% wrong scale; the optional pagedkit inputs; the CLI path."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import onnx
 import pytest
 
-from export_utils import (assert_valid_export, attention_attrs, check_parity, export_tiny, io_signature,
-                          save_tiny_checkpoint, tiny_model)
+from export_utils import (BF16_TOL, assert_valid_export, attention_attrs, bf16_weights, check_parity, export_tiny,
+                          io_signature, save_tiny_checkpoint, tiny_model)
 
 
 @pytest.fixture(scope="module")
@@ -74,22 +76,45 @@ def _mutated(src, dst, **attrs):
     return dst
 
 
-@pytest.mark.parametrize("attrs", [dict(rotary_interleaved=1), dict(scale=0.3)], ids=["interleaved-rope", "scale"])
+@pytest.mark.parametrize("attrs", [dict(rotary_interleaved=1), dict(scale=0.3), dict(scale=1.05 * 16 ** -0.5)],
+                         ids=["interleaved-rope", "scale+20%", "scale+5%"])
 def test_parity_has_teeth(llama, llama_dir, tmp_path, attrs):
     bad = _mutated(llama_dir, tmp_path / "bad", **attrs)
-    with pytest.raises(AssertionError, match="max\\|diff\\|"):
+    with pytest.raises(AssertionError, match="max\\|diff\\|") as exc:
         check_parity(llama, bad, steps=2)
+    print(f"fp16 teeth {attrs}: {exc.value}")
 
 
-def test_llama_bf16(llama, tmp_path):
-    res = export_tiny(llama, tmp_path, dtype="bf16")
-    assert_valid_export(tmp_path)
-    sig = io_signature(tmp_path / "model.onnx")
+@pytest.fixture(scope="module")
+def llama_bf16_dir(llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("llama_bf16")
+    res = export_tiny(llama, out, dtype="bf16")
+    assert res.spec.dtype == "bfloat16"
+    return out
+
+
+def test_llama_bf16(llama, llama_bf16_dir):
+    assert_valid_export(llama_bf16_dir)
+    sig = io_signature(llama_bf16_dir / "model.onnx")
     assert sig["past_key_values.0.key"][1] == onnx.TensorProto.BFLOAT16
     assert sig["logits"][1] == onnx.TensorProto.FLOAT  # as onnxruntime-genai: float32 logits for bf16
-    # bf16 keeps 8 mantissa bits (fp16: 11): its tolerance is 8x fp16's, set from the format, not the result
-    check_parity(llama, tmp_path, steps=4, tol=8 * 2e-2)
-    assert res.spec.dtype == "bfloat16"
+    # against HF float32 weights: bf16 keeps 8 mantissa bits (fp16: 11), 8x fp16's tolerance; too loose to
+    # catch a 5% wrong scale (test_llama_bf16_parity_has_teeth), so the bound that matters is the next one
+    check_parity(llama, llama_bf16_dir, steps=4, tol=8 * 2e-2)
+    # against the bf16 checkpoint (weights rounded to bf16, run in float32), greedy agreement included
+    rep = check_parity(bf16_weights(llama), llama_bf16_dir, tol=BF16_TOL, near_tie=BF16_TOL)
+    print(f"llama bf16 vs its bf16 checkpoint: worst {rep.worst_ratio:.4g} (bound {BF16_TOL}), "
+          f"near-ties {rep.near_ties}")
+
+
+@pytest.mark.parametrize("factor", [1.05, 0.95], ids=["scale+5%", "scale-5%"])
+def test_llama_bf16_parity_has_teeth(llama, llama_bf16_dir, tmp_path, factor):
+    """A 5% wrong attention scale on the bf16 export fails the bf16 parity bound."""
+    bad = _mutated(llama_bf16_dir, tmp_path / "bad", scale=factor * 16 ** -0.5)
+    # the whole run's worst step (check_parity with tol=BF16_TOL fails at the first step above it)
+    rep = check_parity(bf16_weights(llama), bad, tol=math.inf, greedy=False)
+    print(f"llama bf16 teeth, scale x{factor}: worst {rep.worst_ratio:.4g} vs bound {BF16_TOL}")
+    assert rep.worst_ratio > BF16_TOL
 
 
 def test_llama_extension_inputs(llama, tmp_path):
