@@ -16,12 +16,12 @@ def layer(i, **kw):
     return LayerCacheSpec(i, kw.pop("kv_num_heads", 2), kw.pop("head_size", 8), **kw)
 
 
-def manager(num_blocks=16, bs=4, window=None, prefix=False, layers=None, **kw):
+def manager(num_blocks=16, bs=16, window=None, prefix=False, layers=None, **kw):
     groups = [GroupConfig("full", num_blocks, bs, tuple(layers or (layer(0), layer(1))))]
     if window is not None:
         groups.append(GroupConfig("win", num_blocks, bs, (layer(2),), window=window, chunk_tokens=kw.pop("chunk", 1)))
-    cfg = KVCacheConfig(tuple(groups), max_batch_size=kw.pop("max_batch", 4), max_num_tokens=kw.pop("max_tokens", 64),
-                        max_seq_len=kw.pop("max_seq_len", 64), prefix_caching=prefix, **kw)
+    cfg = KVCacheConfig(tuple(groups), max_batch_size=kw.pop("max_batch", 4), max_num_tokens=kw.pop("max_tokens", 256),
+                        max_seq_len=kw.pop("max_seq_len", 256), prefix_caching=prefix, **kw)
     return KVCacheManager(cfg)
 
 
@@ -66,8 +66,10 @@ def test_cache_tensors_shapes_dtypes_and_names():
     (dict(layers=(layer(0, key_scale_dtype="float16", value_scale_dtype="float32"),)), "should be equal"),
     (dict(layers=(LayerCacheSpec(0, 2, 8, latent=True),)), "LATENT layer should have kv_num_heads == 1"),
     (dict(layers=(layer(0), layer(0))), "layer 0 is in groups"),
-    (dict(bs=12), "block_size should be a power of two"),
-    (dict(window=16, num_blocks=4), "cannot hold one sequence's ring"),
+    (dict(bs=12), r"block_size must be a power of two >= 16, got 12"),
+    (dict(bs=8), r"group 'full': block_size must be a power of two >= 16, got 8"),
+    (dict(bs=0), r"block_size must be a power of two >= 16, got 0"),
+    (dict(window=64, num_blocks=4), "cannot hold one sequence's ring"),
     (dict(window=8, prefix=True), "prefix_caching needs every group to be full-attention"),
     (dict(bounds=(1, -2, 0)), "bounds should be 3 non-negative ints"),
 ])
@@ -79,26 +81,26 @@ def test_config_errors_name_the_problem(kw, needle):
 # ---- plans ---------------------------------------------------------------------------------------------
 
 def test_plan_writes_every_step_input_into_persistent_buffers():
-    m = manager(num_blocks=16, bs=4, max_seq_len=32)  # 8 blocks per row
-    m.add_sequence("a", 6)
-    m.add_sequence("b", 3)
-    p = m.plan([("a", 6), ("b", 3)])
-    assert p.cumulative_sequence_length.tolist() == [0, 6, 9]
+    m = manager(num_blocks=16, bs=16, max_seq_len=128)  # 8 blocks per row
+    m.add_sequence("a", 24)
+    m.add_sequence("b", 12)
+    p = m.plan([("a", 24), ("b", 12)])
+    assert p.cumulative_sequence_length.tolist() == [0, 24, 36]
     assert p.past_seqlens.tolist() == [0, 0]
-    assert p.query_positions.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
-    assert p.attention_metadata.tolist() == [6, 6, 6] and p.attention_metadata.device.type == "cpu"
+    assert p.query_positions.tolist() == list(range(24)) + list(range(12))
+    assert p.attention_metadata.tolist() == [24, 24, 24] and p.attention_metadata.device.type == "cpu"
     assert p.block_tables["full"].shape == (2, 8) and p.block_tables["full"].dtype == torch.int32
     rows = p.block_tables["full"].tolist()
     assert rows[0][:2] != rows[1][:1] and rows[0][2:] == [-1] * 6 and rows[1][1:] == [-1] * 7
-    assert p.slot_mappings["full"].tolist() == derived_slots(p, "full", 4) == p.host_slots["full"]
+    assert p.slot_mappings["full"].tolist() == derived_slots(p, "full", 16) == p.host_slots["full"]
     ptrs = {k: t.data_ptr() for k, t in p.feeds().items()}
     m.commit(p)
     p2 = m.plan([("b", 2), ("a", 1)])
-    assert p2.past_seqlens.tolist() == [3, 6] and p2.cumulative_sequence_length.tolist() == [0, 2, 3]
-    assert p2.query_positions.tolist() == [3, 4, 6]
-    assert p2.attention_metadata.tolist() == [2, 7, 7]
+    assert p2.past_seqlens.tolist() == [12, 24] and p2.cumulative_sequence_length.tolist() == [0, 2, 3]
+    assert p2.query_positions.tolist() == [12, 13, 24]
+    assert p2.attention_metadata.tolist() == [2, 25, 25]
     assert {k: t.data_ptr() for k, t in p2.feeds().items()} == ptrs  # same addresses every step
-    assert p2.slot_mappings["full"].tolist() == derived_slots(p2, "full", 4)
+    assert p2.slot_mappings["full"].tolist() == derived_slots(p2, "full", 16)
     assert set(p2.feeds()) == {"cumulative_sequence_lengths", "past_sequence_lengths", "attention_metadata",
                                "block_table", "slot_mapping"}
     assert set(p2.feeds(names=["block_table", "input_ids"], query_positions=True)) == {"block_table"}
@@ -118,53 +120,53 @@ def test_fixed_bounds_are_written_and_checked():
 
 
 def test_plan_errors():
-    m = manager(max_batch=2, max_tokens=8, max_seq_len=16)
+    m = manager(max_batch=2, max_tokens=32, max_seq_len=64)
     m.add_sequence("a", 4)
     m.add_sequence("b", 4)
     m.add_sequence("c", 4)
     with pytest.raises(ValueError, match="batch size"):
         m.plan([("a", 1), ("b", 1), ("c", 1)])
-    with pytest.raises(ValueError, match="max_num_tokens 8"):
-        m.plan([("a", 5), ("b", 4)])
+    with pytest.raises(ValueError, match="max_num_tokens 32"):
+        m.plan([("a", 17), ("b", 16)])
     with pytest.raises(ValueError, match="appears twice"):
         m.plan([("a", 1), ("a", 1)])
     with pytest.raises(KeyError, match="no sequence 'z'"):
         m.plan([("z", 1)])
-    with pytest.raises(ValueError, match="max_seq_len 16"):
-        m.add_sequence("long", 17)
-    p = m.plan([("a", 8)])
+    with pytest.raises(ValueError, match="max_seq_len 64"):
+        m.add_sequence("long", 65)
+    p = m.plan([("a", 32)])
     with pytest.raises(RuntimeError, match="neither committed nor aborted"):
         m.plan([("b", 1)])
     m.commit(p)
-    m.commit(m.plan([("a", 8)]))
-    with pytest.raises(ValueError, match=r"beyond max_seq_len 16 \(max_blocks_per_seq \{'full': 4\}\)"):
+    m.commit(m.plan([("a", 32)]))
+    with pytest.raises(ValueError, match=r"beyond max_seq_len 64 \(max_blocks_per_seq \{'full': 4\}\)"):
         m.plan([("a", 1)])
     with pytest.raises(ValueError, match="already exists"):
         m.add_sequence("a", 3)
 
 
 def test_exhausted_pool_names_group_needed_and_free_and_changes_nothing():
-    m = manager(num_blocks=4, bs=4)
-    m.add_sequence("a", 12)
-    m.commit(m.plan([("a", 12)]))  # 3 blocks
-    m.add_sequence("b", 9)
+    m = manager(num_blocks=4, bs=16)
+    m.add_sequence("a", 48)
+    m.commit(m.plan([("a", 48)]))  # 3 blocks
+    m.add_sequence("b", 36)
     before = (m.block_table_row("a", "full"), m.num_free_blocks("full"))
     with pytest.raises(KVCacheExhausted, match=r"group 'full' is exhausted: .* needs 3 blocks, 1 are free"):
-        m.plan([("b", 9)])
+        m.plan([("b", 36)])
     assert (m.block_table_row("a", "full"), m.num_free_blocks("full")) == before
     assert m.block_table_row("b", "full") == [] and m.check_invariants() == []
-    m.commit(m.plan([("b", 4)]))  # fits in the one free block
+    m.commit(m.plan([("b", 16)]))  # fits in the one free block
     assert m.num_free_blocks("full") == 0
 
 
 def test_abort_releases_the_reservation():
     m = manager()
-    m.add_sequence("a", 5)
-    m.commit(m.plan([("a", 5)]))
-    p = m.plan([("a", 7)])
+    m.add_sequence("a", 20)
+    m.commit(m.plan([("a", 20)]))
+    p = m.plan([("a", 28)])
     assert len(m.block_table_row("a", "full")) == 3
     m.abort(p)
-    assert m.length("a") == 5 and len(m.block_table_row("a", "full")) == 2 and m.check_invariants() == []
+    assert m.length("a") == 20 and len(m.block_table_row("a", "full")) == 2 and m.check_invariants() == []
     assert m.num_free_blocks("full") == 14
 
 
@@ -173,9 +175,9 @@ def test_abort_releases_the_reservation():
 def test_fork_shares_blocks_and_copy_on_write_copies_every_cache_of_the_group():
     layers = (layer(0, key_scale_dtype="float16", value_scale_dtype="float16"), layer(1, cache_dtype="int8"),
               LayerCacheSpec(2, 1, 16, cache_dtype="bfloat16", latent=True))
-    m = manager(layers=layers, bs=4)
-    m.add_sequence("a", 6)
-    m.commit(m.plan([("a", 6)]))
+    m = manager(layers=layers, bs=16)
+    m.add_sequence("a", 24)
+    m.commit(m.plan([("a", 24)]))
     gen = torch.Generator().manual_seed(0)
     for kinds in m.caches.values():  # fill every block of every tensor with distinct content
         for t in kinds.values():
@@ -185,10 +187,10 @@ def test_fork_shares_blocks_and_copy_on_write_copies_every_cache_of_the_group():
     ra, rb = m.block_table_row("a", "full"), m.block_table_row("b", "full")
     assert ra == rb and m.pools["full"].refcount[ra[1]] == 2
     snapshot = {(lid, k): t.clone() for lid, kinds in m.caches.items() for k, t in kinds.items()}
-    p = m.plan([("b", 1)])  # position 6 lands in the shared, partially filled block 1
+    p = m.plan([("b", 1)])  # position 24 lands in the shared, partially filled block 1
     nb = m.block_table_row("b", "full")[1]
     assert nb != ra[1] and m.block_table_row("b", "full")[0] == ra[0]
-    assert p.slot_mappings["full"].tolist() == [nb * 4 + 2]
+    assert p.slot_mappings["full"].tolist() == [nb * 16 + 8]
     for (lid, k), before in snapshot.items():  # the new block is a copy in every tensor, scale caches too
         assert torch.equal(m.caches[lid][k][nb].view(torch.uint8), before[ra[1]].view(torch.uint8)), (lid, k)
         assert torch.equal(m.caches[lid][k][ra[1]].view(torch.uint8), before[ra[1]].view(torch.uint8))
@@ -202,41 +204,41 @@ def test_fork_shares_blocks_and_copy_on_write_copies_every_cache_of_the_group():
 
 
 def test_prefix_cache_hits_full_blocks_and_keeps_one_token_to_compute():
-    m = manager(prefix=True, bs=4)
-    ids = list(range(100, 110))
+    m = manager(prefix=True, bs=16)
+    ids = list(range(100, 140))
     assert m.add_sequence("a", ids) == 0
     m.commit(m.plan([("a", ids)]))
-    assert m.add_sequence("b", ids[:9] + [7, 7]) == 8  # blocks 0, 1 hit; block 2 differs
+    assert m.add_sequence("b", ids[:36] + [7] * 8) == 32  # blocks 0, 1 hit; block 2 differs
     assert m.block_table_row("b", "full") == m.block_table_row("a", "full")[:2]
-    p = m.plan([("b", [ids[8], 7, 7])])  # only the uncached tokens are planned
-    assert p.past_lens == (8,) and p.slot_mappings["full"].tolist() == derived_slots(p, "full", 4)
+    p = m.plan([("b", ids[32:36] + [7] * 8)])  # only the uncached tokens are planned
+    assert p.past_lens == (32,) and p.slot_mappings["full"].tolist() == derived_slots(p, "full", 16)
     m.commit(p)
-    assert m.add_sequence("c", ids[:8]) == 4  # exact 2-block prompt: the last block is recomputed
+    assert m.add_sequence("c", ids[:32]) == 16  # exact 2-block prompt: the last block is recomputed
     m.free("c")
     m.free("a")
     m.free("b")
     assert m.num_free_blocks("full") == 16
-    assert m.add_sequence("d", ids[:9]) == 8  # cached blocks outlive their sequences
+    assert m.add_sequence("d", ids[:36]) == 32  # cached blocks outlive their sequences
     m.free("d")
     m.clear_prefix_cache()
-    assert m.add_sequence("e", ids[:9]) == 0 and m.check_invariants() == []
+    assert m.add_sequence("e", ids[:36]) == 0 and m.check_invariants() == []
 
 
 def test_prefix_cache_evicts_least_recently_released_blocks():
-    m = manager(prefix=True, bs=4, num_blocks=4)
-    m.add_sequence("a", list(range(9)))
-    m.commit(m.plan([("a", list(range(9)))]))  # 3 blocks, 2 full and cached
+    m = manager(prefix=True, bs=16, num_blocks=4)
+    m.add_sequence("a", list(range(36)))
+    m.commit(m.plan([("a", list(range(36)))]))  # 3 blocks, 2 full and cached
     m.free("a")
     assert m.num_free_blocks("full") == 4 and len(m.pools["full"].cached) == 2
-    m.add_sequence("b", list(range(50, 62)))
-    m.commit(m.plan([("b", list(range(50, 62)))]))  # needs 3: the 2 unused blocks + 1 evicted
+    m.add_sequence("b", list(range(200, 248)))
+    m.commit(m.plan([("b", list(range(200, 248)))]))  # needs 3: the 2 unused blocks + 1 evicted
     assert len(m.pools["full"].cached) == 4 and m.check_invariants() == []  # b's 3 + a's first
     m.free("b")
-    assert m.add_sequence("c", list(range(9))) == 4  # a's tail block went first; its head survived
-    assert m.add_sequence("d", list(range(50, 63))) == 12
+    assert m.add_sequence("c", list(range(36))) == 16  # a's tail block went first; its head survived
+    assert m.add_sequence("d", list(range(200, 252))) == 48
     assert m.num_free_blocks("full") == 0
     with pytest.raises(KVCacheExhausted, match="needs 2 blocks, 0 are free"):
-        m.plan([("c", 5)])
+        m.plan([("c", 20)])
 
 
 def test_plan_rejects_token_ids_that_contradict_the_prompt():
@@ -249,14 +251,14 @@ def test_plan_rejects_token_ids_that_contradict_the_prompt():
 # ---- rings -------------------------------------------------------------------------------------------
 
 def test_ring_recycles_n_blocks_and_unmaps_below_the_window():
-    W, bs = 6, 4
-    m = manager(window=W, bs=bs, max_seq_len=64)
+    W, bs = 24, 16
+    m = manager(window=W, bs=bs, max_seq_len=256)
     ring = m.config.group("win").ring_blocks
     assert ring == math.ceil(W / bs) + 1
-    m.add_sequence("a", 40)
-    m.commit(m.plan([("a", 3)]))
+    m.add_sequence("a", 160)
+    m.commit(m.plan([("a", 12)]))
     seen = set()
-    for _ in range(37):
+    for _ in range(148):
         past = m.length("a")
         p = m.plan([("a", 1)])
         row = p.block_tables["win"][0].tolist()
@@ -271,13 +273,13 @@ def test_ring_recycles_n_blocks_and_unmaps_below_the_window():
 
 
 def test_ring_refuses_a_step_that_would_overwrite_live_blocks():
-    m = manager(window=8, bs=4, chunk=4)  # ring of ceil(11 / 4) + 1 = 4 blocks
-    m.add_sequence("a", 30)
-    assert m.max_step_tokens("a") == 16
-    with pytest.raises(ValueError, match=r"group 'win': sequence 'a': a step of 17 tokens .* at most 16 tokens"):
-        m.plan([("a", 17)])
-    m.commit(m.plan([("a", 16)]))
-    assert m.max_step_tokens("a") == 4 * 4 - 16 + (16 - 8 + 1) // 4 * 4  # live range starts at block 2
+    m = manager(window=32, bs=16, chunk=16)  # ring of ceil(47 / 16) + 1 = 4 blocks
+    m.add_sequence("a", 120)
+    assert m.max_step_tokens("a") == 64
+    with pytest.raises(ValueError, match=r"group 'win': sequence 'a': a step of 65 tokens .* at most 64 tokens"):
+        m.plan([("a", 65)])
+    m.commit(m.plan([("a", 64)]))
+    assert m.max_step_tokens("a") == 4 * 16 - 64 + (64 - 32 + 1) // 16 * 16  # live range starts at block 2
     m.commit(m.plan([("a", m.max_step_tokens("a"))]))
     assert m.check_invariants() == []
 
@@ -285,41 +287,41 @@ def test_ring_refuses_a_step_that_would_overwrite_live_blocks():
 # ---- speculation ---------------------------------------------------------------------------------------
 
 def test_speculate_accept_rolls_back_rejected_drafts():
-    m = manager(prefix=True, bs=4)
-    m.add_sequence("a", [1, 2, 3, 4, 5, 6])
-    m.commit(m.plan([("a", [1, 2, 3, 4, 5, 6])]))
-    m.speculate("a", 5)
-    p = m.plan([("a", [7, 8, 9, 10, 11, 12])])  # the real next token + 5 drafts
-    assert p.draft_lens == (5,)
+    m = manager(prefix=True, bs=16)
+    m.add_sequence("a", list(range(1, 25)))
+    m.commit(m.plan([("a", list(range(1, 25)))]))
+    m.speculate("a", 23)
+    p = m.plan([("a", list(range(25, 49)))])  # the real next token + 23 drafts
+    assert p.draft_lens == (23,)
     m.commit(p)
-    assert m.length("a") == 12 and len(m.block_table_row("a", "full")) == 3
+    assert m.length("a") == 48 and len(m.block_table_row("a", "full")) == 3
     assert len(m.pools["full"].cached) == 1  # blocks holding drafts are not cached
     with pytest.raises(ValueError, match="unaccepted drafts"):
         m.plan([("a", 1)])
-    with pytest.raises(ValueError, match=r"n_accepted should be in \[0, 5\]"):
-        m.accept("a", 6)
-    m.accept("a", 1)  # keeps 7, 8
-    assert m.length("a") == 8 and len(m.block_table_row("a", "full")) == 2
+    with pytest.raises(ValueError, match=r"n_accepted should be in \[0, 23\]"):
+        m.accept("a", 24)
+    m.accept("a", 7)  # keeps 25 .. 32
+    assert m.length("a") == 32 and len(m.block_table_row("a", "full")) == 2
     assert m.num_free_blocks("full") == 14 and len(m.pools["full"].cached) == 2
-    p = m.plan([("a", [20])])
-    assert p.past_lens == (8,) and p.slot_mappings["full"].tolist() == derived_slots(p, "full", 4)
+    p = m.plan([("a", [100])])
+    assert p.past_lens == (32,) and p.slot_mappings["full"].tolist() == derived_slots(p, "full", 16)
     m.commit(p)
-    assert m.add_sequence("b", [1, 2, 3, 4, 5, 6, 7, 8, 20]) == 8  # accepted tokens are cached
+    assert m.add_sequence("b", list(range(1, 33)) + [100]) == 32  # accepted tokens are cached
 
 
 def test_speculation_with_a_ring_keeps_the_window_of_accepted_tokens():
-    W, bs = 5, 4
-    m = manager(window=W, bs=bs, chunk=4)
-    m.add_sequence("a", 20)
-    m.commit(m.plan([("a", 9)]))
-    m.speculate("a", 3)
-    m.commit(m.plan([("a", 4)]))  # positions 9..12, 3 drafts
+    W, bs = 20, 16
+    m = manager(window=W, bs=bs, chunk=16)
+    m.add_sequence("a", 80)
+    m.commit(m.plan([("a", 36)]))
+    m.speculate("a", 15)
+    m.commit(m.plan([("a", 16)]))  # positions 36..51, 15 drafts
     row = m.block_table_row("a", "win")
-    assert row[(9 - W + 1) // bs] >= 0  # eviction used the accepted length 10, not 13
+    assert row[(36 - W + 1) // bs] >= 0  # eviction used the accepted length 37, not 52
     m.accept("a", 0)
-    assert m.length("a") == 10
+    assert m.length("a") == 37
     p = m.plan([("a", 1)])
-    assert p.past_lens == (10,) and p.slot_mappings["win"].tolist() == derived_slots(p, "win", bs)
+    assert p.past_lens == (37,) and p.slot_mappings["win"].tolist() == derived_slots(p, "win", bs)
     m.commit(p)
     assert m.check_invariants() == []
 

@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", "-m", help="local checkpoint folder, .gguf file, or built-in name")
     p.add_argument("--output", "-o", help="output folder (model.onnx, genai_config.json, tokenizer files)")
     p.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="activation / weight dtype (fp16)")
-    p.add_argument("--block-size", type=int, default=16, help="KV cache block size written to the config (16)")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size written to the config: a power of two >= 16 (16)")
     p.add_argument("--kv-cache", choices=tuple(CACHE_CHOICES), help="K and V cache dtype (default: --dtype)")
     p.add_argument("--k-cache", choices=tuple(CACHE_CHOICES), help="K cache dtype (overrides --kv-cache)")
     p.add_argument("--v-cache", choices=tuple(CACHE_CHOICES), help="V cache dtype (overrides --kv-cache)")
@@ -84,6 +84,11 @@ def kv_options(args):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from ..validators.contract import block_size_error
+
+    if block_size_error(args.block_size):  # refused before any loading or writing
+        print(f"paged-export: error: --block-size: {block_size_error(args.block_size)}", file=sys.stderr)
+        return 2
     if args.list:
         from .registry import supported
         from .weights import builtin_names

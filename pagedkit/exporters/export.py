@@ -12,6 +12,7 @@ from pathlib import Path
 import onnx
 import torch
 
+from ..validators.contract import block_size_error
 from .config import ModelSpec, with_decoded_pagedkit, genai_config, write_genai_config
 from .families.base import ExportContext, ExportOptions, KVOptions
 from .registry import family_for
@@ -72,10 +73,18 @@ def kv_bytes_per_token(spec: ModelSpec) -> float:
     return total
 
 
+def check_options(opts: ExportOptions) -> None:
+    """Refuse options the operator contract cannot run, before any work (ValueError, the contract's text)."""
+    err = block_size_error(opts.block_size)
+    if err:
+        raise ValueError(err)
+
+
 def build_model(hf_model: torch.nn.Module, opts: ExportOptions | None = None, *, progress: bool = False
                 ) -> tuple[onnx.ModelProto, ModelSpec]:
     """The PagedAttention graph of an in-memory Hugging Face causal LM, and its ModelSpec."""
     opts = opts or ExportOptions()
+    check_options(opts)
     family = family_for(hf_model.config)
     ctx = ExportContext(family, hf_model, opts)
     layers = range(len(family.layers(hf_model)))
@@ -137,6 +146,7 @@ def _export(holder: list, output_dir, opts, *, weights, source, tokenizer_dir, w
 
     hf_model = holder.pop()
     opts = opts or ExportOptions()
+    check_options(opts)
     if weight_format not in ("fp16", "int4"):
         raise ValueError(f"weights: expected fp16 or int4, got {weight_format!r}")
     out = Path(output_dir)
@@ -182,6 +192,7 @@ def export(model: str | os.PathLike, output_dir: str | os.PathLike, opts: Export
     """`paged-export`'s work: load (local safetensors / GGUF / built-in config) in the export dtype, export,
     check, summarize."""
     opts = opts or ExportOptions()
+    check_options(opts)  # before any loading
     dtype = torch.float16 if opts.dtype == "fp16" else torch.bfloat16
     loaded = load_model(model, num_layers=num_layers, num_experts=num_experts, seed=seed, dtype=dtype)
     source = {"model": str(model), "num_hidden_layers": loaded.config.num_hidden_layers}

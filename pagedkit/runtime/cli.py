@@ -64,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_new_tokens < 1:
         print("paged-run: --max-new-tokens should be >= 1", file=sys.stderr)
         return 2
+    if args.block_size is not None:
+        from ..validators.contract import block_size_error
+
+        if block_size_error(args.block_size):
+            print(f"paged-run: --block-size: {block_size_error(args.block_size)}", file=sys.stderr)
+            return 2
     if args.device == "cuda":
         import torch
 

@@ -33,6 +33,7 @@ from .kv.cache import KVCacheManager
 from .kv.config import GroupConfig, KVCacheConfig, LayerCacheSpec
 from .session import InferenceSession
 from .tensors import ONNX_TO_TORCH
+from ..validators.contract import block_size_error
 from ..validators.nodeview import dtype_from_type_str
 
 # parity tolerances (max|diff| <= tol * max|ref|) of a model's logits vs HF eager float32, by model dtype
@@ -273,6 +274,8 @@ class Generator:
     def __init__(self, model_dir: str | Path, device: str = "cpu", *, block_size: int | None = None,
                  num_blocks: int | None = None, max_seq_len: int | None = None, shuffle_seed: int | None = None,
                  session: InferenceSession | None = None):
+        if block_size is not None and block_size_error(block_size):
+            raise ValueError(block_size_error(block_size))
         self.config = read_config(model_dir)
         providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
         self.session = session or InferenceSession(str(Path(model_dir) / self.config.filename), providers=providers)

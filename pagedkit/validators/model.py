@@ -31,7 +31,7 @@ from onnx.external_data_helper import load_external_data_for_tensor, uses_extern
 
 from .checks import validate_node
 from .inference import type_of_proto, register_schemas
-from .contract import CONTRACTS, DOMAIN, get_contract
+from .contract import BLOCK_SIZE_RULE, CONTRACTS, DOMAIN, MIN_BLOCK_SIZE, block_size_error, get_contract
 from .issues import Issue
 from .model_loading import (  # noqa: F401 (ModelLoadError is re-exported)
     ModelLoadError, config_get, external_data_problems, graphs, load_model_proto, resolve_model_path,
@@ -58,9 +58,11 @@ RULE_DOCS = {
                              "(GroupQueryAttention: same batch, kv heads and head size; the length may grow).",
     "MODEL-extension-input": "slot_mapping / query_positions given as graph inputs are int32 [num_tokens].",
     "MODEL-genai-config": "genai_config.json beside the model must be readable JSON.",
+    "MODEL-block-size": f"The block size genai_config.json names (pagedkit.block_size, "
+                        f"engine.dynamic_batching.block_size): {BLOCK_SIZE_RULE}.",
 }
 
-PAGED_ONLY_RULES = ("MODEL-attention-metadata-graph-input", "MODEL-extension-input")
+PAGED_ONLY_RULES = ("MODEL-attention-metadata-graph-input", "MODEL-extension-input", "MODEL-block-size")
 
 # (cache input, its updated output, genai name kind) of each cache pair, by contract name
 _CACHE_PAIRS = {op: c.cache_pairs for op, c in CONTRACTS.items()}  # (input, output, kind)
@@ -307,6 +309,29 @@ def _extension_input_rules(node: onnx.NodeProto, m: _Model) -> Iterator[Issue]:
 # Entry points
 # ----------------------------------------------------------------------------------------------
 
+def _block_size_rule(genai_config: Mapping | None) -> Iterator[Issue]:
+    """MODEL-block-size: the block sizes a genai_config.json names follow the contract's rule."""
+    import json
+
+    def get(d, *keys):
+        for k in keys:
+            d = d.get(k) if isinstance(d, Mapping) else None
+        return d
+
+    section = get(genai_config, "pagedkit")
+    if isinstance(section, str):  # pagedkit's config writer stores its section as JSON text
+        try:
+            section = json.loads(section)
+        except ValueError:
+            section = None
+    for where, bs in (("pagedkit.block_size", get(section, "block_size")),
+                      ("engine.dynamic_batching.block_size", get(genai_config, "engine", "dynamic_batching",
+                                                                 "block_size"))):
+        if bs is not None and block_size_error(bs):
+            yield Issue("genai_config.json", where, "MODEL-block-size", f"a power of two >= {MIN_BLOCK_SIZE}",
+                        repr(bs), block_size_error(bs))
+
+
 def check_model(model: onnx.ModelProto | str | os.PathLike, *, genai_config=None) -> ModelReport:
     """validate_model with a count of the attention nodes checked (for the CLI)."""
     issues: list[Issue] = []
@@ -349,6 +374,8 @@ def check_model(model: onnx.ModelProto | str | os.PathLike, *, genai_config=None
         if main:
             issues += _cache_rules(node, m)
             issues += [i for i in _extension_input_rules(node, m) if (i.node, i.where) not in seen]
+    if any(n.op_type == "PagedAttention" for n, _ in attention):
+        issues += _block_size_rule(genai_config)
     if checked and DOMAIN not in imports:
         issues.append(Issue("model", "model", "MODEL-domain", f"an opset_import of {DOMAIN!r}",
                             "no such import"))

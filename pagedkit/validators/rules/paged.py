@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from ..contract import PAGED_ATTENTION
+from ..contract import BLOCK_SIZE_RULE, MIN_BLOCK_SIZE, PAGED_ATTENTION, block_size_error
 from ..issues import Issue
 from ..nodeview import NodeView
 from .common import (
     COMMON_DOCS, VIEW_DOCS, attr_at, attribute_rules, dim, dtype_docs, dtype_rules, has_rank, head_count_rules, inp,
-    int_attr, is_pow2, ival, outp, prefixed, presence_rules, rank_rules, scalar_attr_rules, shape_str,
+    int_attr, ival, outp, prefixed, presence_rules, rank_rules, scalar_attr_rules, shape_str,
 )
 from .common_features import (
     bias_broadcast_rules, head_sink_rules, head_size_rules, qk_norm_rules, qk_output_rules, rotary_presence_rules,
@@ -35,7 +35,8 @@ _DOCS = {
     "cache-kv-heads": "key_cache / value_cache dimension 2 must be kv_num_heads.",
     "cache-head-size": "key_cache / value_cache dimension 3 must be cache_head_size ((head_size + 1) / 2 for "
                        "int4, else head_size).",
-    "block-size": "block_size (cache dimension 1) must be a power of two >= 16.",
+    "block-size": f"{BLOCK_SIZE_RULE} (cache dimension 1); paged-export, paged-run and the KV manager "
+                  "refuse other block sizes with the same text.",
     "csl-length": "cumulative_sequence_length dimension 0 must be >= 2 (batch_size + 1).",
     "past-seqlens-batch": "past_seqlens dimension 0 must be batch_size.",
     "block-table-batch": "block_table dimension 0 must be batch_size.",
@@ -149,9 +150,9 @@ def cache_shapes(view: NodeView) -> Iterator[Issue]:
             yield view.issue(inp(name), f"{P}-cache-head-size", f"{chs} = {what}", n3,
                              f"Input '{name}' dimension 3 should be same as {what}, got {n3}")
         bs = dim(t, 1)
-        if bs is not None and (name == "key_cache" or not view.has("key_cache")) and not (bs >= 16 and is_pow2(bs)):
-            yield view.issue(inp(name), f"{P}-block-size", "a power of two >= 16", bs,
-                             f"Input '{name}' dimension 1 (block_size) must be a power of two >= 16, got {bs}")
+        if bs is not None and (name == "key_cache" or not view.has("key_cache")) and block_size_error(bs):
+            yield view.issue(inp(name), f"{P}-block-size", f"a power of two >= {MIN_BLOCK_SIZE}", bs,
+                             f"Input '{name}' dimension 1: {block_size_error(bs)}")
 
 
 def sequence_inputs(view: NodeView) -> Iterator[Issue]:
