@@ -4,9 +4,11 @@
     python -m pagedkit.validators.docs --check    # exit 1 and name the stale files
 
 Each page follows the kernel-card layout (../shared/seeds/webgpu-gqa-kernel-card.txt): header,
-description, Inputs / Outputs / Attributes / Type constraints tables, the semantics of each feature
-(`contract.semantics`), then the validation rules (`RULE_DOCS` of rules/paged.py / rules/gqa.py and
-the whole-model rules of model.py). Nothing here restates contract data: it is all read from contract.py.
+description, Inputs / Outputs / Attributes / Type constraints tables, the in-place caches and host-memory
+inputs (`Param.aliases`, `Param.host`), the cache formats (`CACHE_FORMATS`) and the block-size rule
+(`BLOCK_SIZE_RULE`), the semantics of each feature (`contract.semantics`), then the validation rules
+(`RULE_DOCS` of rules/paged.py / rules/gqa.py and the whole-model rules of model.py). Nothing here restates
+contract data: it is all read from contract.py.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import importlib
 import sys
 from pathlib import Path
 
-from .contract import CONTRACTS, Attr, OpContract, Param
+from .contract import (
+    BLOCK_SIZE_RULE, CACHE_FORMATS, CONTRACTS, MIN_BLOCK_SIZE, Attr, CacheFormat, OpContract, Param, block_size_error,
+)
 from .model import PAGED_ONLY_RULES
 from .model import RULE_DOCS as MODEL_RULE_DOCS
 
@@ -74,6 +78,48 @@ def _type_name(t: str) -> str:
     return t[len("tensor("):-1] if t.startswith("tensor(") else t
 
 
+def _width(fmt: CacheFormat) -> str:
+    """The stored last dimension of a cache in this format, as a formula of head_size."""
+    n = fmt.per_element
+    return "head_size" if n == 1 else f"(head_size + {n - 1}) / {n}"
+
+
+def _facts(c: OpContract) -> list[str]:
+    """In-place caches (Param.aliases), host-memory inputs (Param.host) and, for an op with
+    k/v_cache_dtype and block caches, the cache formats (CACHE_FORMATS) and the block-size rule."""
+    lines = ["## In-place caches and host inputs", "",
+             "Each cache output below aliases a cache input (`Param.aliases`): bound to the same buffer, the "
+             "node updates that cache in place, and the caller feeds the updated output back as that input on "
+             "the next step.", ""]
+    lines += _table(["Output", "Aliases input", "Cache kind", "Source"],
+                    [[_code(p.name), _code(p.aliases), c.input(p.aliases).cache_kind or "—", _source(p.shipped)]
+                     for p in c.outputs if p.aliases])
+    host = [c.input(n) for n in c.host_inputs]
+    if host:
+        lines += ["Host-memory inputs (onnxruntime keeps them in CPU memory, `OrtMemTypeCPUInput`; a kernel reads "
+                  "them on the host without a device copy): " + ", ".join(
+                      f"{_code(p.name)} (input {p.index})" for p in host) + ".", ""]
+    if any(a.name == "k_cache_dtype" for a in c.attributes):
+        lines += ["## Cache formats", "",
+                  "What `k_cache_dtype` / `v_cache_dtype` name, the element type of the cache tensor that holds "
+                  "them, and its last dimension (the stored width) for head_size channels. Quantized formats "
+                  "hold codes that need a scale (k/v_quant_type); qmax is the largest code magnitude "
+                  "(PER_TOKEN scale = amax / qmax).", ""]
+        lines += _table(["Format", "Cache tensor type", "Quantized", "Channels per element", "Stored width",
+                         "qmax"],
+                        [[_code(f.name), _code(_type_name(f.storage)), "yes" if f.quantized else "no",
+                          f.per_element, _code(_width(f)), "—" if f.qmax is None else f"{f.qmax:g}"]
+                         for f in CACHE_FORMATS.values()])
+    if any(p.name == "block_table" for p in c.inputs):
+        lines += ["## Block size", "",
+                  f"`block_size` (cache dimension 1) follows one rule, as onnxruntime requires: "
+                  f"*{BLOCK_SIZE_RULE}* ({MIN_BLOCK_SIZE}, {2 * MIN_BLOCK_SIZE}, {4 * MIN_BLOCK_SIZE}, ...). "
+                  "The validator (`PA-block-size`, `MODEL-block-size`), `paged-export --block-size`, the Python "
+                  "`export()`, `paged-run --block-size` and the KV block manager all refuse any other value with "
+                  f"the same text, e.g. `{block_size_error(MIN_BLOCK_SIZE // 2)}`.", ""]
+    return lines
+
+
 def rule_docs(contract: OpContract) -> dict[str, str]:
     """Node rules (RULE_DOCS of the op's rules module, when it has one) then the whole-model rules."""
     module = importlib.import_module(f"{__package__}.{_RULE_MODULES[contract.name]}")
@@ -108,6 +154,7 @@ def render(contract: OpContract) -> str:
         *_table(["Variable", "Allowed types", "Description"],
                 [[_code(k), ", ".join(_code(_type_name(t)) for t in v), c.type_constraint_docs.get(k, "")]
                  for k, v in c.type_constraints.items()]),
+        *_facts(c),
         "## Semantics", "",
     ]
     for heading, text in c.semantics:
