@@ -13,13 +13,14 @@ import onnx
 import torch
 
 from ..validators.contract import block_size_error
-from .config import ModelSpec, with_decoded_pagedkit, genai_config, write_genai_config
+from ..interface import dtypes
+from ..interface.genai_config import ModelSpec, genai_config, with_decoded_pagedkit, write_genai_config
+from ..validators.contract import cache_format, cache_width
 from .families.base import ExportContext, ExportOptions, KVOptions
 from .registry import family_for
 from .weights import copy_tokenizer_files, load_model
 
 EXTERNAL_DATA_BYTES = 256 << 20  # models with more initializer bytes keep them in model.onnx.data
-_CACHE_BYTES = {"float16": 2.0, "bfloat16": 2.0, "int8": 1.0, "float8e4m3fn": 1.0, "int4": 0.5}
 
 
 class ExportError(RuntimeError):
@@ -60,6 +61,11 @@ def describe_caches(spec: ModelSpec) -> str:
     return "; ".join(out)
 
 
+def _storage_bytes(cache_dtype: str) -> int:
+    """Bytes of one stored cache element (int4: one uint8 holding two channels)."""
+    return dtypes.numpy_dtype(dtypes.elem_type(cache_format(cache_dtype).storage)).itemsize
+
+
 def kv_bytes_per_token(spec: ModelSpec) -> float:
     """Cache bytes one token occupies over all layers (scale caches included)."""
     total = 0.0
@@ -67,7 +73,7 @@ def kv_bytes_per_token(spec: ModelSpec) -> float:
         for c in (l.k_cache, l.v_cache):
             if c is None:
                 continue
-            total += l.kv_num_heads * l.head_size * _CACHE_BYTES[c.dtype]
+            total += l.kv_num_heads * cache_width(c.dtype, l.head_size) * _storage_bytes(c.dtype)
             if c.quant == "PER_TOKEN":
                 total += l.kv_num_heads * 2  # float16 scale per token and KV head
     return total

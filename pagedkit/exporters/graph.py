@@ -21,23 +21,20 @@ from typing import Any, Sequence
 import numpy as np
 import onnx
 import torch
-from onnx import TensorProto
+
+from ..interface import dtypes
+from ..interface import names as N
 
 ONNX_OPSET = 23  # RMSNormalization
 MS_DOMAIN = "com.microsoft"
 
-_TORCH_OF = {
-    TensorProto.FLOAT: torch.float32, TensorProto.FLOAT16: torch.float16, TensorProto.BFLOAT16: torch.bfloat16,
-    TensorProto.INT64: torch.int64, TensorProto.INT32: torch.int32, TensorProto.INT8: torch.int8,
-    TensorProto.UINT8: torch.uint8, TensorProto.FLOAT8E4M3FN: torch.float8_e4m3fn,
-}
 Shape = tuple  # of int | str
 
 
 def tensor_proto(name: str, value: torch.Tensor | np.ndarray, elem_type: int) -> onnx.TensorProto:
     """An initializer of `elem_type` from a torch tensor / numpy array (bf16 and fp8 included, raw bytes)."""
     t = torch.as_tensor(value).detach().to("cpu")
-    t = t.to(_TORCH_OF[elem_type]).contiguous()
+    t = t.to(dtypes.torch_dtype(elem_type)).contiguous()
     proto = onnx.TensorProto()
     proto.name = name
     proto.data_type = elem_type
@@ -249,11 +246,11 @@ def rotary_tables(rotary_emb: torch.nn.Module, max_positions: int, layer_type: s
 class GraphInputs:
     """Names of the shared graph inputs the attention nodes read."""
 
-    cumulative_sequence_lengths: str = "cumulative_sequence_lengths"
-    past_sequence_lengths: str = "past_sequence_lengths"
-    block_table: str = "block_table"
-    block_table_windowed: str = "block_table_windowed"
-    attention_metadata: str = "attention_metadata"
+    cumulative_sequence_lengths: str = N.CUMULATIVE_SEQUENCE_LENGTHS
+    past_sequence_lengths: str = N.PAST_SEQUENCE_LENGTHS
+    block_table: str = N.BLOCK_TABLE
+    block_table_windowed: str = N.BLOCK_TABLE_WINDOWED
+    attention_metadata: str = N.ATTENTION_METADATA
     slot_mapping: str | None = None
     query_positions: str | None = None
 

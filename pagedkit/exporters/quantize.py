@@ -19,8 +19,10 @@ from pathlib import Path
 import onnx
 import torch
 
+from ..interface import names as N
+from ..interface.genai_config import LayerSpec, ModelSpec
 from ..kernels import quant as kq
-from .config import LayerSpec, ModelSpec, PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE
+from ..validators.contract import cache_format
 
 DEFAULT_CALIBRATION_TEXT = Path(__file__).with_name("builtin") / "calibration.txt"
 SEQ_LEN = 128  # tokens per calibration sequence
@@ -67,28 +69,29 @@ def collect_kv(model: onnx.ModelProto, spec: ModelSpec, sequences: list[list[int
     for seq in sequences:
         n = len(seq)
         nb = math.ceil(n / block_size)
-        feeds = {"input_ids": torch.tensor(seq, dtype=torch.int64),
-                 "block_table": torch.arange(nb, dtype=torch.int32)[None],
-                 "cumulative_sequence_lengths": torch.tensor([0, n], dtype=torch.int32),
-                 "past_sequence_lengths": torch.tensor([0], dtype=torch.int32),
-                 "attention_metadata": torch.tensor([n, n, 0], dtype=torch.int32)}
-        if "block_table_windowed" in names:  # a full-size table for the windowed layers too (pool large enough)
-            feeds["block_table_windowed"] = feeds["block_table"]
-        if "slot_mapping" in names:
-            feeds["slot_mapping"] = torch.arange(n, dtype=torch.int32)
-        if "query_positions" in names:
-            feeds["query_positions"] = torch.arange(n, dtype=torch.int32)
-        for l in spec.layers:
-            feeds[PAST_KEY % l.layer] = torch.zeros(nb, block_size, l.kv_num_heads, l.head_size, dtype=dtype)
+        # one sequence, prefill: block_table [1, nb], cumulative [0, n], past [0], metadata [n, n, 0]
+        feeds = {N.INPUT_IDS: torch.tensor(seq, dtype=torch.int64),
+                 N.BLOCK_TABLE: torch.arange(nb, dtype=torch.int32)[None],
+                 N.CUMULATIVE_SEQUENCE_LENGTHS: torch.tensor([0, n], dtype=torch.int32),
+                 N.PAST_SEQUENCE_LENGTHS: torch.tensor([0], dtype=torch.int32),
+                 N.ATTENTION_METADATA: torch.tensor([n, n, 0], dtype=torch.int32)}
+        if N.BLOCK_TABLE_WINDOWED in names:  # a full-size table for the windowed layers too (pool large enough)
+            feeds[N.BLOCK_TABLE_WINDOWED] = feeds[N.BLOCK_TABLE]
+        for extra in N.EXTENSION_INPUTS:  # slot_mapping / query_positions [n]: 0 .. n - 1
+            if extra in names:
+                feeds[extra] = torch.arange(n, dtype=torch.int32)
+        for l in spec.layers:  # caches [nb, block_size, kv_heads, head_size], unquantized
+            feeds[N.past_name("key", l.layer)] = torch.zeros(nb, block_size, l.kv_num_heads, l.head_size, dtype=dtype)
             if l.v_cache is not None:
-                feeds[PAST_VALUE % l.layer] = torch.zeros(nb, block_size, l.kv_num_heads, l.head_size, dtype=dtype)
+                feeds[N.past_name("value", l.layer)] = torch.zeros(nb, block_size, l.kv_num_heads, l.head_size,
+                                                                   dtype=dtype)
         res = sess.run_torch(feeds)
         for l in spec.layers:
-            k = res[PRESENT_KEY % l.layer].reshape(nb * block_size, l.kv_num_heads, -1)[:n].float()
+            k = res[N.present_name("key", l.layer)].reshape(nb * block_size, l.kv_num_heads, -1)[:n].float()
             out[l.layer][0].append(k)
             if l.v_cache is not None:
-                out[l.layer][1].append(res[PRESENT_VALUE % l.layer].reshape(nb * block_size, l.kv_num_heads, -1)[:n]
-                                       .float())
+                v = res[N.present_name("value", l.layer)]
+                out[l.layer][1].append(v.reshape(nb * block_size, l.kv_num_heads, -1)[:n].float())
     return {i: (torch.cat(k), torch.cat(v) if v else None) for i, (k, v) in out.items()}
 
 
@@ -141,7 +144,7 @@ def calibrate(model: onnx.ModelProto, spec: ModelSpec, sequences: list[list[int]
         k, v = kv[l.layer]
         pair, row = [None, None], {}
         for j, (x, cache) in enumerate(((k, l.k_cache), (v, l.v_cache))):
-            if cache is None or x is None or not cache.quantized:
+            if cache is None or x is None or not cache_format(cache.dtype).quantized:
                 continue
             x = _rotated(x, cache.rotation)
             s = None
@@ -156,7 +159,7 @@ def calibrate(model: onnx.ModelProto, spec: ModelSpec, sequences: list[list[int]
 
 
 def needs_calibration(layers: list[LayerSpec]) -> bool:
-    return any(c is not None and c.quantized for l in layers for c in (l.k_cache, l.v_cache))
+    return any(c is not None and cache_format(c.dtype).quantized for l in layers for c in (l.k_cache, l.v_cache))
 
 
 def quantize_weights_int4(model: onnx.ModelProto, block_size: int = 32) -> onnx.ModelProto:

@@ -20,10 +20,15 @@ import math
 
 import torch
 
-QUANT_FORMATS = ("int8", "float8e4m3fn", "int4")
-QMAX = {"int8": 127.0, "float8e4m3fn": 448.0, "int4": 7.0}
+from ..interface import dtypes
+from ..validators.contract import CACHE_FORMATS, cache_width
+
+# the quantized formats of the contract's cache-format table (validators/contract.py CACHE_FORMATS)
+QUANT_FORMATS = tuple(n for n, f in CACHE_FORMATS.items() if f.quantized)  # int8, float8e4m3fn, int4
+QMAX = {n: CACHE_FORMATS[n].qmax for n in QUANT_FORMATS}  # 127, 448, 7
 QMIN = {"int8": -128.0, "float8e4m3fn": -448.0, "int4": -8.0}
-STORAGE_DTYPE = {"int8": torch.int8, "float8e4m3fn": torch.float8_e4m3fn, "int4": torch.uint8}
+STORAGE_DTYPE = {n: dtypes.torch_dtype(CACHE_FORMATS[n].storage) for n in QUANT_FORMATS}  # int4: uint8
+FORMAT_OF_STORAGE = {dt: n for n, dt in STORAGE_DTYPE.items()}  # torch storage dtype -> format (uint8: int4)
 
 
 def _check_format(fmt: str) -> None:
@@ -33,7 +38,7 @@ def _check_format(fmt: str) -> None:
 
 def stored_width(fmt: str, head_size: int) -> int:
     """Last dim of a cache holding head_size channels: (head_size + 1) // 2 for int4, else head_size."""
-    return (head_size + 1) // 2 if fmt == "int4" else head_size
+    return cache_width(fmt, head_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,8 +86,8 @@ def unpack_int4(packed: torch.Tensor, head_size: int) -> torch.Tensor:
     """uint8 [..., (head_size + 1) // 2] -> signed int8 codes [..., head_size]."""
     if packed.dtype != torch.uint8:
         raise TypeError(f"unpack_int4 expects a uint8 tensor, got {packed.dtype}")
-    if packed.shape[-1] != (head_size + 1) // 2:
-        raise ValueError(f"packed int4 last dim should be (head_size + 1) // 2 = {(head_size + 1) // 2} "
+    if packed.shape[-1] != cache_width("int4", head_size):
+        raise ValueError(f"packed int4 last dim should be (head_size + 1) // 2 = {cache_width('int4', head_size)} "
                          f"for head_size {head_size}, got {packed.shape[-1]}")
     low = (packed & 0x0F).to(torch.int8) - 8
     high = (packed >> 4).to(torch.int8) - 8

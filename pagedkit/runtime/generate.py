@@ -18,7 +18,6 @@ inputs). Two layouts:
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
@@ -28,20 +27,19 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..exporters.config import read_pagedkit_section
+from ..interface import dtypes
+from ..interface import names as N
+from ..interface.genai_config import GENAI_CONFIG, cache_templates, read_genai_config, read_pagedkit_section
 from .kv.cache import KVCacheManager
 from .kv.config import GroupConfig, KVCacheConfig, LayerCacheSpec
 from .session import InferenceSession
-from .tensors import ONNX_TO_TORCH
 from ..validators.contract import block_size_error
-from ..validators.nodeview import dtype_from_type_str
+from ..validators.contract import CACHE_FORMATS
 
 # parity tolerances (max|diff| <= tol * max|ref|) of a model's logits vs HF eager float32, by model dtype
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
-# torch storage dtype of a cache input -> the cache dtype spelling of KVCacheConfig
-_CACHE_DTYPE = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8",
-                torch.float8_e4m3fn: "float8e4m3fn", torch.uint8: "int4"}
-_SCALE_DTYPE = {torch.float16: "float16", torch.float32: "float32"}
+# ONNX type string of a cache input -> the cache dtype spelling of KVCacheConfig (uint8 -> int4)
+_CACHE_DTYPE = {f.storage: name for name, f in CACHE_FORMATS.items()}
 
 
 @dataclass
@@ -65,22 +63,31 @@ class DecoderConfig:
     block_size: int | None = None
     chunk_size: int | None = None  # prefill chunk (onnxruntime-genai's search.chunk_size)
     pagedkit: dict = field(default_factory=dict)
+    caches: dict = field(default_factory=dict)  # cache kind -> (past, present) '%d' templates
 
     @property
     def paged(self) -> bool:
-        return "block_table" in self.inputs
+        return N.BLOCK_TABLE in self.inputs
 
     def name(self, key: str, layer: int) -> str:
-        """Per-layer I/O name from a '%d' template (past_key_names, present_value_names, ...)."""
-        return self.inputs.get(key, self.outputs.get(key, "")).replace("%d", str(layer))
+        """Per-layer I/O name from a '%d' template (past_key_names, present_value_names, ...; defaults:
+        onnxruntime-genai's names)."""
+        for kind, (past, present) in (self.caches or cache_templates(None)).items():
+            if key in (N.past_names_key(kind), N.present_names_key(kind)):
+                return N.layer_name(past if key.startswith("past_") else present, layer)
+        return self.inputs.get(key, self.outputs.get(key, "")).replace(N.LAYER, str(layer))
+
+    def input(self, name: str) -> str:
+        """The graph input the config names for one of names.* (the name itself by default)."""
+        return self.inputs.get(name) or name
 
 
 def read_config(folder: str | Path) -> DecoderConfig:
     folder = Path(folder)
-    path = folder / "genai_config.json"
+    path = folder / GENAI_CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"{folder}: no genai_config.json (a model folder holds model.onnx and genai_config.json)")
-    cfg = json.loads(path.read_text(encoding="utf-8"))
+    cfg = read_genai_config(path)
     model, dec = cfg.get("model", {}), cfg.get("model", {}).get("decoder", {})
     missing = [k for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_size") if k not in dec]
     if missing:
@@ -98,7 +105,7 @@ def read_config(folder: str | Path) -> DecoderConfig:
         inputs=dict(dec.get("inputs", {})), outputs=dict(dec.get("outputs", {})),
         window=sw.get("window_size"), window_slack=int(sw.get("cache_slack") or 0), windowed_layers=list(sw.get("layers", [])) if sw else [],
         block_size=int(block) if block else None, chunk_size=cfg.get("search", {}).get("chunk_size"),
-        pagedkit=section)
+        pagedkit=section, caches=cache_templates(cfg))
 
 
 @dataclass
@@ -121,7 +128,7 @@ class History:
 
 
 def _torch_type(type_str: str) -> torch.dtype:
-    return ONNX_TO_TORCH[dtype_from_type_str(type_str)]
+    return dtypes.torch_dtype(type_str)
 
 
 class _PagedState:
@@ -130,7 +137,7 @@ class _PagedState:
     def __init__(self, gen: "Generator", block_size: int | None, num_blocks: int | None, shuffle_seed: int | None):
         cfg, sess = gen.config, gen.session
         args = {a.name: a for a in sess.get_inputs()}
-        key0 = cfg.name("past_key_names", 0)
+        key0 = cfg.name(N.past_names_key("key"), 0)
         dims = args[key0].shape if key0 in args else []
         bs = block_size or (dims[1] if len(dims) > 1 and isinstance(dims[1], int) else None) or cfg.block_size or 16
         self.max_seq_len = gen.max_seq_len
@@ -140,16 +147,14 @@ class _PagedState:
             layers = [self._layer(cfg, args, i) for i in range(cfg.num_layers) if (i in cfg.windowed_layers) == windowed]
             if not layers:
                 continue
-            table = cfg.inputs.get("block_table_windowed" if windowed else "block_table")
+            table = cfg.inputs.get(N.BLOCK_TABLE_WINDOWED if windowed else N.BLOCK_TABLE)
             per_seq = math.ceil(self.max_seq_len / bs)
             g = GroupConfig("windowed" if windowed else "full", 1, bs, tuple(layers),
                             window=cfg.window if windowed else None, chunk_tokens=chunk, table_name=table)
             n = num_blocks or (g.ring_blocks if windowed else per_seq) + 2
             groups.append(GroupConfig(g.name, n, bs, g.layers, g.window, chunk, table))
-        names = {k: cfg.inputs.get(f"past_{k}_names", f"past_key_values.%d.{k}").replace("%d", "{i}")
-                 for k in ("key", "value", "key_scale", "value_scale")}
-        present = {k: cfg.outputs.get(f"present_{k}_names", f"present.%d.{k}").replace("%d", "{i}")
-                   for k in ("key", "value", "key_scale", "value_scale")}
+        names = {kind: past for kind, (past, _) in cfg.caches.items()}
+        present = {kind: pres for kind, (_, pres) in cfg.caches.items()}
         self.mgr = KVCacheManager(KVCacheConfig(tuple(groups), max_batch_size=1, max_num_tokens=self.max_seq_len,
                                                 max_seq_len=self.max_seq_len, device=str(gen.session.device),
                                                 names=names, present_names=present))
@@ -159,29 +164,27 @@ class _PagedState:
                 random.Random(shuffle_seed).shuffle(free)
                 pool.free.clear()
                 pool.free.extend(free)
-        self.renames = {k: cfg.inputs.get(k, k) for k in ("cumulative_sequence_lengths", "past_sequence_lengths",
-                                                          "attention_metadata")}
+        self.renames = {k: cfg.input(k) for k in N.STEP_INPUTS}
         self.input_names = set(args)
         self.gen = gen
         self.seq = 0
 
     @staticmethod
     def _layer(cfg: DecoderConfig, args: dict, i: int) -> LayerCacheSpec:
-        key = args.get(cfg.name("past_key_names", i))
+        key = args.get(cfg.name(N.past_names_key("key"), i))
         if key is None:
-            raise ValueError(f"model has no cache input {cfg.name('past_key_names', i)!r} for layer {i}")
-        dt = _torch_type(key.type)
-        if dt not in _CACHE_DTYPE:
+            raise ValueError(f"model has no cache input {cfg.name(N.past_names_key('key'), i)!r} for layer {i}")
+        if key.type not in _CACHE_DTYPE:
             raise ValueError(f"input {key.name!r}: cache element type {key.type} is not a paged cache type")
         kv = key.shape[2] if len(key.shape) > 2 and isinstance(key.shape[2], int) else cfg.kv_num_heads
         layers = {int(l["layer"]): l for l in cfg.pagedkit.get("layers", [])}
         head = int(layers.get(i, {}).get("head_size", cfg.head_size))
         scales = {}
         for side in ("key", "value"):
-            s = args.get(cfg.pagedkit.get(f"past_{side}_scale_names", f"past_key_values.%d.{side}_scale").replace("%d", str(i)))
-            scales[side] = _SCALE_DTYPE[_torch_type(s.type)] if s is not None else None
-        return LayerCacheSpec(i, kv, head, _CACHE_DTYPE[dt], scales["key"], scales["value"],
-                              latent=cfg.name("past_value_names", i) not in args)
+            s = args.get(cfg.name(N.past_names_key(f"{side}_scale"), i))
+            scales[side] = dtypes.numpy_name(dtypes.elem_type(s.type)) if s is not None else None  # float16 / 32
+        return LayerCacheSpec(i, kv, head, _CACHE_DTYPE[key.type], scales["key"], scales["value"],
+                              latent=cfg.name(N.past_names_key("value"), i) not in args)
 
     def start(self, prompt: Sequence[int]) -> None:
         self.seq += 1
@@ -198,7 +201,7 @@ class _PagedState:
             feeds = {self.renames.get(k, k): v for k, v in plan.feeds(query_positions=True).items()}
             feeds = {k: v for k, v in feeds.items() if k in self.input_names}
             feeds |= mgr.cache_feeds()
-            feeds[self.gen.config.inputs.get("input_ids", "input_ids")] = torch.tensor(
+            feeds[self.gen.config.input(N.INPUT_IDS)] = torch.tensor(
                 chunk, dtype=torch.int64, device=sess.device)
             try:
                 out = sess.run_torch(feeds, [self.gen.logits_name])[self.gen.logits_name]
@@ -225,7 +228,7 @@ class _GQAState:
         self.windowed = set()  # past inputs of windowed layers
         for i in range(cfg.num_layers):
             for side in ("key", "value"):
-                past, present = cfg.name(f"past_{side}_names", i), cfg.name(f"present_{side}_names", i)
+                past, present = cfg.name(N.past_names_key(side), i), cfg.name(N.present_names_key(side), i)
                 if past in self.args:
                     self.pairs.append((past, present))
                     if cfg.window and i in cfg.windowed_layers:
@@ -248,11 +251,11 @@ class _GQAState:
         cfg, sess, dev = self.gen.config, self.gen.session, self.gen.session.device
         n, total = len(ids), self.length + len(ids)
         feeds = dict(self.past)
-        feeds[cfg.inputs.get("input_ids", "input_ids")] = torch.tensor([list(ids)], dtype=torch.int64, device=dev)
-        mask = cfg.inputs.get("attention_mask", "attention_mask")
+        feeds[cfg.input(N.INPUT_IDS)] = torch.tensor([list(ids)], dtype=torch.int64, device=dev)
+        mask = cfg.input(N.ATTENTION_MASK)
         if mask in self.args:
             feeds[mask] = torch.ones(1, total, dtype=_torch_type(self.args[mask].type), device=dev)
-        pos = cfg.inputs.get("position_ids", "position_ids")
+        pos = cfg.input(N.POSITION_IDS)
         if pos in self.args:
             feeds[pos] = torch.arange(self.length, total, device=dev).reshape(1, n).to(_torch_type(self.args[pos].type))
         names = [self.gen.logits_name] + [p for _, p in self.pairs]
@@ -280,7 +283,7 @@ class Generator:
         providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
         self.session = session or InferenceSession(str(Path(model_dir) / self.config.filename), providers=providers)
         self.max_seq_len = min(max_seq_len or self.config.context_length, self.config.context_length)
-        self.logits_name = self.config.outputs.get("logits", "logits")
+        self.logits_name = self.config.outputs.get(N.LOGITS) or N.LOGITS
         self.state = (_PagedState(self, block_size, num_blocks, shuffle_seed) if self.config.paged
                       else _GQAState(self))
         self.history: History | None = None
@@ -288,7 +291,7 @@ class Generator:
     @property
     def dtype(self) -> torch.dtype:
         """The model's activation precision (its first cache input's element type, or float32)."""
-        name = self.config.name("past_key_names", 0)
+        name = self.config.name(N.past_names_key("key"), 0)
         arg = next((a for a in self.session.get_inputs() if a.name == name), None)
         dt = _torch_type(arg.type) if arg is not None else torch.float32
         return dt if dt in TOLERANCES else torch.float16

@@ -10,18 +10,15 @@ Cache convention (onnxruntime-genai's, contract-decisions §5/§8): in a model w
 caches, layer i reads graph inputs `past_key_values.{i}.key` / `.value` (and, PER_TOKEN, `.key_scale` /
 `.value_scale`) and writes graph outputs `present.{i}.key` / ... . Names come from `genai_config.json`
 (`model.decoder.inputs.past_key_names`, `outputs.present_key_names`, `inputs.past_key_scale_names`, ...,
-as pagedkit's config writer spells them; a missing scale name is the key/value name + `_scale`). A
+read by `pagedkit.interface.genai_config.cache_templates`, the reader every layer shares). A
 single-layer model only needs each cache to be a graph input and each cache output a graph output
 (ORT's test form).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Mapping
 
 import numpy as np
@@ -29,12 +26,14 @@ import onnx
 from onnx import TensorProto, numpy_helper
 from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
+from ..interface import names as N
+from ..interface.genai_config import cache_templates, read_genai_config
 from .checks import validate_node
 from .inference import type_of_proto, register_schemas
 from .contract import BLOCK_SIZE_RULE, CONTRACTS, DOMAIN, MIN_BLOCK_SIZE, block_size_error, get_contract
 from .issues import Issue
 from .model_loading import (  # noqa: F401 (ModelLoadError is re-exported)
-    ModelLoadError, config_get, external_data_problems, graphs, load_model_proto, resolve_model_path,
+    ModelLoadError, external_data_problems, graphs, load_model_proto, resolve_model_path,
 )
 from .nodeview import Dim, dims_conflict, dtype_from_type_str, dtype_name
 
@@ -68,8 +67,6 @@ PAGED_ONLY_RULES = ("MODEL-attention-metadata-graph-input", "MODEL-extension-inp
 _CACHE_PAIRS = {op: c.cache_pairs for op, c in CONTRACTS.items()}  # (input, output, kind)
 _GQA_PAIR_DIMS = (0, 1, 3)  # batch, kv heads, head size (dimension 2 is past vs present length)
 _MAX_CONST_ELEMS = 1 << 16
-_DEFAULT_NAMES = {"key": ("past_key_values.%d.key", "present.%d.key"),
-                  "value": ("past_key_values.%d.value", "present.%d.value")}
 
 TensorType = tuple[int | None, tuple[Dim, ...] | None]
 
@@ -152,24 +149,26 @@ def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
 
 def cache_names(genai_config: Mapping | None) -> dict[str, tuple[str, str]]:
     """{kind: (past pattern, present pattern)} with '%d' for the layer, from genai_config or defaults."""
-    dec = config_get(genai_config, "model", "decoder") or {}
-    names = {}
-    for kind in ("key", "value"):
-        past = config_get(dec, "inputs", f"past_{kind}_names") or _DEFAULT_NAMES[kind][0]
-        present = config_get(dec, "outputs", f"present_{kind}_names") or _DEFAULT_NAMES[kind][1]
-        names[kind] = (str(past), str(present))
-        names[f"{kind}_scale"] = (str(config_get(dec, "inputs", f"past_{kind}_scale_names") or f"{past}_scale"),
-                                  str(config_get(dec, "outputs", f"present_{kind}_scale_names") or f"{present}_scale"))
-    return names
+    return cache_templates(genai_config)
 
 
 def _layer_of(name: str, pattern: str) -> int | None:
-    m = re.fullmatch(re.escape(pattern).replace("%d", r"(\d+)"), name)
-    return int(m.group(1)) if m else None
+    try:
+        return N.layer_of(name, pattern)
+    except ValueError:  # a configured name that is not a one-'%d' template matches no cache
+        return None
 
 
 def _spell(pattern: str) -> str:
-    return pattern.replace("%d", "{i}")
+    """A '%d' template as the rule texts spell it: past_key_values.{i}.key."""
+    return pattern.replace(N.LAYER, "{i}")
+
+
+def _format(pattern: str, layer: int) -> str | None:
+    try:
+        return N.layer_name(pattern, layer)
+    except ValueError:
+        return None
 
 
 def _where(kind: str, contract, index: int) -> str:
@@ -243,7 +242,7 @@ def _cache_rules(node: onnx.NodeProto, m: _Model) -> Iterator[Issue]:
             layers[layer] = cache
         if not out:
             continue
-        expected_out = present_pat % layer if layer is not None else None
+        expected_out = _format(present_pat, layer) if layer is not None else None
         if out not in m.outputs:
             yield Issue(nn, w_out, "MODEL-cache-written-back",
                         f"graph output {expected_out!r}" if expected_out else "a graph output",
@@ -345,7 +344,7 @@ def check_model(model: onnx.ModelProto | str | os.PathLike, *, genai_config=None
         proto = load_model_proto(path)
         base_dir = str(path.parent)
     if isinstance(genai_config, (str, os.PathLike)):
-        genai_config = json.loads(Path(genai_config).read_text(encoding="utf-8"))
+        genai_config = read_genai_config(genai_config)
     ext_issues = external_data_problems(proto, base_dir)
     issues += ext_issues
     inferred = _infer(proto)

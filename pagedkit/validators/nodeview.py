@@ -8,80 +8,33 @@ known values, so an unknown symbolic dimension is never an error.
 
 from __future__ import annotations
 
-import functools
 import sys
 
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-import onnx
-from onnx import TensorProto
 
+from ..interface import dtypes
 from .contract import OpContract
 from .issues import Issue
 
 Dim = int | str | None
 
-DTYPE_NAMES = {
-    TensorProto.FLOAT: "float",
-    TensorProto.FLOAT16: "float16",
-    TensorProto.BFLOAT16: "bfloat16",
-    TensorProto.DOUBLE: "double",
-    TensorProto.INT8: "int8",
-    TensorProto.UINT8: "uint8",
-    TensorProto.INT32: "int32",
-    TensorProto.INT64: "int64",
-    TensorProto.FLOAT8E4M3FN: "float8e4m3fn",
-    TensorProto.BOOL: "bool",
-}
-_NAME_TO_DTYPE = {v: k for k, v in DTYPE_NAMES.items()}
-
-
-def dtype_name(dtype: int | None) -> str:
-    if dtype is None:
-        return "unknown"
-    return DTYPE_NAMES.get(dtype, onnx.helper.tensor_dtype_to_string(dtype).replace("TensorProto.", "").lower())
-
-
-def type_str(dtype: int) -> str:
-    """ONNX type string of an element type, e.g. 'tensor(float16)'."""
-    return f"tensor({dtype_name(dtype)})"
-
-
-def dtype_from_type_str(s: str) -> int:
-    return _NAME_TO_DTYPE[s[len("tensor("):-1]]
+# ONNX element type -> onnxruntime's name inside "tensor(...)" (the one table: pagedkit/interface/dtypes.py)
+DTYPE_NAMES = {t.elem: t.name for t in dtypes.ELEM_TYPES}
+dtype_name = dtypes.type_name  # 'float16' for TensorProto.FLOAT16, 'unknown' for None
+type_str = dtypes.type_str  # 'tensor(float16)'
+dtype_from_type_str = dtypes.elem_type  # 'tensor(float16)' -> TensorProto.FLOAT16
 
 
 def onnx_dtype_of(x: Any) -> int:
-    """ONNX element type of a torch tensor or numpy array."""
+    """ONNX element type of a torch tensor or numpy array (UNDEFINED when ONNX has none: reported by the
+    dtype rule, never a crash)."""
     torch = sys.modules.get("torch")  # a torch tensor implies torch is imported; never import it here
     if torch is not None and isinstance(x, torch.Tensor):
-        # an element type ONNX cannot express is UNDEFINED (reported by the dtype rule), never a crash
-        return _torch_map().get(x.dtype, TensorProto.UNDEFINED)
-    arr = np.asarray(x)
-    if arr.dtype.name == "bfloat16":
-        return TensorProto.BFLOAT16
-    if arr.dtype.name == "float8_e4m3fn":
-        return TensorProto.FLOAT8E4M3FN
-    try:
-        return onnx.helper.np_dtype_to_tensor_dtype(arr.dtype)
-    except Exception:
-        return TensorProto.UNDEFINED
-
-
-@functools.cache
-def _torch_map() -> dict:
-    import torch
-
-    return {
-        torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16, torch.bfloat16: TensorProto.BFLOAT16,
-        torch.float64: TensorProto.DOUBLE, torch.int8: TensorProto.INT8, torch.uint8: TensorProto.UINT8,
-        torch.int32: TensorProto.INT32, torch.int64: TensorProto.INT64, torch.bool: TensorProto.BOOL,
-        torch.float8_e4m3fn: TensorProto.FLOAT8E4M3FN, torch.int16: TensorProto.INT16,
-        torch.float8_e5m2: TensorProto.FLOAT8E5M2, torch.complex64: TensorProto.COMPLEX64,
-    }
-
+        return dtypes.elem_type_of_torch(x.dtype)
+    return dtypes.elem_type_of_numpy(np.asarray(x).dtype)
 
 
 def _values_of(x: Any) -> np.ndarray | None:

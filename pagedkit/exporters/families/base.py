@@ -24,13 +24,19 @@ from typing import Any, Iterable
 import torch
 from onnx import TensorProto
 
-from ..config import CacheSpec, LayerSpec, ModelSpec, PAST_KEY, PAST_KEY_SCALE, PAST_VALUE, PAST_VALUE_SCALE, \
-    PRESENT_KEY, PRESENT_KEY_SCALE, PRESENT_VALUE, PRESENT_VALUE_SCALE, genai_type_of
+from ...interface import dtypes
+from ...interface import names as N
+from ...interface.genai_config import CacheSpec, LayerSpec, ModelSpec, genai_type_of
+from ...validators.contract import cache_format, cache_width
 from ..graph import GraphBuilder, GraphInputs, Residual, cast, gated_mlp, linear, paged_attention, rotary_tables
 
 FLOAT_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
-CACHE_ELEM_TYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16, "int8": TensorProto.INT8,
-                    "float8e4m3fn": TensorProto.FLOAT8E4M3FN, "int4": TensorProto.UINT8}
+
+
+def cache_elem_type(cache_dtype: str) -> int:
+    """ONNX element type of a cache tensor of k/v_cache_dtype `cache_dtype` (int4: UINT8), from the contract's
+    cache-format table."""
+    return dtypes.elem_type(cache_format(cache_dtype).storage)
 
 
 @dataclass
@@ -64,8 +70,8 @@ class ExportContext:
         self.family, self.model, self.opts = family, model, opts
         self.config = model.config
         self.g = GraphBuilder(FLOAT_TYPES[opts.dtype])
-        self.io = GraphInputs(slot_mapping="slot_mapping" if opts.slot_mapping else None,
-                              query_positions="query_positions" if opts.query_positions else None)
+        self.io = GraphInputs(slot_mapping=N.SLOT_MAPPING if opts.slot_mapping else None,
+                              query_positions=N.QUERY_POSITIONS if opts.query_positions else None)
         self.spec = family.model_spec(model, opts)
         self.rope: dict[str, tuple[str, str]] = {}
 
@@ -146,8 +152,8 @@ class DecoderFamily:
             dtype=act, bos_token_id=config.bos_token_id,
             eos_token_id=eos if eos is not None else config.eos_token_id,
             pad_token_id=config.pad_token_id,
-            slot_mapping="slot_mapping" if opts.slot_mapping else None,
-            query_positions="query_positions" if opts.query_positions else None,
+            slot_mapping=N.SLOT_MAPPING if opts.slot_mapping else None,
+            query_positions=N.QUERY_POSITIONS if opts.query_positions else None,
             rope=self.rope_info(config))
 
     def rope_info(self, config) -> dict[str, Any]:
@@ -206,7 +212,7 @@ class DecoderFamily:
     def make_inputs(self, ctx: ExportContext) -> None:
         g, spec, io = ctx.g, ctx.spec, ctx.io
         i32 = TensorProto.INT32
-        g.input("input_ids", TensorProto.INT64, (_rows(),))
+        g.input(N.INPUT_IDS, TensorProto.INT64, (_rows(),))
         g.input(io.block_table, i32, ("batch_size", "max_num_blocks"))
         if spec.windowed_layers:
             g.input(io.block_table_windowed, i32, ("batch_size", "max_num_blocks"))
@@ -218,16 +224,15 @@ class DecoderFamily:
                 g.input(extra, i32, (_rows(),))
         for l in spec.layers:
             blocks = "num_blocks_windowed" if l.windowed_table else "num_blocks"
-            for side, cache, past, present in (("key", l.k_cache, PAST_KEY, PRESENT_KEY),
-                                               ("value", l.v_cache, PAST_VALUE, PRESENT_VALUE)):
+            for kind, cache in (("key", l.k_cache), ("value", l.v_cache)):
                 if cache is None:
                     continue
-                head = (l.head_size + 1) // 2 if cache.dtype == "int4" else l.head_size
-                shape = (blocks, "block_size", l.kv_num_heads, head)
-                g.input(past % l.layer, CACHE_ELEM_TYPES[cache.dtype], shape)
-            for cache, past in ((l.k_cache, PAST_KEY_SCALE), (l.v_cache, PAST_VALUE_SCALE)):
-                if cache is not None and cache.quant == "PER_TOKEN":
-                    g.input(past % l.layer, TensorProto.FLOAT16, (blocks, "block_size", l.kv_num_heads))
+                # [num_blocks, block_size, kv_heads, D_cache]
+                shape = (blocks, "block_size", l.kv_num_heads, cache_width(cache.dtype, l.head_size))
+                g.input(N.past_name(kind, l.layer), cache_elem_type(cache.dtype), shape)
+            for kind, cache in (("key_scale", l.k_cache), ("value_scale", l.v_cache)):
+                if cache is not None and cache.quant == "PER_TOKEN":  # [num_blocks, block_size, kv_heads]
+                    g.input(N.past_name(kind, l.layer), TensorProto.FLOAT16, (blocks, "block_size", l.kv_num_heads))
 
     def make_rope(self, ctx: ExportContext) -> None:
         keys = {l.rope for l in ctx.spec.layers if l.rope}
@@ -243,7 +248,7 @@ class DecoderFamily:
         g = ctx.g
         emb = self.decoder(ctx.model).embed_tokens
         w = g.initializer("model.embed_tokens.weight", emb.weight.detach())
-        return g.node("Gather", [w, "input_ids"], "/model/embed_tokens/Gather", out_type=g.float_type,
+        return g.node("Gather", [w, N.INPUT_IDS], "/model/embed_tokens/Gather", out_type=g.float_type,
                       out_shape=(_rows(), ctx.config.hidden_size))
 
     def decoder_layer(self, ctx: ExportContext, i: int, layer, res: Residual) -> None:
@@ -291,23 +296,24 @@ class DecoderFamily:
     def cache_io(self, ctx: ExportContext, l: LayerSpec, extra: dict, attrs: dict) -> dict[str, str]:
         """Cache inputs/outputs of layer l's node and their quantization attributes / static scales."""
         g, i = ctx.g, l.layer
-        caches = {"key_cache": PAST_KEY % i, "key_cache_out": PRESENT_KEY % i}
-        g.output(PRESENT_KEY % i, *g.vi[PAST_KEY % i])
-        sides = [("k", "key", l.k_cache, PAST_KEY_SCALE, PRESENT_KEY_SCALE)]
+        caches = {"key_cache": N.past_name("key", i), "key_cache_out": N.present_name("key", i)}
+        g.output(N.present_name("key", i), *g.vi[N.past_name("key", i)])
+        sides = [("k", "key", l.k_cache)]
         if l.v_cache is not None:
-            caches.update(value_cache=PAST_VALUE % i, value_cache_out=PRESENT_VALUE % i)
-            g.output(PRESENT_VALUE % i, *g.vi[PAST_VALUE % i])
-            sides.append(("v", "value", l.v_cache, PAST_VALUE_SCALE, PRESENT_VALUE_SCALE))
+            caches.update(value_cache=N.past_name("value", i), value_cache_out=N.present_name("value", i))
+            g.output(N.present_name("value", i), *g.vi[N.past_name("value", i)])
+            sides.append(("v", "value", l.v_cache))
         static = ctx.opts.kv_scales.get(i, (None, None))
-        for j, (s, side, cache, past_scale, present_scale) in enumerate(sides):
+        for j, (s, side, cache) in enumerate(sides):
+            past_scale, present_scale = N.past_name(f"{side}_scale", i), N.present_name(f"{side}_scale", i)
             if cache.dtype == "int4":
                 attrs[f"{s}_cache_dtype"] = "int4"
             if cache.quant != "NONE":
                 attrs[f"{s}_quant_type"] = cache.quant
             if cache.quant == "PER_TOKEN":
-                caches[f"{s}_scale_cache"] = past_scale % i
-                caches[f"{s}_scale_cache_out"] = present_scale % i
-                g.output(present_scale % i, *g.vi[past_scale % i])
+                caches[f"{s}_scale_cache"] = past_scale
+                caches[f"{s}_scale_cache_out"] = present_scale
+                g.output(present_scale, *g.vi[past_scale])
             elif cache.quant in ("PER_TENSOR", "PER_CHANNEL"):
                 scale = static[j]
                 if scale is None:
@@ -332,10 +338,10 @@ class DecoderFamily:
         y = self.final_softcap(ctx, y)
         if g.float_type == TensorProto.BFLOAT16:  # onnxruntime-genai: float32 logits for bf16 models
             y = cast(g, y, TensorProto.FLOAT, "/lm_head/Cast")
-        g.nodes[-1].output[0] = "logits"
-        g.vi["logits"] = g.vi[y]
-        g.output("logits", g.vi[y][0], (_rows(), vocab))
-        return "logits"
+        g.nodes[-1].output[0] = N.LOGITS
+        g.vi[N.LOGITS] = g.vi[y]
+        g.output(N.LOGITS, g.vi[y][0], (_rows(), vocab))
+        return N.LOGITS
 
     def final_softcap(self, ctx: ExportContext, y: str) -> str:
         return y

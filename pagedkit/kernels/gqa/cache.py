@@ -59,7 +59,7 @@ class GqaCacheSide:
         if quant_type == "NONE":
             return cls(past, "float", past.dtype if past is not None else act_dtype, None, head_size)
         storage = past.dtype if past is not None else (torch.uint8 if bits == 4 else torch.int8)
-        kind = {torch.int8: "int8", torch.uint8: "int4", torch.float8_e4m3fn: "float8e4m3fn"}[storage]
+        kind = quant.FORMAT_OF_STORAGE[storage]
         kv_num_heads = scale.numel() // head_size if quant_type == "PER_CHANNEL" else 1
         return cls(past, kind, storage, quant.static_scale(scale, quant_type, kv_num_heads, head_size), head_size)
 

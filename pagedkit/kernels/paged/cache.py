@@ -14,7 +14,8 @@ import torch
 
 from .. import quant
 
-_QUANT_DTYPES = {torch.int8: "int8", torch.float8_e4m3fn: "float8e4m3fn"}
+# byte caches that hold codes by their own element type (uint8 is int4 only when the attribute says so)
+_QUANT_DTYPES = {dt: fmt for dt, fmt in quant.FORMAT_OF_STORAGE.items() if fmt != "int4"}
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-import numpy as np
 import torch
 
+from pagedkit.interface import dtypes
 from pagedkit.validators.checks import require_valid_inputs
 from pagedkit.validators.contract import PAGED_ATTENTION
 
@@ -32,7 +32,6 @@ from ..attention_math import apply_rope, rms_norm_heads
 from ..quant import hadamard_matrix
 from .cache import PagedCacheSide, make_side
 
-_NP_VIEWS = {"bfloat16": (np.uint16, torch.bfloat16), "float8_e4m3fn": (np.uint8, torch.float8_e4m3fn)}
 _RAW_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bit views by element size
 
 
@@ -40,11 +39,7 @@ def as_torch(x: Any) -> torch.Tensor:
     """A torch tensor as is; a numpy array (incl. ml_dtypes bfloat16 / float8_e4m3fn) as a new tensor."""
     if isinstance(x, torch.Tensor):
         return x
-    arr = np.asarray(x)
-    if arr.dtype.name in _NP_VIEWS:
-        raw, dt = _NP_VIEWS[arr.dtype.name]
-        return torch.from_numpy(arr.view(raw).copy()).view(dt)
-    return torch.from_numpy(arr.copy())
+    return dtypes.torch_from_numpy(x)  # a copy; ml_dtypes arrays through their raw integer view
 
 
 def need(cond: bool, where: str, msg: str) -> None:

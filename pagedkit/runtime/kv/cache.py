@@ -39,6 +39,7 @@ from typing import Sequence
 import torch
 
 from .blocks import ALLOCATING, GroupBlocks, GroupState
+from ...interface.names import layer_name
 from .config import GroupConfig, KVCacheConfig
 from .plan import PlanBuffers, StepPlan, step_metadata
 from .pool import BlockPool, KVCacheExhausted, block_hash
@@ -82,10 +83,11 @@ class KVCacheManager:
 
     # ---- cache tensors -----------------------------------------------------------------------------
     def cache_feeds(self, present: bool = False) -> dict[str, torch.Tensor]:
-        """Persistent cache tensors by model input name (`past_key_values.{i}.key` ...); with
-        present=True by output name (`present.{i}.key` ...), the same tensors (outputs alias inputs)."""
+        """Persistent cache tensors by model input name (`past_key_values.%d.key` ...); with
+        present=True by output name (`present.%d.key` ...), the same tensors (outputs alias inputs)."""
         names = self.config.present_names if present else self.config.names
-        return {names[kind].format(i=lid): t for lid, kinds in sorted(self.caches.items()) for kind, t in kinds.items()}
+        return {layer_name(names[kind], lid): t for lid, kinds in sorted(self.caches.items())
+                for kind, t in kinds.items()}
 
     def _copier(self, g: GroupConfig):
         tensors = [t for layer in g.layers for t in self.caches[layer.layer_id].values()]

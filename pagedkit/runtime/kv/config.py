@@ -5,13 +5,14 @@ full-attention layers, `block_table_windowed` for sliding-window layers served f
 group has its own block pool of `num_blocks` blocks of `block_size` tokens; every layer of the group
 owns one tensor per cache kind, all indexed by the same block ids:
 
-    key cache    [NB, BS, Hkv, D_cache]   D_cache = (D + 1) // 2 for int4 (uint8), else D
+    key cache    [NB, BS, Hkv, D_cache]   D_cache = contract.cache_width(cache_dtype, D): (D + 1) // 2 for int4
     value cache  [NB, BS, Hkv, D_cache]   absent for LATENT layers (V = leading channels of K)
     key scale    [NB, BS, Hkv]            PER_TOKEN key scales (float16 / float32), optional
     value scale  [NB, BS, Hkv]            PER_TOKEN value scales, optional
 
-Cache element types are checked against the PagedAttention contract (T_CACHE, T_SCALE_CACHE in
-pagedkit/validators/contract.py); nothing here restates them.
+Cache element types come from the contract's cache-format table (CACHE_FORMATS) and are checked against
+T_CACHE / T_SCALE_CACHE (pagedkit/validators/contract.py); nothing here restates them. Cache names are
+'%d' templates (pagedkit/interface/names.py), the form genai_config.json stores.
 """
 
 from __future__ import annotations
@@ -21,34 +22,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...validators.contract import get_contract
-from ...validators.contract import block_size_error
+from ...interface import dtypes
+from ...interface import names as N
+from ...validators.contract import CACHE_FORMATS, cache_format, cache_width, get_contract
 
-# logical cache dtype (k/v_cache_dtype attribute spelling) -> (torch storage dtype, ONNX tensor type)
-_CACHE_STORAGE = {
-    "float16": (torch.float16, "tensor(float16)"),
-    "bfloat16": (torch.bfloat16, "tensor(bfloat16)"),
-    "int8": (torch.int8, "tensor(int8)"),
-    "float8e4m3fn": (torch.float8_e4m3fn, "tensor(float8e4m3fn)"),
-    "int4": (torch.uint8, "tensor(uint8)"),  # two +8-biased nibbles per byte
-}
-_SCALE_STORAGE = {
-    "float16": (torch.float16, "tensor(float16)"),
-    "float32": (torch.float32, "tensor(float)"),
-}
+# cache kind -> graph input / output name template ('%d' = layer index)
+DEFAULT_NAMES = dict(N.PAST_TEMPLATES)  # past_key_values.%d.key, ...
+PRESENT_NAMES = dict(N.PRESENT_TEMPLATES)  # present.%d.key, ...
 
-DEFAULT_NAMES = {
-    "key": "past_key_values.{i}.key",
-    "value": "past_key_values.{i}.value",
-    "key_scale": "past_key_values.{i}.key_scale",
-    "value_scale": "past_key_values.{i}.value_scale",
-}
-PRESENT_NAMES = {
-    "key": "present.{i}.key",
-    "value": "present.{i}.value",
-    "key_scale": "present.{i}.key_scale",
-    "value_scale": "present.{i}.value_scale",
-}
+
+def _scale_type(name: str) -> str | None:
+    """ONNX type string of a PER_TOKEN scale-cache dtype ("float16" / "float32"), None if not a dtype."""
+    try:
+        return dtypes.type_str(dtypes.elem_type(name))
+    except KeyError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -71,7 +59,7 @@ class LayerCacheSpec:
     @property
     def cache_head_size(self) -> int:
         """D_cache: the last dimension of the cache tensors."""
-        return (self.head_size + 1) // 2 if self.cache_dtype == "int4" else self.head_size
+        return cache_width(self.cache_dtype, self.head_size)
 
     def kinds(self) -> tuple[str, ...]:
         """Cache kinds this layer owns, in feed order (key, value, key_scale, value_scale)."""
@@ -86,15 +74,16 @@ class LayerCacheSpec:
         c = get_contract("PagedAttention").type_constraints
         errs = []
         where = f"layer {self.layer_id}"
-        if self.cache_dtype not in _CACHE_STORAGE:
-            errs.append(f"{where}: cache_dtype should be one of {sorted(_CACHE_STORAGE)}, got {self.cache_dtype!r}")
-        elif _CACHE_STORAGE[self.cache_dtype][1] not in c["T_CACHE"]:
+        if self.cache_dtype not in CACHE_FORMATS:
+            errs.append(f"{where}: cache_dtype should be one of {sorted(CACHE_FORMATS)}, got {self.cache_dtype!r}")
+        elif CACHE_FORMATS[self.cache_dtype].storage not in c["T_CACHE"]:
             errs.append(f"{where}: cache_dtype {self.cache_dtype!r} is not in T_CACHE {c['T_CACHE']}")
+        scale_names = sorted(dtypes.numpy_name(dtypes.elem_type(t)) for t in c["T_SCALE_CACHE"])
         for side, sd in (("key_scale_dtype", self.key_scale_dtype), ("value_scale_dtype", self.value_scale_dtype)):
             if sd is None:
                 continue
-            if sd not in _SCALE_STORAGE or _SCALE_STORAGE[sd][1] not in c["T_SCALE_CACHE"]:
-                errs.append(f"{where}: {side} should be one of {sorted(_SCALE_STORAGE)} (T_SCALE_CACHE), got {sd!r}")
+            if sd not in scale_names or _scale_type(sd) not in c["T_SCALE_CACHE"]:
+                errs.append(f"{where}: {side} should be one of {scale_names} (T_SCALE_CACHE), got {sd!r}")
         if self.kv_num_heads < 1 or self.head_size < 1:
             errs.append(f"{where}: kv_num_heads and head_size should be >= 1, got {self.kv_num_heads}, {self.head_size}")
         if None not in (self.key_scale_dtype, self.value_scale_dtype) and self.key_scale_dtype != self.value_scale_dtype:
@@ -111,14 +100,14 @@ class LayerCacheSpec:
         """kind -> (shape, torch dtype)."""
         kv = (num_blocks, block_size, self.kv_num_heads, self.cache_head_size)
         sc = (num_blocks, block_size, self.kv_num_heads)
-        storage = _CACHE_STORAGE[self.cache_dtype][0]
+        storage = dtypes.torch_dtype(cache_format(self.cache_dtype).storage)  # int4: uint8
         out = {"key": (kv, storage)}
         if not self.latent:
             out["value"] = (kv, storage)
         if self.key_scale_dtype is not None:
-            out["key_scale"] = (sc, _SCALE_STORAGE[self.key_scale_dtype][0])
+            out["key_scale"] = (sc, dtypes.torch_dtype(self.key_scale_dtype))
         if self.value_scale_dtype is not None:
-            out["value_scale"] = (sc, _SCALE_STORAGE[self.value_scale_dtype][0])
+            out["value_scale"] = (sc, dtypes.torch_dtype(self.value_scale_dtype))
         return out
 
 
@@ -139,8 +128,8 @@ class GroupConfig:
     layers: tuple[LayerCacheSpec, ...]
     window: int | None = None
     chunk_tokens: int = 1
-    table_name: str | None = None  # default: "block_table" / "block_table_windowed"
-    slot_mapping_name: str | None = None  # default: "slot_mapping" / "slot_mapping_windowed"
+    table_name: str | None = None  # default: names.BLOCK_TABLE / names.BLOCK_TABLE_WINDOWED
+    slot_mapping_name: str | None = None  # default: names.SLOT_MAPPING / names.SLOT_MAPPING_WINDOWED
 
     @property
     def windowed(self) -> bool:
@@ -155,11 +144,11 @@ class GroupConfig:
 
     @property
     def block_table_name(self) -> str:
-        return self.table_name or ("block_table_windowed" if self.windowed else "block_table")
+        return self.table_name or (N.BLOCK_TABLE_WINDOWED if self.windowed else N.BLOCK_TABLE)
 
     @property
     def slot_name(self) -> str:
-        return self.slot_mapping_name or ("slot_mapping_windowed" if self.windowed else "slot_mapping")
+        return self.slot_mapping_name or (N.SLOT_MAPPING_WINDOWED if self.windowed else N.SLOT_MAPPING)
 
     def check(self) -> list[str]:
         errs = []
@@ -167,9 +156,8 @@ class GroupConfig:
         if self.num_blocks < 1:
             errs.append(f"{where}: num_blocks should be >= 1, got {self.num_blocks}")
         bs = self.block_size
-        bad_bs = block_size_error(bs)
-        if bad_bs:
-            errs.append(f"{where}: {bad_bs}")
+        if bs < 1 or bs & (bs - 1):
+            errs.append(f"{where}: block_size should be a power of two, got {bs}")
         if not self.layers:
             errs.append(f"{where}: has no layers")
         if self.window is not None:
@@ -177,7 +165,7 @@ class GroupConfig:
                 errs.append(f"{where}: window should be >= 1 (local_window_size), got {self.window}")
             elif self.chunk_tokens < 1:
                 errs.append(f"{where}: chunk_tokens should be >= 1, got {self.chunk_tokens}")
-            elif self.num_blocks >= 1 and not bad_bs and self.num_blocks < self.ring_blocks:
+            elif self.num_blocks >= 1 and bs >= 1 and self.num_blocks < self.ring_blocks:
                 errs.append(f"{where}: num_blocks {self.num_blocks} cannot hold one sequence's ring of "
                             f"{self.ring_blocks} blocks (window {self.window}, chunk_tokens {self.chunk_tokens})")
         for layer in self.layers:
@@ -239,9 +227,9 @@ class KVCacheConfig:
                             f"max_kv_len_lower_bound), got {self.bounds}")
         for kind in DEFAULT_NAMES:
             for table, label in ((self.names, "names"), (self.present_names, "present_names")):
-                if "{i}" not in table.get(kind, ""):
-                    errs.append(f"KVCacheConfig.{label}[{kind!r}] should be a template with '{{i}}', "
-                                f"got {table.get(kind)!r}")
+                bad = N.template_error(table.get(kind))
+                if bad:
+                    errs.append(f"KVCacheConfig.{label}[{kind!r}] should be {bad}")
         return errs
 
     def group(self, name: str) -> GroupConfig:

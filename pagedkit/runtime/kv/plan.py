@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ...interface import names as N
 from .config import KVCacheConfig
 
 # model input names (onnxruntime-genai paged layout; contract-decisions §5, §8)
-CU_SEQLENS = "cumulative_sequence_lengths"
-PAST_SEQLENS = "past_sequence_lengths"
-METADATA = "attention_metadata"
-QUERY_POSITIONS = "query_positions"
+CU_SEQLENS = N.CUMULATIVE_SEQUENCE_LENGTHS
+PAST_SEQLENS = N.PAST_SEQUENCE_LENGTHS
+METADATA = N.ATTENTION_METADATA
+QUERY_POSITIONS = N.QUERY_POSITIONS
 
 
 @dataclass

@@ -4,32 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import onnx
 import torch
 from onnx import TensorProto
 
-# ONNX element type -> torch dtype (the types torch can hold; others raise in torch_dtype)
-ONNX_TO_TORCH: dict[int, torch.dtype] = {
-    TensorProto.FLOAT: torch.float32,
-    TensorProto.FLOAT16: torch.float16,
-    TensorProto.BFLOAT16: torch.bfloat16,
-    TensorProto.DOUBLE: torch.float64,
-    TensorProto.INT8: torch.int8,
-    TensorProto.UINT8: torch.uint8,
-    TensorProto.INT16: torch.int16,
-    TensorProto.UINT16: torch.uint16,
-    TensorProto.INT32: torch.int32,
-    TensorProto.UINT32: torch.uint32,
-    TensorProto.INT64: torch.int64,
-    TensorProto.UINT64: torch.uint64,
-    TensorProto.BOOL: torch.bool,
-    TensorProto.FLOAT8E4M3FN: torch.float8_e4m3fn,
-    TensorProto.FLOAT8E5M2: torch.float8_e5m2,
-    TensorProto.FLOAT8E4M3FNUZ: torch.float8_e4m3fnuz,
-    TensorProto.FLOAT8E5M2FNUZ: torch.float8_e5m2fnuz,
-}
-TORCH_TO_ONNX: dict[torch.dtype, int] = {v: k for k, v in ONNX_TO_TORCH.items()}
+from ...interface import dtypes
+
+# ONNX element type <-> torch dtype: the one table of pagedkit/interface/dtypes.py (types torch can hold;
+# others raise in torch_dtype)
+ONNX_TO_TORCH: dict[int, torch.dtype] = dtypes.onnx_to_torch()
+TORCH_TO_ONNX: dict[torch.dtype, int] = dtypes.torch_to_onnx()
 HALF_TYPES = (torch.float16, torch.bfloat16)
 
 
@@ -46,11 +30,8 @@ def tensor_from_proto(proto: onnx.TensorProto, device: torch.device | str = "cpu
     """An ONNX TensorProto (Constant value, ConstantOfShape value, initializer) as a torch tensor."""
     arr = onnx.numpy_helper.to_array(proto)
     dtype = torch_dtype(proto.data_type, f"tensor {proto.name or '(attribute)'}")
-    if arr.dtype.kind not in "biuf" or arr.dtype.name == "bfloat16" or "float8" in arr.dtype.name:
-        # ml_dtypes arrays (bfloat16, float8 variants): reinterpret the bytes
-        raw = np.ascontiguousarray(arr).view(np.uint8 if dtype.itemsize == 1 else np.int16)
-        return torch.from_numpy(raw.copy()).view(dtype).to(device)
-    return torch.from_numpy(np.array(arr, copy=True)).to(device=device, dtype=dtype)
+    # ml_dtypes arrays (bfloat16, float8 variants) move through their raw integer view
+    return dtypes.torch_from_numpy(arr).to(device=device, dtype=dtype)
 
 
 def host_ints(t: torch.Tensor | None, what: str) -> list[int]:

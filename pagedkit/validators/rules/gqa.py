@@ -12,7 +12,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..contract import GROUP_QUERY_ATTENTION
+from ..contract import GROUP_QUERY_ATTENTION, cache_width
 from ..issues import Issue
 from ..nodeview import NodeView
 from .common import (
@@ -107,7 +107,7 @@ def _derive(view: NodeView) -> GqaDims:
     elif hidden is None:
         head_size = None if bits == 4 else dim(pk, 3)
     head_size = head_size if head_size is not None and head_size > 0 else None
-    chs = None if head_size is None else ((head_size + 1) // 2 if bits == 4 else head_size)
+    chs = None if head_size is None else (cache_width("int4", head_size) if bits == 4 else head_size)
     t_dtype = dtype_of(q)
     if t_dtype is not None and f"tensor({t_dtype})" not in view.contract.type_constraints["T"]:
         t_dtype = None

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..contract import cache_width
 from ..nodeview import NodeView
 from .common import dim, dtype_of, first_known, heads, int_attr, int_values, memo_dims, str_attr, valid_attr
 
@@ -19,10 +20,10 @@ UNPACKED, PACKED, LATENT_MODE = "unpacked", "packed", "latent"
 
 
 def cache_head_size(head_size: int | None, int4: bool) -> int | None:
-    """Last cache dim: (head_size + 1) // 2 for packed int4, else head_size."""
+    """Last cache dim: (head_size + 1) // 2 for packed int4, else head_size (contract.cache_width)."""
     if head_size is None:
         return None
-    return (head_size + 1) // 2 if int4 else head_size
+    return cache_width("int4", head_size) if int4 else head_size
 
 
 @dataclass
