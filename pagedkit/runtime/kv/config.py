@@ -25,6 +25,7 @@ import torch
 from ...interface import dtypes
 from ...interface import names as N
 from ...validators.contract import CACHE_FORMATS, cache_format, cache_width, get_contract
+from ...validators.contract import block_size_error
 
 # cache kind -> graph input / output name template ('%d' = layer index)
 DEFAULT_NAMES = dict(N.PAST_TEMPLATES)  # past_key_values.%d.key, ...
@@ -156,8 +157,9 @@ class GroupConfig:
         if self.num_blocks < 1:
             errs.append(f"{where}: num_blocks should be >= 1, got {self.num_blocks}")
         bs = self.block_size
-        if bs < 1 or bs & (bs - 1):
-            errs.append(f"{where}: block_size should be a power of two, got {bs}")
+        bad_bs = block_size_error(bs)
+        if bad_bs:
+            errs.append(f"{where}: {bad_bs}")
         if not self.layers:
             errs.append(f"{where}: has no layers")
         if self.window is not None:
@@ -165,7 +167,7 @@ class GroupConfig:
                 errs.append(f"{where}: window should be >= 1 (local_window_size), got {self.window}")
             elif self.chunk_tokens < 1:
                 errs.append(f"{where}: chunk_tokens should be >= 1, got {self.chunk_tokens}")
-            elif self.num_blocks >= 1 and bs >= 1 and self.num_blocks < self.ring_blocks:
+            elif self.num_blocks >= 1 and not bad_bs and self.num_blocks < self.ring_blocks:
                 errs.append(f"{where}: num_blocks {self.num_blocks} cannot hold one sequence's ring of "
                             f"{self.ring_blocks} blocks (window {self.window}, chunk_tokens {self.chunk_tokens})")
         for layer in self.layers:
