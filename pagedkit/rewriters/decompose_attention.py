@@ -1,0 +1,154 @@
+"""The prologue and the attention of the PagedAttention decomposition, as standard ONNX ops (float32).
+
+prologue: [packed QKV split] -> QK-norm (RMS over each head's channels) -> RoPE (half or interleaved, on
+channels [rotary_offset, rotary_offset + rotary_dim)) -> Hadamard rotation; Q rounded to T (as the
+reference's prologue workspace).
+attention: per token t and head h over its context [C] (C = block_table.shape[1] * block_size):
+scores = q . k * scale (+ attention_bias) -> softcap -> mask (mapped block, k < extent, causal k <= pos,
+window k >= pos - W + 1) -> softmax in float32 with the optional head_sink logit in the denominator
+(a row with no admitted key gives 0) -> probabilities @ V (masked V rows zeroed first, so garbage in
+unwritten cache rows cannot leak as NaN * 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from ._builder import BOOL, F32, Builder
+from .decompose_cache import Context, TokenIndex
+
+
+def _hadamard(n: int) -> np.ndarray:
+    h = np.ones((1, 1), dtype=np.float64)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(n)).astype(np.float32)
+
+
+def rotate(b: Builder, x: ir.Value, n: int) -> ir.Value:
+    """x [..., n] @ (H_n / sqrt(n)) (symmetric: its own inverse)."""
+    return b.op("MatMul", x, b.const(_hadamard(n)))
+
+
+def rms_norm(b: Builder, x: ir.Value, weight: ir.Value, eps: float) -> ir.Value:
+    ms = b.reduce("ReduceMean", b.op("Mul", x, x), -1)
+    inv = b.op("Reciprocal", b.op("Sqrt", b.op("Add", ms, b.f32(eps))))
+    return b.op("Mul", b.op("Mul", x, inv), b.f(weight))
+
+
+@dataclass
+class Rope:
+    cos: ir.Value  # [T, 1, half] f32
+    sin: ir.Value
+    half: int
+    interleaved: bool
+    offset: int
+
+
+def rope_tables(b: Builder, cos_cache: ir.Value, sin_cache: ir.Value, pos: ir.Value, half: int,
+                interleaved: bool, offset: int) -> Rope:
+    cos = b.unsq(b.f(b.gather(cos_cache, pos)), 1)
+    sin = b.unsq(b.f(b.gather(sin_cache, pos)), 1)
+    return Rope(cos, sin, half, interleaved, offset)
+
+
+def apply_rope(b: Builder, x: ir.Value, r: Rope, head_size: int, t: ir.Value, heads: int) -> ir.Value:
+    """x [T, heads, D] f32 -> RoPE on channels [offset, offset + 2 * half); others copied through."""
+    rot, off = 2 * r.half, r.offset
+    seg = b.slice(x, off, off + rot, 2)
+    if r.interleaved:
+        a, c = b.slice(seg, 0, rot, 2, 2), b.slice(seg, 1, rot, 2, 2)
+    else:
+        a, c = b.slice(seg, 0, r.half, 2), b.slice(seg, r.half, rot, 2)
+    ra = b.op("Sub", b.op("Mul", a, r.cos), b.op("Mul", c, r.sin))
+    rc = b.op("Add", b.op("Mul", c, r.cos), b.op("Mul", a, r.sin))
+    if r.interleaved:
+        pair = b.op("Concat", b.unsq(ra, 3), b.unsq(rc, 3), axis=3)
+        rotated = b.reshape(pair, t, heads, rot)
+    else:
+        rotated = b.op("Concat", ra, rc, axis=2)
+    parts = []
+    if off > 0:
+        parts.append(b.slice(x, 0, off, 2))
+    parts.append(rotated)
+    if off + rot < head_size:
+        parts.append(b.slice(x, off + rot, head_size, 2))
+    return b.cat(*parts, axis=2)
+
+
+@dataclass
+class Masking:
+    causal: bool
+    window: int
+    softcap: float
+    scale: float
+    qk_mode: int
+
+
+def allowed_mask(b: Builder, ix: TokenIndex, ctx: Context, m: Masking) -> ir.Value:
+    """[T, C] bool: key position k admitted for token t."""
+    kpos = b.unsq(b.op("Range", b.scalar_i64(0), b.sq(ctx.c, 0), b.scalar_i64(1)), 0)  # [1, C]
+    pos = b.unsq(ix.pos, 1)  # [T, 1]
+    terms = [ctx.mapped, b.op("Less", kpos, b.unsq(ix.extent, 1))]
+    if m.causal:
+        terms.append(b.op("LessOrEqual", kpos, pos))
+    if m.window > 0:
+        terms.append(b.op("GreaterOrEqual", kpos, b.op("Sub", pos, b.scalar_i64(m.window - 1))))
+    return b.and_(*terms)
+
+
+def bias_rows(b: Builder, bias: ir.Value, ix: TokenIndex, c: ir.Value) -> ir.Value:
+    """attention_bias [Bb, Hb, Qc, Kc] -> [T, Hb, C] f32: row (b or 0, :, j) of each token, fit to C
+    (cut, or zero-padded: positions beyond Kc are beyond the extent and masked anyway)."""
+    bb = b.dim(bias, 0)
+    bsel = b.op("Min", ix.seq, b.sq(b.op("Sub", bb, b.i64(1)), 0))  # Bb == 1 -> 0, Bb == B -> b
+    idx = b.op("Concat", b.unsq(bsel, 1), b.unsq(ix.j, 1), axis=1)  # [T, 2]
+    rows = b.op("GatherND", b.op("Transpose", b.f(bias), perm=[0, 2, 1, 3]), idx)  # [T, Hb, Kc]
+    pad = b.op("Max", b.op("Sub", c, b.dim(bias, 3)), b.i64(0))
+    zero4 = b.i64(0, 0, 0, 0, 0)
+    rows = b.op("Pad", rows, b.cat(zero4, pad))
+    return b.slice(rows, 0, c, 2)
+
+
+def attend(b: Builder, q: ir.Value, k: ir.Value, v: ir.Value, allowed: ir.Value, ix: TokenIndex, ctx: Context,
+           m: Masking, heads: int, kv_heads: int, head_size: int, v_head: int,
+           bias: ir.Value | None, sink: ir.Value | None) -> tuple[ir.Value, ir.Value | None]:
+    """q [T, H, D], k [T, C, Hkv, D], v [T, C, Hkv, Dv] (f32) -> (out [T, H, Dv] f32, qk [T, H, C] or None)."""
+    g = heads // kv_heads
+    q4 = b.reshape(q, ix.t, kv_heads, g, head_size)
+    kt = b.op("Transpose", k, perm=[0, 2, 3, 1])  # [T, Hkv, D, C]
+    s = b.reshape(b.op("MatMul", q4, kt), ix.t, heads, ctx.c)
+    s = b.op("Mul", s, b.f32(m.scale))
+    if bias is not None:
+        s = b.op("Add", s, bias_rows(b, bias, ix, ctx.c))
+    if m.softcap > 0:
+        s = b.op("Mul", b.op("Tanh", b.op("Div", s, b.f32(m.softcap))), b.f32(m.softcap))
+    allow3 = b.unsq(allowed, 1)  # [T, 1, C]
+    mx = b.reduce("ReduceMax", b.where(allow3, s, b.f32(-np.inf)), -1)  # [T, H, 1]
+    sk = None
+    if sink is not None:
+        sk = b.reshape(b.f(sink), 1, heads, 1)
+        mx = b.op("Max", mx, sk)
+    mx = b.where(b.op("IsInf", mx, detect_positive=0), b.f32(0.0), mx)  # no admitted key, no sink
+    e = b.where(allow3, b.op("Exp", b.op("Sub", s, mx)), b.f32(0.0))
+    den = b.reduce("ReduceSum", e, -1)
+    if sk is not None:
+        den = b.op("Add", den, b.op("Exp", b.op("Sub", sk, mx)))
+    den = b.where(b.op("Greater", den, b.f32(0.0)), den, b.f32(1.0))
+    p = b.op("Div", e, den)  # [T, H, C]
+    v_ok = b.where(b.unsq(allowed, 2, 3), v, b.f32(0.0))  # [T, C, Hkv, Dv]
+    vt = b.op("Transpose", v_ok, perm=[0, 2, 1, 3])  # [T, Hkv, C, Dv]
+    out = b.op("MatMul", b.reshape(p, ix.t, kv_heads, g, ctx.c), vt)  # [T, Hkv, G, Dv]
+    out = b.reshape(out, ix.t, heads, v_head)
+    qk = None
+    if m.qk_mode == 1:
+        qk = b.where(allow3, s, b.f32(0.0))
+    elif m.qk_mode == 2:
+        qk = p
+    return out, qk
+
+
+__all__ = ["BOOL", "F32", "Masking", "allowed_mask", "apply_rope", "attend", "rms_norm", "rope_tables", "rotate"]

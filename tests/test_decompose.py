@@ -1,0 +1,252 @@
+"""pagedkit.rewriters.decompose: PagedAttention -> standard ONNX ops, run by stock onnxruntime (CPU).
+
+- every PagedAttention case file (tests/cases) is wrapped as a single-node model, decomposed, run in
+  onnxruntime and compared with its expected outputs (output, cache outputs, scale caches, output_qk);
+- fresh random inputs (tests/paged_oracle.build: shuffled block tables, ragged sequences, poisoned caches)
+  against pagedkit.kernels.paged_attention, through a model with symbolic token / batch / block dims that
+  one decomposed session runs at two different shapes;
+- teeth: a decomposition with a 2% wrong scale, or without the window mask, fails the comparison;
+- invalid nodes are refused with the validator's reason;
+- examples/tiny-paged decomposed matches pagedkit.InferenceSession over prefill + decode, caches fed back.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from cases import Case, Expected, compare_case, load_cases, load_index, to_numpy
+from paged_oracle import Spec, build
+from test_session_cases import single_node_model
+from pagedkit.kernels.paged.reference import paged_attention
+from pagedkit.rewriters import decompose as decompose_mod
+from pagedkit.rewriters.decompose import decompose
+from pagedkit.validators.nodeview import onnx_dtype_of
+
+PAGED = [e["name"] for e in load_index() if e["op"] == "PagedAttention"]
+TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def ort_run(model: onnx.ModelProto, feeds: dict, outputs: dict) -> dict:
+    """Run `model` in onnxruntime CPU with torch feeds (bf16 / fp8 included, through OrtValues) and
+    preallocated outputs {name: (shape, torch dtype)}; returns torch tensors."""
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    io = sess.io_binding()
+    for i in sess.get_inputs():
+        t = feeds[i.name]
+        io.bind_ortvalue_input(i.name, ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+            np.ascontiguousarray(to_numpy(t.contiguous())), onnx_dtype_of(t)))
+    result = {}
+    for name, (shape, dtype) in outputs.items():
+        buf = torch.zeros(shape, dtype=dtype)
+        arr = to_numpy(buf)  # shares memory with buf
+        io.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy_with_onnx_type(arr, onnx_dtype_of(buf)))
+        result[name] = (buf, arr)
+    sess.run_with_iobinding(io)
+    return {n: b for n, (b, _) in result.items()}
+
+
+def run_case_decomposed(case: Case) -> tuple[dict, object]:
+    model, report = decompose(single_node_model(case))
+    if report.skipped:
+        return None, report
+    assert not [n for n in model.graph.node if n.domain == "com.microsoft"]
+    shapes = {n: (tuple(t.shape), t.dtype) for n, t in case.expected.items()}
+    return ort_run(model, case.inputs, shapes), report
+
+
+# ------------------------------------------------------------------------------------------------
+# the case files
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", PAGED)
+def test_case_file_decomposed_in_onnxruntime(name):
+    (case,) = load_cases([name])
+    got, report = run_case_decomposed(case)
+    if got is None:
+        pytest.skip(f"refused: {report.skipped}")
+    compare_case(case, got)
+
+
+def test_case_file_coverage():
+    """How many PagedAttention case files the decomposition claims; the rest are refused by reason."""
+    reasons = Counter()
+    covered = 0
+    for case in load_cases(op="PagedAttention"):
+        _, report = decompose(single_node_model(case))
+        if report.skipped:
+            reasons[report.skipped[0][1]] += 1
+        else:
+            covered += 1
+    print(f"\ndecompose covers {covered} of {len(PAGED)} PagedAttention case files; refused: {dict(reasons)}")
+    assert covered == len(PAGED), reasons
+
+
+# ------------------------------------------------------------------------------------------------
+# fresh random inputs vs the reference kernel, symbolic dims
+# ------------------------------------------------------------------------------------------------
+
+SYMBOLIC = {"query": ["T", None], "key": ["T", None], "value": ["T", None], "slot_mapping": ["T"],
+            "query_positions": ["T"], "cumulative_sequence_length": ["B1"], "past_seqlens": ["B"],
+            "block_table": ["B", "MB"], "key_cache": ["NB"], "value_cache": ["NB"], "k_scale_cache": ["NB"],
+            "v_scale_cache": ["NB"], "output": ["T", None], "key_cache_out": ["NB"], "value_cache_out": ["NB"],
+            "k_scale_cache_out": ["NB"], "v_scale_cache_out": ["NB"], "output_qk": [None, "T", "C"],
+            "attention_bias": ["BB", None, "QC", "KC"], "cos_cache": ["P"], "sin_cache": ["P"]}
+
+
+def symbolic(model: onnx.ModelProto) -> onnx.ModelProto:
+    """token_count, batch_size, num_blocks, max blocks and capacities as named (symbolic) dims."""
+    m = copy.deepcopy(model)
+    for vi in list(m.graph.input) + list(m.graph.output):
+        for d, sym in zip(vi.type.tensor_type.shape.dim, SYMBOLIC.get(vi.name, [])):
+            if sym:
+                d.Clear()
+                d.dim_param = sym
+    return m
+
+
+def _with_slots(inputs: dict, block_size: int, skip: tuple = ()) -> None:
+    """slot_mapping derived from past_seqlens + block_table, with the tokens in `skip` set to -1."""
+    csl, past, table = inputs["cumulative_sequence_length"], inputs["past_seqlens"], inputs["block_table"]
+    slots = []
+    for b in range(len(past)):
+        for j in range(int(csl[b + 1] - csl[b])):
+            p = int(past[b]) + j
+            slots.append(int(table[b, p // block_size]) * block_size + p % block_size)
+    for t in skip:
+        slots[t] = -1
+    inputs["slot_mapping"] = torch.tensor(slots, dtype=torch.int32)
+
+
+RANDOM = {
+    "fp16_half_rope_window_sink_softcap": dict(rotary="half", sink=True, attrs=dict(local_window_size=5, softcap=3.0)),
+    "bf16_interleaved_qknorm_bias_scores": dict(dtype=torch.bfloat16, rotary="interleaved", qk_norm=True,
+                                                 bias=(True, True), attrs=dict(qk_output=1)),
+    "fp16_packed_mqa_probs": dict(packed=True, kv_num_heads=1, rotary="half", attrs=dict(qk_output=2)),
+    "fp16_bidirectional_scale_positions": dict(attrs=dict(is_causal=0, scale=0.3, local_window_size=4)),
+    "fp16_int8_per_channel": dict(cache="int8", k_quant="PER_CHANNEL", v_quant="PER_CHANNEL", rotary="half"),
+    "bf16_fp8_per_tensor": dict(dtype=torch.bfloat16, cache="float8e4m3fn", k_quant="PER_TENSOR",
+                                v_quant="PER_TENSOR"),
+    "fp16_int4_per_token_rotation": dict(cache="int4", k_quant="PER_TOKEN", v_quant="PER_TOKEN", rotary="half",
+                                         attrs=dict(qk_rotation=1, v_rotation=1)),
+    "fp16_latent_offset_rope": dict(latent=True, kv_num_heads=1, head_size=40, v_head_size=32, rotary="half",
+                                    rotary_offset=32, attrs=dict(scale=0.15)),
+}
+
+
+def _random_case(kind: str, q_lens, past, seed: int, slots: tuple | None = None, unmapped=()) -> Case:
+    kw = dict(RANDOM[kind])
+    if kind == "fp16_bidirectional_scale_positions":
+        kw["query_positions"] = [p + j + 2 for p, n in zip(past, q_lens) for j in range(n)]
+    rc = build(Spec(q_lens=q_lens, past=past, seed=seed, unmapped=unmapped, **kw))
+    if slots is not None:
+        _with_slots(rc.inputs, 16, slots)
+    inputs = {k: v.clone() for k, v in rc.inputs.items()}
+    names = ["output", "key_cache_out"] + ([] if kw.get("latent") else ["value_cache_out"])
+    if kw.get("k_quant") == "PER_TOKEN":
+        names += ["k_scale_cache_out", "v_scale_cache_out"]
+    if rc.attrs.get("qk_output"):
+        names.append("output_qk")
+    ref = paged_attention({k: v.clone() for k, v in inputs.items()}, outputs=names, **rc.attrs)
+    return Case(f"random_{kind}", "PagedAttention", rc.attrs, inputs, Expected(ref, {}))
+
+
+def _compare(case: Case, got: dict, tol: float) -> None:
+    for name, want in case.expected.items():
+        have = got[name]
+        assert have.shape == want.shape and have.dtype == want.dtype, name
+        if want.dtype in (torch.int8, torch.uint8):  # quantized cache codes: at most one step apart
+            from cases import _codes
+            assert int((_codes(have) - _codes(want)).abs().max()) <= 1, name
+            continue
+        h, w = have.double(), want.double()
+        err = float((h - w).abs().max() / w.abs().max().clamp_min(1e-30))
+        assert err <= tol, f"{case.name}: {name} max|diff| / max|ref| = {err:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("kind", sorted(RANDOM))
+def test_random_ragged_batches_match_the_reference(kind):
+    """One decomposed model with symbolic dims serves two ragged batches of different shapes: prefill with
+    a zero-token sequence and explicit slots (one -1), then a decode step with an unmapped past block."""
+    first = _random_case(kind, [5, 0, 3], [0, 7, 20], seed=1, slots=(2,))
+    second = _random_case(kind, [1, 1, 1, 1], [33, 3, 17, 40], seed=2, unmapped=((0, 0),))
+    model, report = decompose(symbolic(single_node_model(first)))
+    assert report.changed and not report.skipped, report
+    tol = TOL[first.inputs["query"].dtype]
+    got = ort_run(model, first.inputs, {n: (tuple(t.shape), t.dtype) for n, t in first.expected.items()})
+    _compare(first, got, tol)
+    model2, _ = decompose(symbolic(single_node_model(second)))
+    got2 = ort_run(model2, second.inputs, {n: (tuple(t.shape), t.dtype) for n, t in second.expected.items()})
+    _compare(second, got2, tol)
+
+
+def test_one_symbolic_model_serves_several_shapes():
+    """The same decomposed graph (built once) runs batches of different token / batch / block counts."""
+    a = _random_case("fp16_half_rope_window_sink_softcap", [4, 2], [3, 30], seed=3)
+    b = _random_case("fp16_half_rope_window_sink_softcap", [1, 6, 0, 2], [17, 0, 9, 50], seed=4)
+    model, _ = decompose(symbolic(single_node_model(a)))
+    for c in (a, b):
+        got = ort_run(model, c.inputs, {n: (tuple(t.shape), t.dtype) for n, t in c.expected.items()})
+        _compare(c, got, TOL[torch.float16])
+
+
+# ------------------------------------------------------------------------------------------------
+# teeth, refusals
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mutation", ["scale_2pct", "no_window"])
+def test_a_wrong_decomposition_fails_the_comparison(monkeypatch, mutation):
+    (case,) = load_cases(["paged_sink_window_softcap"])
+    real = decompose_mod.Masking
+
+    def broken(causal, window, softcap, scale, qk_mode):
+        if mutation == "scale_2pct":
+            scale *= 1.02
+        else:
+            window = -1
+        return real(causal, window, softcap, scale, qk_mode)
+
+    monkeypatch.setattr(decompose_mod, "Masking", broken)
+    got, _ = run_case_decomposed(case)
+    with pytest.raises(AssertionError, match="output"):
+        compare_case(case, got)
+
+
+def test_invalid_node_is_refused_with_the_reason():
+    (case,) = load_cases(["paged_llama_fp16_rotary"])
+    model = single_node_model(case)
+    node = model.graph.node[0]
+    for a in node.attribute:
+        if a.name == "num_heads":
+            a.i = 3  # not a multiple of kv_num_heads = 2
+    out, report = decompose(model)
+    assert not report.changed and len(report.skipped) == 1
+    assert "invalid node" in report.skipped[0][1] and "num_heads" in report.skipped[0][1]
+    assert [n.op_type for n in out.graph.node] == ["PagedAttention"]  # left alone
+
+
+def test_low_opset_is_refused():
+    (case,) = load_cases(["paged_llama_fp16_rotary"])
+    model = single_node_model(case)
+    model.opset_import[0].version = 17
+    _, report = decompose(model)
+    assert "opset is 17" in report.skipped[0][1]
+
+
+def test_ir_model_in_ir_model_out():
+    import onnx_ir as ir
+
+    (case,) = load_cases(["paged_packed_qkv"])
+    irm = ir.serde.deserialize_model(single_node_model(case))
+    out, report = decompose(irm)
+    assert out is irm and report.changed == ["paged_packed_qkv"]
+    assert not [n for n in irm.graph if n.domain == "com.microsoft"]
+    got = ort_run(ir.serde.serialize_model(irm), case.inputs,
+                  {n: (tuple(t.shape), t.dtype) for n, t in case.expected.items()})
+    compare_case(case, got)
