@@ -352,3 +352,40 @@ def assert_close_logits(got: list[np.ndarray], ref: list[np.ndarray], tol: float
         worst = max(worst, ratio)
         assert ratio <= tol, f"{what} sequence {b}: max|diff| = {ratio:.3g} x max|ref| > {tol}"
     return worst
+
+
+def mutated_export(src: Path, dst: Path, *, drop: tuple = (), window: int | None = None, **attrs) -> Path:
+    """A copy of an export with `attrs` overwritten on every PagedAttention node, `window` replacing
+    local_window_size on the windowed nodes only, and the inputs named in `drop` (contract names) removed:
+    the parity check's teeth. External data is copied once (links are refused by onnx and the runtime)."""
+    import shutil
+
+    import onnx
+
+    from pagedkit.validators.contract import get_contract
+
+    names = get_contract("PagedAttention").input_names
+    src, dst = Path(src), Path(dst)
+    m = onnx.load(str(src / "model.onnx"), load_external_data=False)
+    for n in m.graph.node:
+        if n.op_type != "PagedAttention":
+            continue
+        for k, v in attrs.items():
+            for a in list(n.attribute):
+                if a.name == k:
+                    n.attribute.remove(a)
+            n.attribute.append(onnx.helper.make_attribute(k, v))
+        for a in n.attribute:
+            if window is not None and a.name == "local_window_size" and a.i > 0:
+                a.i = window
+        for name in drop:
+            i = names.index(name)
+            assert i < len(n.input) and n.input[i], f"{n.name} has no input {name!r} to drop"
+            n.input[i] = ""
+    dst.mkdir(exist_ok=True)
+    onnx.save(m, str(dst / "model.onnx"))
+    data = src / "model.onnx.data"
+    if data.exists() and not (dst / data.name).exists():
+        shutil.copyfile(data, dst / data.name)
+    shutil.copyfile(src / "genai_config.json", dst / "genai_config.json")
+    return dst
