@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 from collections import Counter
 
 import numpy as np
@@ -25,10 +26,10 @@ from cases import Case, Expected, compare_case, load_cases, load_index, to_numpy
 from paged_oracle import Spec, build
 from test_session_cases import single_node_model
 from pagedkit.kernels.paged.reference import paged_attention
-from pagedkit.rewriters import decompose as decompose_mod
 from pagedkit.rewriters.decompose import decompose
 from pagedkit.validators.nodeview import onnx_dtype_of
 
+decompose_mod = importlib.import_module("pagedkit.rewriters.decompose")  # the module (the package exports the function)
 PAGED = [e["name"] for e in load_index() if e["op"] == "PagedAttention"]
 TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
@@ -250,3 +251,81 @@ def test_ir_model_in_ir_model_out():
     got = ort_run(ir.serde.serialize_model(irm), case.inputs,
                   {n: (tuple(t.shape), t.dtype) for n, t in case.expected.items()})
     compare_case(case, got)
+
+
+# ------------------------------------------------------------------------------------------------
+# a whole model
+# ------------------------------------------------------------------------------------------------
+
+def test_tiny_paged_model_prefill_and_decode_match_pagedkit():
+    """examples/tiny-paged decomposed, in onnxruntime CPU, vs pagedkit.InferenceSession on the original:
+    a prefill of two sequences (6 and 3 tokens) over shuffled blocks of a poisoned cache, then one decode
+    token each; each side's present caches are fed back as the next step's past (onnxruntime returns
+    them as new tensors)."""
+    from pathlib import Path
+
+    from pagedkit import InferenceSession
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "tiny-paged" / "model.onnx"
+    model, report = decompose(onnx.load(path))
+    assert len(report.changed) == 2 and not report.skipped, report
+    assert not [n for n in model.graph.node if n.domain == "com.microsoft"]
+    ours = InferenceSession(path)
+    theirs = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in ours.get_outputs()]
+    assert names == [o.name for o in theirs.get_outputs()]
+
+    g = torch.Generator().manual_seed(11)
+    nb, bs = 8, 16
+    perm = torch.randperm(nb, generator=g).to(torch.int32)
+    caches = {f"past_key_values.{i}.{k}": (torch.randn(nb, bs, 2, 16, generator=g) * 3).half().numpy()
+              for i in range(2) for k in ("key", "value")}
+    table = torch.stack([perm[:3], perm[3:6]]).numpy()
+    steps = [(torch.randint(3, 128, (9,), generator=g).numpy(), [0, 6, 9], [0, 0]),
+             (torch.randint(3, 128, (2,), generator=g).numpy(), [0, 1, 2], [6, 3])]
+    past_a, past_b = dict(caches), dict(caches)
+    for ids, csl, past in steps:
+        common = {"input_ids": ids, "cumulative_sequence_lengths": np.array(csl, np.int32),
+                  "past_sequence_lengths": np.array(past, np.int32), "block_table": table,
+                  "attention_metadata": np.array([max(np.diff(csl)), 16, 0], np.int32)}
+        a = dict(zip(names, ours.run(None, {**common, **past_a})))
+        b = dict(zip(names, theirs.run(None, {**common, **past_b})))
+        for n in names:
+            ref = a[n].astype(np.float64)
+            err = np.abs(b[n].astype(np.float64) - ref).max() / np.abs(ref).max()
+            assert err <= 5e-3, f"{n}: {err:.3g}"
+        past_a = {k: a[k.replace("past_key_values", "present")] for k in caches}
+        past_b = {k: b[k.replace("past_key_values", "present")] for k in caches}
+
+
+def test_node_inside_a_subgraph_is_reported_not_rewritten():
+    from onnx import helper
+
+    (case,) = load_cases(["paged_no_rotary_decode"])
+    model = single_node_model(case)
+    g = model.graph
+    node = copy.deepcopy(g.node[0])
+    node.output[:] = [f"{o}_in" for o in node.output]
+    branch = lambda tag: helper.make_graph(  # noqa: E731 (uses the outer graph's inputs)
+        [copy.deepcopy(node), helper.make_node("Identity", [node.output[0]], [f"o_{tag}"])], tag, [],
+        [helper.make_tensor_value_info(f"o_{tag}", onnx.TensorProto.FLOAT16, None)])
+    del g.node[:]
+    g.node.append(helper.make_node("If", ["cond"], ["output"], then_branch=branch("then"), else_branch=branch("else")))
+    g.input.append(helper.make_tensor_value_info("cond", onnx.TensorProto.BOOL, []))
+    del g.output[1:]
+    out, report = decompose(model)
+    assert not report.changed and len(report.skipped) == 2
+    assert all("subgraph" in reason for _, reason in report.skipped)
+
+
+def test_docs_example_runs(monkeypatch, capsys):
+    """The example in docs/decompose.md runs as written (from the repository root)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "decompose.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(root)
+    exec(compile(code, "docs/decompose.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "2 PagedAttention node(s) rewritten, 0 skipped" in printed and "(2, 128)" in printed

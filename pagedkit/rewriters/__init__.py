@@ -1,2 +1,10 @@
-"""pagedkit.rewriters: planned, not implemented yet (open issue): GQA <-> PagedAttention graph passes and a
-decomposition of PagedAttention into standard ONNX ops. Nothing here runs yet."""
+"""pagedkit.rewriters: ONNX graph passes over onnx-ir.
+
+Implemented: `decompose` (every com.microsoft::PagedAttention node as standard ONNX ops, so that stock
+onnxruntime runs a paged model; docs/decompose.md). Planned (open issue): GQA <-> PagedAttention passes
+and the `paged-rewrite` CLI.
+"""
+
+from .decompose import DecomposeReport, decompose
+
+__all__ = ["DecomposeReport", "decompose"]
