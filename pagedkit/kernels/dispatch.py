@@ -1,73 +1,362 @@
-"""Attention kernel dispatch: one variant per node, chosen at session creation from static shapes,
-dtypes, attributes and the device only; the chosen variant's name is reported
-(`InferenceSession.attention_variants`, like ORT's SdpaKernel= debug info).
+"""Attention kernel dispatch: which kernel variants serve a node (session creation, static information
+only) and which of them runs a call (per run, host-side plan information only); both are reported.
 
-Variants declare what they serve (`supports(info) -> reason or None`); the first that serves the node
-wins. The loop-based reference serves everything on any device and is last: on CUDA it is only used
-when the session allows reference fallback (contract-decisions §9), with a one-time warning; it then
-runs on CPU copies of the inputs and writes the caches back into the device buffers.
+Variants declare themselves (`kernels/variant.py`: one `VARIANT = KernelVariant(...)` per module) and are
+listed here as lazy "module:VARIANT" strings in priority order (`VARIANTS`), like the exporter families;
+`register_variant("pkg.mod:VARIANT")` adds one more (a test, a plugin) without editing this file.
 
-`bind(node, ...)` returns an `AttentionCall`: the node's inputs / outputs by contract name, computed
-once, and the cache aliasing the runtime promises: a cache output IS its cache input (same tensor,
-updated in place), as onnxruntime does with shared past/present buffers.
+1. Creation (`bind`): the node's static facts become a `NodeInfo` (the validator's `NodeView` over the
+   model's value_info and, for PagedAttention, its `paged_dims`: head sizes, heads, block size, cache
+   formats, T, present inputs, layout; never tensor values). Every variant of the op is asked
+   (`KernelVariant.refusal`: op, device, T, features, then its own `supports`); those that accept form the
+   node's serving list, the others' reasons are kept (`AttentionCall.refused`). A variant that runs on
+   CPU copies (the loop-based reference) serves a non-CPU device only as the reference fallback
+   (contract-decisions §9: allowed by default, with a one-time warning; refused with
+   allow_reference_fallback=False). With `capturable=True` non-capturable variants are refused. No
+   serving variant: NotImplementedError naming the node and every variant's reason.
+2. Run (`AttentionCall.run(inputs, plan=None)`): the first serving variant whose `plans` include the
+   run's plan hint ("decode", "prefill", "chunked_prefill"; None = "mixed") runs it; its name is
+   `AttentionCall.last_variant`. Today's variants all serve "mixed", so the pick is the first serving one.
+
+`AttentionCall` also holds the node's inputs / outputs by contract name, computed once, and the cache
+aliasing the runtime promises: a cache output IS its cache input (same tensor, updated in place), as
+onnxruntime does with shared past/present buffers. Calls run with `validate=False` (the session
+validated the node at creation); a call that fails unvalidated is diagnosed by the full validator
+(`check_inputs`), so a bad input still surfaces as a ValidationError listing every issue.
 """
 
 from __future__ import annotations
 
+import importlib
 import warnings
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import onnx
 import torch
 
+from ..validators.checks import check_inputs, view_of_node
 from ..validators.contract import CONTRACTS, get_contract
+from ..validators.issues import ValidationError
+from .variant import FEATURES, OP_FEATURES, PLANS, KernelVariant  # noqa: F401 (re-exported)
 
 # host-memory inputs and cache aliasing are contract facts (validators/contract.py)
 HOST_INPUTS = {op: c.host_inputs for op, c in CONTRACTS.items()}
 CACHE_ALIASES = {op: c.cache_aliases for op, c in CONTRACTS.items()}
 
+# every variant, in priority order ("module:VARIANT"; "." modules are relative to pagedkit.kernels).
+# A new variant is one new file plus one line here. The loop-based reference of each op comes last.
+VARIANTS: list[str] = [
+    ".paged.torch_sdpa:VARIANT",
+    ".paged.reference:VARIANT",
+    ".gqa.reference:VARIANT",
+]
+_extra: list[tuple[str, str | None]] = []  # register_variant(): (spec, name of the variant it goes before)
+_loaded: dict[str, KernelVariant] = {}
+
+
+def _load(spec: str) -> KernelVariant:
+    if spec not in _loaded:
+        module, _, attr = spec.partition(":")
+        mod = importlib.import_module(module, __package__ if module.startswith(".") else None)
+        variant = getattr(mod, attr or "VARIANT")
+        if not isinstance(variant, KernelVariant):
+            raise TypeError(f"{spec}: expected a KernelVariant, got {type(variant).__name__}")
+        _loaded[spec] = variant
+    return _loaded[spec]
+
+
+def register_variant(spec: str, *, before: str | None = None) -> KernelVariant:
+    """Add a variant ("module:VARIANT") to the priority list: before the variant named `before`, by default
+    before the first variant of its op that runs on CPU copies (the reference stays the last resort)."""
+    variant = _load(spec)
+    specs = _specs()
+    if spec in specs:
+        return variant
+    if any(_load(s).name == variant.name and _load(s).op == variant.op for s in specs):
+        raise ValueError(f"a variant named {variant.name!r} is already registered")
+    _extra.append((spec, before))
+    return variant
+
+
+def unregister_variant(spec: str) -> None:
+    _extra[:] = [(s, b) for s, b in _extra if s != spec]
+
+
+def _specs() -> list[str]:
+    specs = list(VARIANTS)
+    for spec, before in _extra:
+        v = _load(spec)
+        at = len(specs)
+        for i, s in enumerate(specs):
+            other = _load(s)
+            if (before is not None and other.name == before) or \
+               (before is None and other.op == v.op and other.stages_on_cpu):
+                at = i
+                break
+        specs.insert(at, spec)
+    return specs
+
+
+def variants(op_type: str | None = None) -> list[KernelVariant]:
+    """The declared variants (of one op), in priority order."""
+    return [v for v in map(_load, _specs()) if op_type is None or v.op == op_type]
+
+
+# ------------------------------------------------------------------------------------------------
+# Static facts of a node
+# ------------------------------------------------------------------------------------------------
 
 @dataclass
 class NodeInfo:
+    """What dispatch knows about a node: static only (attributes, present inputs / outputs, element types
+    and shapes from the model's value_info, the dims the validator derives from them, the device).
+    A dim is None when unknown (symbolic, or not derivable)."""
+
     op_type: str
     attrs: dict[str, Any]
     present_inputs: set[str]
     present_outputs: set[str]
     device: torch.device
+    node_name: str = ""
+    dtypes: dict[str, str] = field(default_factory=dict)  # contract input name -> ONNX element type name
+    shapes: dict[str, tuple | None] = field(default_factory=dict)  # contract input name -> static shape
+    t_dtype: str | None = None  # element type bound to T (query's)
+    num_heads: int | None = None
+    kv_num_heads: int | None = None
+    head_size: int | None = None
+    v_head_size: int | None = None  # effective V head size (LATENT: v_head_size)
+    block_size: int | None = None  # PagedAttention
+    num_blocks: int | None = None
+    max_blocks: int | None = None  # block_table.shape[1]
+    layout: str | None = None  # "SEPARATE" / "LATENT" (PagedAttention)
+    input_mode: str | None = None  # "unpacked" / "packed" / "latent"
+    k_cache_format: str | None = None  # a CACHE_FORMATS name ("float16", "int8", "int4", ...) or the T name
+    v_cache_format: str | None = None
+
+    def attr(self, name: str) -> Any:
+        if name in self.attrs:
+            return self.attrs[name]
+        return get_contract(self.op_type).attr(name).default
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The node's features (variant.FEATURES names), from attributes, presence and cache formats."""
+        ins, a = self.present_inputs, self.attr
+        f = set()
+        for name in ("head_sink", "attention_bias", "slot_mapping", "query_positions", "attention_metadata",
+                     "position_ids", "query_seqlens"):
+            if name in ins:
+                f.add(name)
+        if "q_norm_weight" in ins or "k_norm_weight" in ins:
+            f.add("qk_norm")
+        if int(a("do_rotary") or 0):
+            f.add("rotary")
+        if float(a("softcap") or 0) > 0:
+            f.add("softcap")
+        if int(a("local_window_size") or -1) > 0:
+            f.add("local_window")
+        if int(a("qk_output") or 0) or "output_qk" in self.present_outputs:
+            f.add("output_qk")
+        for side in (self.k_cache_format, self.v_cache_format):
+            kind = {"int8": "int8_cache", "float8e4m3fn": "fp8_cache", "int4": "int4_cache"}.get(side or "")
+            if kind:
+                f.add(kind)
+        if self.op_type == "PagedAttention":
+            latent = a("kv_cache_layout") == "LATENT"
+            if latent:
+                f.add("latent_cache")
+            elif "key" not in ins and "value" not in ins:
+                f.add("packed_qkv")
+            if not int(a("is_causal")):
+                f.add("non_causal")
+            if int(a("qk_rotation") or 0) or int(a("v_rotation") or 0):
+                f.add("hadamard_rotation")
+            if "PER_TOKEN" in (a("k_quant_type"), a("v_quant_type")):
+                f.add("per_token_scales")
+        else:
+            if "key" not in ins:
+                f.add("packed_qkv")
+            if not int(a("causal")):
+                f.add("non_causal")
+            if int(a("smooth_softmax") or 0) == 1:
+                f.add("smooth_softmax")
+            key_shape = self.shapes.get("key")
+            if key_shape is not None and len(key_shape) == 3 and key_shape[1] == 0:
+                f.add("shared_kv")
+            bits = int(a("kv_cache_bit_width") or 0)
+            if bits == 4:
+                f.add("int4_cache")
+            elif bits == 8:
+                f.add("fp8_cache" if self.dtypes.get("past_key") == "float8e4m3fn" else "int8_cache")
+        return frozenset(f)
 
 
-@dataclass
-class Variant:
-    name: str
-    op_type: str
-    fn: Callable  # fn(inputs: dict, outputs: list[str], **attrs) -> dict
-    cpu_only: bool = False  # runs on CPU tensors only (the reference)
+def _known(d: Any) -> int | None:
+    return d if isinstance(d, int) and not isinstance(d, bool) else None
+
+
+def node_info(node: onnx.NodeProto, device: torch.device,
+              value_info: Mapping[str, tuple] | None = None) -> NodeInfo:
+    """NodeInfo of an ONNX node from the model's value_info (name -> (elem type, shape)); no values."""
+    from ..validators.nodeview import dtype_name
+
+    contract = get_contract(node.op_type)
+    view = view_of_node(node, value_info or {}, None)
+    ins = {contract.inputs[i].name for i in view.inputs}
+    outs = {contract.outputs[i].name for i in (view.outputs or {})}
+    dtypes = {t_name: dtype_name(t.dtype) for i, t in view.inputs.items()
+              if t.dtype and (t_name := contract.inputs[i].name)}
+    shapes = {contract.inputs[i].name: t.shape for i, t in view.inputs.items()}
+    info = NodeInfo(node.op_type, dict(view.attrs), ins, outs, device, node_name=node.name or node.op_type,
+                    dtypes=dtypes, shapes=shapes)
+    if node.op_type == "PagedAttention":
+        from ..validators.rules.paged_dims import paged_dims
+
+        d = paged_dims(view)
+        info.t_dtype, info.num_heads, info.kv_num_heads = d.t_dtype, d.nh, d.kv
+        info.head_size, info.v_head_size, info.block_size = d.head_size, d.eff_v, d.block_size
+        info.num_blocks, info.max_blocks, info.layout, info.input_mode = d.num_blocks, d.max_blocks, d.layout, d.mode
+        for side, cache in (("k", "key_cache"), ("v", "value_cache")):
+            fmt = info.attr(f"{side}_cache_dtype") or dtypes.get(cache)
+            if side == "v" and d.layout == "LATENT":
+                fmt = info.k_cache_format
+            setattr(info, f"{side}_cache_format", fmt)
+    else:
+        from ..validators.rules.gqa import gqa_dims
+
+        d = gqa_dims(view)
+        info.t_dtype, info.num_heads, info.kv_num_heads = d.t_dtype, d.nh, d.kv
+        info.head_size = info.v_head_size = d.head_size
+        bits = int(info.attr("kv_cache_bit_width") or 0)
+        fmt = {4: "int4", 8: "float8e4m3fn" if dtypes.get("past_key") == "float8e4m3fn" else "int8"}.get(
+            bits, dtypes.get("past_key"))
+        info.k_cache_format = info.v_cache_format = fmt
+    for key in ("num_heads", "kv_num_heads", "head_size", "v_head_size", "block_size", "num_blocks", "max_blocks"):
+        setattr(info, key, _known(getattr(info, key)))
+    return info
+
+
+# ------------------------------------------------------------------------------------------------
+# Creation: the serving variants of a node
+# ------------------------------------------------------------------------------------------------
+
+def serving_variants(info: NodeInfo, *, allow_reference_fallback: bool = True, capturable: bool = False
+                     ) -> tuple[list[KernelVariant], dict[str, str]]:
+    """(variants serving the node in priority order, {refused variant: reason})."""
+    serving, refused = [], {}
+    for v in variants(info.op_type):
+        why = v.refusal(info)
+        if why is None and v.stages_on_cpu and info.device.type != "cpu" and not allow_reference_fallback:
+            why = (f"runs on CPU copies of the {info.device.type} tensors (the reference fallback); "
+                   "the session was created with allow_reference_fallback=False")
+        if why is None and capturable and not v.capturable:
+            why = f"not CUDA-graph capturable ({v.not_capturable_because}); the session requires capturable=True"
+        if why is None:
+            serving.append(v)
+        else:
+            refused[v.name] = why
+    return serving, refused
+
+
+_warned: set[str] = set()
+
+
+def _warn_fallback(node_name: str, variant: KernelVariant, device: torch.device, refused: dict[str, str]) -> None:
+    """The one-time warning of the reference fallback on a non-CPU device (contract-decisions §9)."""
+    if node_name in _warned:
+        return
+    _warned.add(node_name)
+    reasons = "; ".join(f"{n}: {r}" for n, r in refused.items()) or "no GPU variant registered"
+    warnings.warn(f"node '{node_name}' ({variant.op}) runs on the loop-based {variant.name} on {device} "
+                  f"({reasons}); not CUDA-graph capturable")
+
+
+def _no_variant(node_name: str, op_type: str, refused: dict[str, str], capturable: bool,
+                allow_fallback: bool) -> NotImplementedError:
+    reasons = "; ".join(f"{n}: {r}" for n, r in refused.items()) or "none registered"
+    hint = []
+    if capturable:
+        hint.append("create the session without capturable=True")
+    if not allow_fallback:
+        hint.append("create the session with allow_reference_fallback=True to run it on the reference")
+    return NotImplementedError(f"node '{node_name}' ({op_type}): no kernel variant serves it ({reasons})"
+                               + (f"; {' or '.join(hint)}" if hint else ""))
+
+
+def select_variant(node: onnx.NodeProto, model: onnx.ModelProto | None, device: torch.device,
+                   allow_reference_fallback: bool = True, *, value_info: Mapping | None = None,
+                   capturable: bool = False) -> KernelVariant:
+    """The variant a run without a plan hint uses (the first serving one)."""
+    info = node_info(node, device, value_info)
+    serving, refused = serving_variants(info, allow_reference_fallback=allow_reference_fallback,
+                                        capturable=capturable)
+    if not serving:
+        raise _no_variant(info.node_name, node.op_type, refused, capturable, allow_reference_fallback)
+    return serving[0]
 
 
 @dataclass
 class AttentionCall:
-    """One attention node bound to its variant: positional inputs -> contract names -> outputs."""
+    """One attention node bound to the variants that serve it: positional inputs -> contract names -> outputs."""
 
-    variant: Variant
+    serving: list[KernelVariant]  # priority order; [0] runs a call without a plan hint
+    refused: dict[str, str]  # variant name -> why it does not serve the node
     node_name: str
     in_names: list[str | None]  # contract name of each node input (None: absent)
     out_names: list[str | None]  # contract name of each node output (None: not requested)
     attrs: dict[str, Any]
     device: torch.device
+    info: NodeInfo | None = None
+    last_variant: str | None = None  # the variant that ran the last call
+
+    @property
+    def variant(self) -> KernelVariant:
+        return self.serving[0]
 
     @property
     def name(self) -> str:
+        """The variant a call without a plan hint runs (the default pick)."""
         return self.variant.name
 
-    def run(self, inputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    @property
+    def op_type(self) -> str:
+        return self.variant.op
+
+    def pick(self, plan: str | None = None) -> KernelVariant:
+        """The first serving variant that serves this plan (host-side information only)."""
+        if plan is not None and plan not in PLANS:
+            raise ValueError(f"plan {plan!r}: expected one of {list(PLANS)} or None")
+        for v in self.serving:
+            if v.serves_plan(plan):
+                return v
+        raise ValueError(f"node '{self.node_name}': no serving variant serves plan {plan!r} "
+                                  f"(serving: {[v.name for v in self.serving]})")
+
+    def run(self, inputs: list[torch.Tensor | None], *, plan: str | None = None,
+            validate: bool = False) -> list[torch.Tensor | None]:
+        """Run the node. validate=True re-checks the concrete inputs (check_inputs) before the kernel runs;
+        with validate=False (the node was validated at creation) a failing call is diagnosed afterwards."""
+        variant = self.pick(plan)
         feed = {n: t for n, t in zip(self.in_names, inputs) if n is not None and t is not None}
         requested = [n for n in self.out_names if n is not None]
         staged = feed
-        if self.variant.cpu_only and self.device.type != "cpu":
+        if variant.stages_on_cpu and self.device.type != "cpu":
             staged = {n: t.cpu() for n, t in feed.items()}
-        result = self.variant.fn(staged, outputs=requested, **self.attrs)
-        aliases = CACHE_ALIASES[self.variant.op_type]
+            _warn_fallback(self.node_name, variant, self.device, self.refused)
+        self.last_variant = variant.name
+        try:
+            result = variant.load()(staged, outputs=requested, validate=validate, **self.attrs)
+        except ValidationError:
+            raise
+        except Exception as exc:
+            if validate:
+                raise
+            issues = check_inputs(feed, self.attrs, op_type=variant.op, outputs=requested, node_name=self.node_name)
+            if issues:  # the kernel's guard tripped on an input the validator explains: say everything
+                raise ValidationError(issues, f"{variant.op} inputs") from exc
+            raise
+        aliases = CACHE_ALIASES[variant.op]
         outs: list[torch.Tensor | None] = []
         for n in self.out_names:
             if n is None:
@@ -86,73 +375,30 @@ class AttentionCall:
             outs.append(t)
         return outs
 
-
-def _info(node: onnx.NodeProto, device: torch.device) -> NodeInfo:
-    contract = get_contract(node.op_type)
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in attrs.items()}
-    ins = {contract.inputs[i].name for i, n in enumerate(node.input) if n and i < len(contract.inputs)}
-    outs = {contract.outputs[i].name for i, n in enumerate(node.output) if n and i < len(contract.outputs)}
-    return NodeInfo(node.op_type, attrs, ins, outs, device)
-
-
-def _reference(op_type: str) -> Variant:
-    from .gqa import reference as reference_gqa
-    from .paged import reference
-
-    fn = reference.paged_attention if op_type == "PagedAttention" else reference_gqa.group_query_attention
-    return Variant("reference", op_type, fn, cpu_only=True)
-
-
-def _fast_variants(op_type: str) -> list[tuple[Callable[[NodeInfo], str | None], Variant]]:
-    """(supports, variant) pairs in priority order. supports returns None when it serves the node,
-    else the reason it does not."""
-    variants = []
-    try:
-        from .paged import torch_sdpa as torch_paged
-    except ImportError:
-        return variants
-    if op_type == "PagedAttention":
-        variants.append((torch_paged.supports, Variant(torch_paged.NAME, op_type, torch_paged.paged_attention)))
-    return variants
-
-
-_warned: set[str] = set()
-
-
-def select_variant(node: onnx.NodeProto, model: onnx.ModelProto | None, device: torch.device,
-                   allow_reference_fallback: bool = True) -> Variant:
-    info = _info(node, device)
-    reasons = []
-    for supports, variant in _fast_variants(node.op_type):
-        why = supports(info)
-        if why is None:
-            return variant
-        reasons.append(f"{variant.name}: {why}")
-    if device.type == "cpu":
-        return _reference(node.op_type)
-    if not allow_reference_fallback:
-        raise NotImplementedError(
-            f"node '{node.name}' ({node.op_type}): no GPU variant serves it ({'; '.join(reasons) or 'none registered'}); "
-            "create the session with allow_reference_fallback=True to run it on the reference")
-    if node.name not in _warned:
-        _warned.add(node.name)
-        warnings.warn(f"node '{node.name}' ({node.op_type}) runs on the loop-based reference on {device} "
-                      f"({'; '.join(reasons) or 'no GPU variant registered'}); not CUDA-graph capturable")
-    return _reference(node.op_type)
+    def report(self) -> dict[str, Any]:
+        """What creation decided: the serving variants (priority order) and why the others refused."""
+        return {"serving": [v.name for v in self.serving], "refused": dict(self.refused)}
 
 
 def bind(node: onnx.NodeProto, model: onnx.ModelProto | None, device: torch.device,
-         allow_reference_fallback: bool = True) -> AttentionCall:
-    """Select the node's variant and bind its inputs / outputs to contract names (session creation)."""
+         allow_reference_fallback: bool = True, *, value_info: Mapping | None = None,
+         capturable: bool = False) -> AttentionCall:
+    """The serving variants of the node and its inputs / outputs bound to contract names (session creation).
+    value_info: the model's tensor name -> (elem type, shape) after shape inference (static facts)."""
     contract = get_contract(node.op_type)
     if len(node.input) > len(contract.inputs) or len(node.output) > len(contract.outputs):
         raise ValueError(f"node '{node.name}' ({node.op_type}): {len(node.input)} inputs / {len(node.output)} outputs, "
                          f"the contract has {len(contract.inputs)} / {len(contract.outputs)}")
-    variant = select_variant(node, model, device, allow_reference_fallback)
+    info = node_info(node, device, value_info)
+    serving, refused = serving_variants(info, allow_reference_fallback=allow_reference_fallback,
+                                        capturable=capturable)
+    if not serving:
+        raise _no_variant(node.name, node.op_type, refused, capturable, allow_reference_fallback)
+    if device.type != "cpu" and serving[0].stages_on_cpu:
+        _warn_fallback(node.name, serving[0], device, refused)
     in_names = [contract.inputs[i].name if n else None for i, n in enumerate(node.input)]
     out_names = [contract.outputs[i].name if n else None for i, n in enumerate(node.output)]
-    return AttentionCall(variant, node.name, in_names, out_names, _info(node, device).attrs, device)
+    return AttentionCall(serving, refused, node.name, in_names, out_names, dict(info.attrs), device, info)
 
 
 def host_input_indices(op_type: str) -> frozenset[int]:

@@ -6,6 +6,10 @@
    variables (names they read from the enclosing scopes) are recorded on the step that owns them.
 2. fold: a step whose inputs are all constants runs once, on the host, and its outputs become
    constants (Constant nodes, shape arithmetic on initializers, weight casts).
+   Attention nodes are validated here, once (the contract's static rules over the model's value_info:
+   validators.validate_node; every issue of every node raised together as one ValidationError), and
+   bound to the kernel variants that serve them (kernels/dispatch.py); runs then call the kernels
+   without re-validating (InferenceSession(validate_inputs=True) re-checks concrete inputs per call).
 3. place: a constant lives where its users read it: on the device for device ops; on the host
    (under the name `NAME::host`) for operands read on the host (Reshape shapes, Slice bounds,
    attention_metadata...) and for host ops (shape arithmetic whose dynamic inputs are all host
@@ -18,10 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import onnx
 import torch
+from onnx import TensorProto, helper
 
 from ..kernels import dispatch
+from ..validators.checks import validate_node
+from ..validators.issues import Issue, ValidationError
 from .ops import OpContext, has_host_outputs, host_inputs, lookup, node_attributes, normalize_domain
 from .ops.util import tensor_from_proto
 
@@ -65,20 +73,69 @@ class Graph:
 @dataclass
 class CompiledModel:
     graph: Graph
-    attention_variants: dict[str, str]
+    attention_variants: dict[str, str]  # node -> the variant a run without a plan hint uses
+    attention_calls: dict[str, dispatch.AttentionCall]  # node -> its bound call (serving variants, refusals)
     host_inputs: frozenset[str]
     cache_inputs: frozenset[str]
     const_storages: frozenset[int]  # storage addresses of host constants (run() never hands them out)
     host_const_ids: frozenset[int]  # id() of host constants (their device copies are cached)
 
 
+_SMALL_INT = 1 << 16  # integer initializers up to this many elements keep their values for shape inference
+
+
+def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model without its weights (each float initializer becomes a typed graph input; small integer
+    ones stay, for data propagation): ONNX shape inference on it takes milliseconds, not seconds."""
+    sk = onnx.ModelProto(ir_version=model.ir_version)
+    sk.opset_import.extend(model.opset_import)
+    sk.functions.extend(model.functions)
+    g, src = sk.graph, model.graph
+    g.name = src.name
+    g.node.extend(src.node)
+    g.input.extend(src.input)
+    g.output.extend(src.output)
+    g.value_info.extend(src.value_info)
+    declared = {vi.name for vi in src.input}
+    for t in src.initializer:
+        if t.data_type in (TensorProto.INT32, TensorProto.INT64) and int(np.prod(t.dims)) <= _SMALL_INT:
+            g.initializer.append(t)
+        elif t.name not in declared:
+            g.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return sk
+
+
+def static_facts(model: onnx.ModelProto) -> tuple[dict, dict]:
+    """(value_info: tensor name -> (elem type, shape), integer constants) after ONNX shape inference with
+    pagedkit's schemas, as validators.validate_model computes them (weights are not needed)."""
+    from ..validators.model import _collect, _infer  # the validator's own inference and collection
+
+    value_info, constants, _, _ = _collect(_infer(_skeleton(model)), None, True)
+    return value_info, constants
+
+
+def _has_attention(g: onnx.GraphProto) -> bool:
+    for node in g.node:
+        if (normalize_domain(node.domain), node.op_type) in ATTENTION_OPS:
+            return True
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.GRAPH and _has_attention(a.g):
+                return True
+    return False
+
+
 class _Compiler:
-    def __init__(self, model: onnx.ModelProto, device: torch.device, allow_fallback: bool):
+    def __init__(self, model: onnx.ModelProto, device: torch.device, allow_fallback: bool,
+                 capturable: bool = False, validate: bool = True):
         self.model, self.device, self.allow_fallback = model, device, allow_fallback
+        self.capturable, self.validate = capturable, validate
         self.opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
         self.missing: list[str] = []
         self.errors: list[str] = []
+        self.invalid: list[Issue] = []
         self.variants: dict[str, str] = {}
+        self.calls: dict[str, dispatch.AttentionCall] = {}
+        self.value_info, self.constants = static_facts(model) if _has_attention(model.graph) else ({}, {})
 
     def graph(self, proto: onnx.GraphProto, outer: set[str]) -> tuple[Graph, frozenset[str]]:
         """(compiled graph, its free variables)."""
@@ -112,12 +169,19 @@ class _Compiler:
         name = node.name or f"{node.op_type}({', '.join(node.output)})"
         step = Step(name, node.op_type, domain, list(node.input), list(node.output), node_attributes(node))
         if (domain, node.op_type) in ATTENTION_OPS:
+            if self.validate:  # once, here: runs call the kernels with validate=False
+                issues = validate_node(node, self.value_info, self.constants)
+                if issues:
+                    self.invalid += issues
+                    return step
             try:
-                step.call = dispatch.bind(node, self.model, self.device, self.allow_fallback)
+                step.call = dispatch.bind(node, self.model, self.device, self.allow_fallback,
+                                          value_info=self.value_info, capturable=self.capturable)
             except (NotImplementedError, ValueError) as exc:
                 self.missing.append(str(exc))
                 return step
             self.variants[name] = step.call.name
+            self.calls[name] = step.call
             step.host_in = dispatch.host_input_indices(node.op_type)
             step.cache_in = dispatch.cache_input_indices(node.op_type)
             return step
@@ -253,15 +317,19 @@ def _all_consts(g: Graph):
                 yield from _all_consts(value)
 
 
-def compile_model(model: onnx.ModelProto, device: torch.device, allow_reference_fallback: bool = True) -> CompiledModel:
+def compile_model(model: onnx.ModelProto, device: torch.device, allow_reference_fallback: bool = True, *,
+                  capturable: bool = False, validate: bool = True) -> CompiledModel:
     """Compile the model's graph for `device`; raises NotImplementedError listing every op it cannot
-    run, ValueError for a malformed graph."""
-    comp = _Compiler(model, device, allow_reference_fallback)
+    run (attention nodes no kernel variant serves included), ValidationError listing every contract
+    issue of every attention node (validate=True), ValueError for a malformed graph."""
+    comp = _Compiler(model, device, allow_reference_fallback, capturable, validate)
     g, free = comp.graph(model.graph, set())
     if free:
         comp.errors.append(f"names read but never defined: {sorted(free)}")
     if comp.missing:
         raise NotImplementedError("pagedkit cannot run these ops: " + "; ".join(comp.missing))
+    if comp.invalid:
+        raise ValidationError(comp.invalid, "invalid attention node(s) at session creation")
     if comp.errors:
         raise ValueError("invalid model: " + "; ".join(comp.errors))
     _fold(g)
@@ -272,6 +340,6 @@ def compile_model(model: onnx.ModelProto, device: torch.device, allow_reference_
     _liveness(g)
     host_consts = [t for n, t in _all_consts(g) if t.device.type == "cpu"]
     return CompiledModel(
-        graph=g, attention_variants=comp.variants, host_inputs=host_in, cache_inputs=_cache_graph_inputs(g),
+        graph=g, attention_variants=comp.variants, attention_calls=comp.calls, host_inputs=host_in, cache_inputs=_cache_graph_inputs(g),
         const_storages=frozenset(t.untyped_storage().data_ptr() for t in host_consts if t.numel()),
         host_const_ids=frozenset(id(t) for t in host_consts) if device.type != "cpu" else frozenset())

@@ -1,12 +1,19 @@
 """`pagedkit.InferenceSession`: onnxruntime's Python API over a torch executor (CPU or CUDA).
 
 Session creation does all the host-side work once (graph.py): safe loading, op lookup (every op we
-cannot run is reported here, with op type, domain and node name), constant folding of everything
-that depends only on initializers, kernel-variant selection for the attention nodes, placement
+cannot run is reported here, with op type, domain and node name), validation of every attention
+node (the contract's static rules over the model's value_info: an invalid node fails creation with
+every reason), the kernel variants serving each attention node (`attention_dispatch`), constant
+folding of everything that depends only on initializers, placement
 (shape-like values stay on the host, as onnxruntime keeps CPU-memory inputs there) and liveness (an
 intermediate is dropped after its last use). `run_torch` then only launches work: persistent caches
 are updated in place and returned as the present outputs, and nothing reads device memory back to
 the host except inherently data-dependent ops (If conditions, NonZero) and the reference fallback.
+
+Runs call the attention kernels without re-validating their inputs; `validate_inputs=True` (or the
+environment variable PAGEDKIT_VALIDATE_INPUTS=1) re-checks the concrete inputs of every call
+(validators.check_inputs), for debugging. A call that fails unvalidated is diagnosed by the same
+checks, so a bad input is still a ValidationError naming the node and every issue.
 """
 
 from __future__ import annotations
@@ -19,12 +26,18 @@ from typing import Any, Mapping, Sequence
 import onnx
 import torch
 
+from ..kernels.variant import PLANS
 from ..validators.issues import ValidationError
 from .graph import CompiledModel, Graph, Step, compile_model
 from .loading import load_model
 from .tensors import TORCH_TO_ONNX, to_numpy, to_torch, torch_type_name, type_name
 
 _PROVIDERS = ("CPUExecutionProvider", "CUDAExecutionProvider")
+VALIDATE_ENV = "PAGEDKIT_VALIDATE_INPUTS"
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass
@@ -75,6 +88,11 @@ class InferenceSession:
     providers: ["CPUExecutionProvider"] (default) or ["CUDAExecutionProvider", ...].
     allow_reference_fallback: on CUDA, run attention combinations no GPU variant serves on the
     loop-based reference (one-time warning) instead of refusing at creation.
+    capturable: require CUDA-graph capturable attention kernels; a node whose serving variants are all
+    non-capturable is refused at creation, naming the node and each variant (today no variant is
+    capturable: torch_sdpa reads sequence lengths on the host, the reference runs on the host).
+    validate_inputs: re-check every attention call's concrete inputs (default: the environment
+    variable PAGEDKIT_VALIDATE_INPUTS=1; off otherwise, the nodes being validated at creation).
     """
 
     def __init__(
@@ -84,10 +102,16 @@ class InferenceSession:
         providers: Sequence[str | tuple] | None = None,
         *,
         allow_reference_fallback: bool = True,
+        capturable: bool = False,
+        validate_inputs: bool | None = None,
     ):
         self._model, self._base_dir = load_model(path_or_bytes)
         self.device, self._providers = _select_device(providers)
         self.allow_reference_fallback = allow_reference_fallback
+        self.capturable = capturable
+        self.validate_inputs = _env_flag(VALIDATE_ENV) if validate_inputs is None else bool(validate_inputs)
+        self._plan: str | None = None  # the plan hint of the run in progress
+        self._last_variants: dict[str, str] = {}
         graph = self._model.graph
         init_names = {i.name for i in graph.initializer}
         self._inputs, self._input_types, self._ranks = [], {}, {}
@@ -101,14 +125,28 @@ class InferenceSession:
         self._args = {a.name: a for a in self._inputs}
         self._input_names = set(self._args)
         self._output_names = [a.name for a in self._outputs]
-        self._compiled: CompiledModel = compile_model(self._model, self.device, allow_reference_fallback)
+        self._compiled: CompiledModel = compile_model(self._model, self.device, allow_reference_fallback,
+                                                      capturable=capturable)
         self._dev_copies: dict[int, torch.Tensor] = {}  # id(host const) -> its device copy (mixed ops)
 
     # ---- what creation decided -------------------------------------------------------------------
     @property
     def attention_variants(self) -> dict[str, str]:
-        """Attention node name -> the kernel variant chosen at creation (like ORT's SdpaKernel=)."""
+        """Attention node name -> the kernel variant a run without a plan hint uses (the first serving
+        one, decided at creation; like ORT's SdpaKernel=)."""
         return dict(self._compiled.attention_variants)
+
+    @property
+    def attention_dispatch(self) -> dict[str, dict]:
+        """Attention node name -> {"serving": [variant names, priority order], "refused": {variant: reason}},
+        decided at creation from static information only."""
+        return {name: call.report() for name, call in self._compiled.attention_calls.items()}
+
+    @property
+    def last_run_variants(self) -> dict[str, str]:
+        """Attention node name -> the variant that ran it in the latest run (picked per run from the
+        plan hint among the serving variants)."""
+        return dict(self._last_variants)
 
     @property
     def host_inputs(self) -> frozenset[str]:
@@ -135,16 +173,17 @@ class InferenceSession:
         return ModelMetadata(m.producer_name, m.graph.name, m.domain, m.doc_string, m.graph.doc_string,
                              m.model_version, {p.key: p.value for p in m.metadata_props})
 
-    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], run_options=None) -> list:
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], run_options=None, *,
+            plan: str | None = None) -> list:
         """numpy in, numpy out. Inputs are copied (caches included), so the caller's arrays are never
         mutated; the updated caches come back as the present outputs. Outputs never share memory with
-        the session's constants or with each other."""
+        the session's constants or with each other. plan: see run_torch."""
         feeds = {}
         for name, value in input_feed.items():
             self._check_name(name)
             feeds[name] = to_torch(value, "cpu" if name in self.host_inputs else self.device, copy=True)
         names = self._requested(output_names)
-        outs = self.run_torch(feeds, names)
+        outs = self.run_torch(feeds, names, plan=plan)
         result, seen = [], set(self._compiled.const_storages)
         for n in names:
             t = outs[n]
@@ -157,11 +196,14 @@ class InferenceSession:
             result.append(arr)
         return result
 
-    def run_torch(self, feeds: Mapping[str, torch.Tensor], output_names: Sequence[str] | None = None
-                  ) -> dict[str, torch.Tensor]:
+    def run_torch(self, feeds: Mapping[str, torch.Tensor], output_names: Sequence[str] | None = None, *,
+                  plan: str | None = None) -> dict[str, torch.Tensor]:
         """Zero-copy run on torch tensors: cache inputs (`cache_inputs`) are updated in place and
         returned as their present outputs (the same tensors). A feed on the wrong device is moved (a
-        copy), except a cache, which must already live where the session runs."""
+        copy), except a cache, which must already live where the session runs.
+        plan: an optional host-side hint about this step ("decode", "prefill" = no cached prefix,
+        "chunked_prefill"; None = anything) that picks, per attention node, the first serving variant
+        serving that plan (`last_run_variants`). A wrong hint may pick a variant that cannot run the step."""
         names = self._requested(output_names)
         env_feeds = {}
         for name, t in feeds.items():
@@ -173,6 +215,9 @@ class InferenceSession:
         missing = [a.name for a in self._inputs if a.name not in env_feeds]
         if missing:
             raise ValueError(f"missing input(s) {missing}")
+        if plan is not None and plan not in PLANS:
+            raise ValueError(f"plan {plan!r}: expected one of {list(PLANS)} or None")
+        self._plan, self._last_variants = plan, {}
         env = self._execute(self._compiled.graph, env_feeds, None)
         return {n: env[n] for n in names}
 
@@ -237,7 +282,9 @@ class InferenceSession:
             inputs = self._place(step, inputs)
         try:
             if step.call is not None:
-                return step.call.run(inputs)
+                outs = step.call.run(inputs, plan=self._plan, validate=self.validate_inputs)
+                self._last_variants[step.name] = step.call.last_variant
+                return outs
             ctx = step.ctx
             if step.has_subgraph:
                 ctx = replace(ctx, run_subgraph=lambda g, f: self._run_subgraph(g, f, outer=env))

@@ -31,10 +31,26 @@ import torch
 from ...validators.checks import require_valid_inputs
 from ...validators.contract import GROUP_QUERY_ATTENTION as _C
 from ..attention_math import apply_rope, attend, default_scale, rms_norm_heads
+from ..variant import OP_FEATURES, KernelVariant
 from .cache import GqaCacheSide, KVLayout
 from ..paged.reference import as_torch
 
 _OP = "GroupQueryAttention"
+
+VARIANT = KernelVariant(
+    name="reference",
+    op=_OP,
+    entry=f"{__name__}:group_query_attention",
+    devices=("cpu", "cuda"),  # cuda: on CPU copies, only as the reference fallback (contract-decisions §9)
+    dtypes=("float16", "bfloat16", "float"),
+    capturable=False,
+    features=OP_FEATURES[_OP],
+    plans=("mixed",),
+    stages_on_cpu=True,
+    description="onnxruntime's GroupQueryAttention semantics, loop-based, in float32; presents are new tensors "
+                "(the runtime copies them into a shared past buffer). Computed on the CPU.",
+    not_capturable_because="runs on the host: CPU copies of every input, Python loops over the batch",
+)
 
 
 def _attrs(attributes: Mapping) -> dict:
@@ -63,6 +79,7 @@ def group_query_attention(
     *,
     outputs=None,
     compute_dtype: torch.dtype = torch.float32,
+    validate: bool = True,
     **attributes,
 ) -> dict[str, torch.Tensor]:
     """com.microsoft::GroupQueryAttention on concrete tensors, keyed by ONNX names.
@@ -71,9 +88,11 @@ def group_query_attention(
     (the cache dtype; C = past capacity for a windowed cache, else max(past capacity, total)) and
     "output_qk" [B, H, S, total_sequence_length] (dtype T) when qk_output != 0; only those named in
     `outputs` when it is given. Inputs are never modified (the presents are new tensors).
-    Raises pagedkit.validators.ValidationError listing every contract violation first.
+    Raises pagedkit.validators.ValidationError listing every contract violation first (validate=False skips
+    the validator for a node validated already; out-of-range indices then fail in torch indexing).
     """
-    require_valid_inputs(inputs, attributes, op_type=_OP, outputs=outputs)
+    if validate:
+        require_valid_inputs(inputs, attributes, op_type=_OP, outputs=outputs)
     x = {n: None if inputs.get(n) is None else as_torch(inputs[n]) for n in _C.input_names}
     device = x["query"].device  # computed on the CPU, returned on the query's device
     x = {n: None if t is None else t.cpu() for n, t in x.items()}

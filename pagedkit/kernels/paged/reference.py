@@ -19,9 +19,26 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..attention_math import attend, default_scale
+from ..variant import OP_FEATURES, KernelVariant
+from .extents import check_extents
 from .prologue import as_torch, prepare
 
-__all__ = ["as_torch", "paged_attention"]  # as_torch: gqa/reference.py imports it from here
+__all__ = ["VARIANT", "as_torch", "paged_attention"]  # as_torch: gqa/reference.py imports it from here
+
+VARIANT = KernelVariant(
+    name="reference",
+    op="PagedAttention",
+    entry=f"{__name__}:paged_attention",
+    devices=("cpu", "cuda"),  # cuda: on CPU copies, only as the reference fallback (contract-decisions §9)
+    dtypes=("float16", "bfloat16"),
+    capturable=False,
+    features=OP_FEATURES["PagedAttention"],
+    plans=("mixed",),
+    stages_on_cpu=True,
+    description="Loop-based oracle: per sequence, per query row, in float32 (float64 on request). On a CUDA "
+                "session it runs on CPU copies and writes the caches back (reference fallback).",
+    not_capturable_because="runs on the host: CPU copies of every input, Python loops over sequences",
+)
 
 
 def paged_attention(
@@ -30,6 +47,7 @@ def paged_attention(
     outputs: Sequence[str] | None = None,
     compute_dtype: torch.dtype = torch.float32,
     output_dtype: torch.dtype | None = None,
+    validate: bool = True,
     **attributes: Any,
 ) -> dict[str, torch.Tensor]:
     """Run com.microsoft::PagedAttention on concrete inputs keyed by ONNX input name (None = absent).
@@ -40,10 +58,13 @@ def paged_attention(
     "value_cache_out" (the cache tensors, updated in place; numpy caches are copied first),
     "k_scale_cache_out" / "v_scale_cache_out" with PER_TOKEN scale caches, and "output_qk"
     [num_heads, token_count, block_table.shape[1] * block_size] float32 when qk_output != 0.
-    Raises pagedkit.validators.ValidationError listing every contract violation.
+    Raises pagedkit.validators.ValidationError listing every contract violation. validate=False skips the
+    contract validator for a node validated already (a session validates at creation); the index guards stay.
     """
     # 1.-2. prologue and cache writes (prologue.py; the loop write PagedCacheSide.write)
-    step = prepare(inputs, attributes, outputs, compute_dtype)
+    if not validate:
+        check_extents(inputs)  # the validator's guard that matters before the cache writes
+    step = prepare(inputs, attributes, outputs, compute_dtype, validate=validate)
     a, q, cdt = step.attrs, step.q, compute_dtype
     csl, past, block_table = step.csl, step.past, step.block_table
     kside, vside, positions = step.kside, step.vside, step.positions

@@ -36,6 +36,8 @@ import torch.nn.functional as F
 
 from .. import quant
 from ..attention_math import default_scale
+from ..variant import OP_FEATURES, KernelVariant
+from .extents import check_extents
 from .prologue import Step, prepare
 from .cache import PagedCacheSide
 
@@ -44,14 +46,26 @@ CAPTURABLE = False  # host reads per call (see the module docstring)
 SMALL_STEP = 16  # sequences with at most this many tokens in the step are batched by token count
 BUDGET = 1 << 22  # score elements (heads x query rows x context) per attention call
 
+VARIANT = KernelVariant(
+    name=NAME,
+    op="PagedAttention",
+    entry=f"{__name__}:paged_attention",
+    devices=("cpu", "cuda"),
+    dtypes=("float16", "bfloat16"),
+    capturable=CAPTURABLE,
+    features=OP_FEATURES["PagedAttention"],  # every feature of the contract
+    plans=("mixed",),
+    description="Vectorized torch: sequences batched by step length, live blocks gathered and dequantized, "
+                "GQA by reshape, torch SDPA (an explicit float32 softmax with softcap / head_sink / "
+                "attention_bias / output_qk). The runtime's CPU path; the same code runs on CUDA tensors.",
+    not_capturable_because="reads cumulative_sequence_length / past_seqlens (and slot_mapping's range) on the "
+                           "host every call",
+)
+
 
 def supports(info: Any) -> str | None:
     """None when this variant serves the node (dispatch.NodeInfo), else the reason it does not."""
-    if info.op_type != "PagedAttention":
-        return f"serves com.microsoft::PagedAttention only, not {info.op_type}"
-    if info.device.type not in ("cpu", "cuda"):
-        return f"runs on cpu or cuda tensors only, not {info.device.type}"
-    return None
+    return VARIANT.refusal(info)
 
 
 def paged_attention(
@@ -65,6 +79,8 @@ def paged_attention(
 ) -> dict[str, torch.Tensor]:
     """com.microsoft::PagedAttention, same signature and results as reference.paged_attention.
     validate=False skips the contract validator (prologue.prepare) for an already validated node."""
+    if not validate:
+        check_extents(inputs)  # the validator's guard that matters before the cache writes
     step = prepare(inputs, attributes, outputs, compute_dtype, vectorized_write=True, validate=validate)
     q = step.q  # [N, H, D]
     n_tok, dev = q.shape[0], q.device
