@@ -141,13 +141,16 @@ RANDOM = {
 }
 
 
-def _random_case(kind: str, q_lens, past, seed: int, slots: tuple | None = None, unmapped=()) -> Case:
+def _random_case(kind: str, q_lens, past, seed: int, slots: tuple | None = None, unmapped=(), oob=()) -> Case:
     kw = dict(RANDOM[kind])
     if kind == "fp16_bidirectional_scale_positions":
         kw["query_positions"] = [p + j + 2 for p, n in zip(past, q_lens) for j in range(n)]
     rc = build(Spec(q_lens=q_lens, past=past, seed=seed, unmapped=unmapped, **kw))
     if slots is not None:
         _with_slots(rc.inputs, 16, slots)
+    table, nb = rc.inputs["block_table"], rc.inputs["key_cache"].shape[0]
+    for b, i in oob:  # out-of-range block ids (>= num_blocks) are unmapped too
+        table[b, i] = nb + 3
     inputs = {k: v.clone() for k, v in rc.inputs.items()}
     names = ["output", "key_cache_out"] + ([] if kw.get("latent") else ["value_cache_out"])
     if kw.get("k_quant") == "PER_TOKEN":
@@ -173,10 +176,11 @@ def _compare(case: Case, got: dict, tol: float) -> None:
 
 @pytest.mark.parametrize("kind", sorted(RANDOM))
 def test_random_ragged_batches_match_the_reference(kind):
-    """One decomposed model with symbolic dims serves two ragged batches of different shapes: prefill with
-    a zero-token sequence and explicit slots (one -1), then a decode step with an unmapped past block."""
+    """Ragged batches through models with symbolic dims: a prefill with a zero-token sequence and explicit
+    slots (one -1), then a decode step with unmapped past blocks (-1 and >= num_blocks, which also sits in
+    a column beyond every extent)."""
     first = _random_case(kind, [5, 0, 3], [0, 7, 20], seed=1, slots=(2,))
-    second = _random_case(kind, [1, 1, 1, 1], [33, 3, 17, 40], seed=2, unmapped=((0, 0),))
+    second = _random_case(kind, [1, 1, 1, 1], [33, 3, 17, 40], seed=2, unmapped=((0, 0),), oob=((3, 1), (1, 3)))
     model, report = decompose(symbolic(single_node_model(first)))
     assert report.changed and not report.skipped, report
     tol = TOL[first.inputs["query"].dtype]
@@ -329,3 +333,34 @@ def test_docs_example_runs(monkeypatch, capsys):
     exec(compile(code, "docs/decompose.md", "exec"), {})
     printed = capsys.readouterr().out
     assert "2 PagedAttention node(s) rewritten, 0 skipped" in printed and "(2, 128)" in printed
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("cache", ["fp16", "bf16", "int8", "float8e4m3fn", "int4"])
+def test_duplicate_and_skipped_slots_leave_the_rest_of_the_cache_bit_identical(cache):
+    """slot_mapping with a -1 and two tokens sharing a slot (the later one wins, as the reference):
+    every cache entry the step does not write comes back bit-identical (fp8 through the float16 copy)."""
+    kw = {"fp16": {}, "bf16": dict(dtype=torch.bfloat16), "int8": dict(cache="int8", k_quant="PER_TENSOR",
+          v_quant="PER_TENSOR"), "float8e4m3fn": dict(cache="float8e4m3fn", k_quant="PER_CHANNEL",
+          v_quant="PER_CHANNEL"), "int4": dict(cache="int4", k_quant="PER_TOKEN", v_quant="PER_TOKEN")}[cache]
+    rc = build(Spec(q_lens=[3, 2], past=[4, 9], seed=5, rotary="half", **kw))
+    _with_slots(rc.inputs, 16, skip=(1,))
+    rc.inputs["slot_mapping"][4] = rc.inputs["slot_mapping"][3]  # tokens 3 and 4 share a slot: 4 wins
+    before = {k: v.clone() for k, v in rc.inputs.items()}
+    names = ["output", "key_cache_out", "value_cache_out"] + (
+        ["k_scale_cache_out", "v_scale_cache_out"] if "k_scale_cache" in rc.inputs else [])
+    ref = paged_attention({k: v.clone() for k, v in rc.inputs.items()}, outputs=names, **rc.attrs)
+    case = Case("random_slots", "PagedAttention", rc.attrs, before, Expected(ref, {}))
+    model, _ = decompose(single_node_model(case))
+    got = ort_run(model, before, {n: (tuple(t.shape), t.dtype) for n, t in ref.items()})
+    _compare(case, got, TOL[rc.inputs["query"].dtype])
+    for out_name, in_name in (("key_cache_out", "key_cache"), ("value_cache_out", "value_cache"),
+                              ("k_scale_cache_out", "k_scale_cache"), ("v_scale_cache_out", "v_scale_cache")):
+        if out_name not in ref:
+            continue
+        untouched = (_bits(ref[out_name]) == _bits(before[in_name]))
+        assert torch.equal(_bits(got[out_name])[untouched], _bits(before[in_name])[untouched]), out_name
+        assert (~untouched).any(), out_name  # the step did write
