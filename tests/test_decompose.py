@@ -58,6 +58,7 @@ def run_case_decomposed(case: Case) -> tuple[dict, object]:
     if report.skipped:
         return None, report
     assert not [n for n in model.graph.node if n.domain == "com.microsoft"]
+    onnx.checker.check_model(model, full_check=True)  # a valid standard-ONNX graph, strict shape inference
     shapes = {n: (tuple(t.shape), t.dtype) for n, t in case.expected.items()}
     return ort_run(model, case.inputs, shapes), report
 

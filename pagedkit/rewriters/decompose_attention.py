@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from ._builder import BOOL, F32, Builder
+from ._builder import Builder
 from .decompose_cache import Context, TokenIndex
 
 
@@ -108,8 +108,7 @@ def bias_rows(b: Builder, bias: ir.Value, ix: TokenIndex, c: ir.Value) -> ir.Val
     idx = b.op("Concat", b.unsq(bsel, 1), b.unsq(ix.j, 1), axis=1)  # [T, 2]
     rows = b.op("GatherND", b.op("Transpose", b.f(bias), perm=[0, 2, 1, 3]), idx)  # [T, Hb, Kc]
     pad = b.op("Max", b.op("Sub", c, b.dim(bias, 3)), b.i64(0))
-    zero4 = b.i64(0, 0, 0, 0, 0)
-    rows = b.op("Pad", rows, b.cat(zero4, pad))
+    rows = b.op("Pad", rows, b.cat(b.i64(0, 0, 0, 0, 0), pad))  # pads: 3 begins, then ends (0, 0, pad)
     return b.slice(rows, 0, c, 2)
 
 
@@ -151,4 +150,4 @@ def attend(b: Builder, q: ir.Value, k: ir.Value, v: ir.Value, allowed: ir.Value,
     return out, qk
 
 
-__all__ = ["BOOL", "F32", "Masking", "allowed_mask", "apply_rope", "attend", "rms_norm", "rope_tables", "rotate"]
+__all__ = ["Masking", "allowed_mask", "apply_rope", "attend", "rms_norm", "rope_tables", "rotate"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from ._builder import BOOL, F32, I64, Builder
+from ._builder import I64, Builder
 
 FP16 = ir.DataType.FLOAT16
 QMAX = {"int8": 127.0, "float8e4m3fn": 448.0, "int4": 7.0}
@@ -208,5 +208,5 @@ def update_side(b: Builder, side: Side, ix: TokenIndex, slots: ir.Value, keep: i
     return work, out, scale_out
 
 
-__all__ = ["BOOL", "Context", "Side", "TokenIndex", "context", "decode", "token_index", "update_side",
+__all__ = ["Context", "Side", "TokenIndex", "context", "decode", "token_index", "update_side",
            "write_slots"]
