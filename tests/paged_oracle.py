@@ -363,3 +363,193 @@ def _sdpa(q, kk, vv, ok, bias_rows, sink, scale):
         mask = torch.cat((mask, sink.double()[:, None, None].expand(h, n, 1)), dim=-1)
     o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return o.transpose(0, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# GroupQueryAttention oracle (float64, loops; shares no code with pagedkit)
+# ---------------------------------------------------------------------------------------------
+
+
+def gqa_resident(t: int, capacity: int, window: int) -> int:
+    """Positions a sliding-window cache of `capacity` rows holds after t tokens, by simulating it token by
+    token: appending to a full buffer first drops all but the newest window - 1 positions (ORT 1.32.0)."""
+    held = 0
+    for _ in range(t):
+        if held == capacity:
+            held = window - 1
+        held += 1
+    return held
+
+
+def _f64(t) -> np.ndarray:
+    if isinstance(t, torch.Tensor):
+        return t.detach().cpu().to(torch.float64).numpy()
+    return np.asarray(t, np.float64)
+
+
+def _gqa_decode(stored: torch.Tensor, fmt: str | None, scale) -> np.ndarray:
+    """Cache rows [..., Dc] -> float64 values [..., D]: codes (int4: low nibble first, minus 8) x scale."""
+    if fmt == "int4":
+        raw = stored.numpy().astype(np.int64)
+        codes = np.stack((raw & 15, raw >> 4), axis=-1).reshape(*raw.shape[:-1], 2 * raw.shape[-1]) - 8
+        return codes.astype(np.float64) * scale
+    return _f64(stored) * scale
+
+
+def _gqa_encode(x: np.ndarray, fmt: str | None, scale, cache_dtype) -> np.ndarray:
+    """float64 values -> float64 values as the cache holds them (rounded to the cache dtype, or quantized:
+    int clamp(rint(x / scale)), fp8 E4M3 clamp +-448, then times the scale)."""
+    if fmt is None:
+        return torch.from_numpy(x).to(cache_dtype).double().numpy()
+    r = x / scale
+    if fmt == "float8e4m3fn":
+        return np.clip(r, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * scale
+    lo, hi = (-128, 127) if fmt == "int8" else (-8, 7)
+    return np.clip(np.rint(r), lo, hi) * scale
+
+
+def _rope_np(x: np.ndarray, pos: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
+    """x [N, H, D]; rotate channels [0, 2 * cos.shape[1]), pair by pair, one channel pair at a time."""
+    out = x.copy()
+    half = cos.shape[1]
+    for i in range(half):
+        a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+        c, s = cos[pos, i][:, None], sin[pos, i][:, None]
+        out[:, :, a] = x[:, :, a] * c - x[:, :, b] * s
+        out[:, :, b] = x[:, :, b] * c + x[:, :, a] * s
+    return out
+
+
+def gqa_oracle(inputs: dict, attrs: dict) -> dict:
+    """Expected GroupQueryAttention results (onnxruntime 1.32.0 semantics, contract-decisions §4 / §6),
+    float64: "output" [B, S, H*D], "output_qk" [B, H, S, total] (qk_output != 0) and "present_key" /
+    "present_value" [B, Hkv, C, D] as values (quantized caches: dequantized), NaN wherever the operator
+    leaves a value unspecified (padded query rows, cache rows beyond the resident ones).
+
+    Per batch entry b: T = seqlens_k[b] + 1 tokens after the step, Q = query_seqlens[b] (default
+    min(S, T)) valid query rows, P = T - Q; query row s sits at position P + s (masks); RoPE at
+    position_ids[b, s] when given (a first prompt, S == total without query_seqlens: position_ids[0, 0] + s).
+    QK-norm (q_norm_epsilon / k_norm_epsilon, else qk_norm_epsilon) before RoPE; the new K/V go through the
+    cache (rounded to its dtype or quantized) before they are attended to; softcap, then attention_bias;
+    head_sink (or, without it, smooth_softmax's zero logit) joins the softmax denominator only."""
+    a = {"scale": 0.0, "softcap": 0.0, "local_window_size": -1, "do_rotary": 0, "rotary_interleaved": 0,
+         "causal": 1, "sliding_window_cache": 0, "smooth_softmax": -1, "qk_output": 0, "qk_norm_epsilon": 1e-6,
+         "q_norm_epsilon": None, "k_norm_epsilon": None, "k_quant_type": "NONE", "v_quant_type": "NONE", **attrs}
+    x = {k: v for k, v in inputs.items() if v is not None}
+    h, hkv = int(a["num_heads"]), int(a["kv_num_heads"])
+    query = _f64(x["query"])
+    t_dtype = x["query"].dtype
+    bsz, s_len, width = query.shape
+    packed = "key" not in x
+    d = width // (h + 2 * hkv) if packed else width // h
+    if packed:
+        q, k, v = query[..., :h * d], query[..., h * d:(h + hkv) * d], query[..., (h + hkv) * d:]
+    else:
+        q, k, v = query, _f64(x["key"]), _f64(x["value"])
+    q = q.reshape(bsz, s_len, h, d)
+    kv_rows = k.shape[1]  # 0: shared KV (nothing appended)
+    k, v = k.reshape(bsz, kv_rows, hkv, d), v.reshape(bsz, kv_rows, hkv, d)
+    total = int(np.asarray(x["total_sequence_length"]).reshape(-1)[0])
+    t_all = np.asarray(x["seqlens_k"]).astype(np.int64) + 1
+    q_all = (np.asarray(x["query_seqlens"]).astype(np.int64) if "query_seqlens" in x
+             else np.minimum(t_all, s_len))
+
+    if "q_norm_weight" in x:
+        eq = a["q_norm_epsilon"] if a["q_norm_epsilon"] is not None else a["qk_norm_epsilon"]
+        ek = a["k_norm_epsilon"] if a["k_norm_epsilon"] is not None else a["qk_norm_epsilon"]
+        q = q / np.sqrt((q ** 2).mean(-1, keepdims=True) + eq) * _f64(x["q_norm_weight"])
+        if kv_rows:
+            k = k / np.sqrt((k ** 2).mean(-1, keepdims=True) + ek) * _f64(x["k_norm_weight"])
+
+    windowed = bool(a["sliding_window_cache"])
+    window = int(a["local_window_size"])
+    past_cap = x["past_key"].shape[2] if "past_key" in x else 0
+    cap = (past_cap if "past_key" in x else max(window, total)) if windowed else max(past_cap, total)
+    sides = {}
+    for side, past_name, scale_name, qt in (("k", "past_key", "k_scale", a["k_quant_type"]),
+                                            ("v", "past_value", "v_scale", a["v_quant_type"])):
+        past = x.get(past_name)
+        if qt == "NONE":
+            fmt, scale = None, 1.0
+            cache_dtype = past.dtype if past is not None else t_dtype
+        else:
+            cache_dtype = past.dtype if past is not None else (torch.uint8 if a["kv_cache_bit_width"] == 4 else torch.int8)
+            fmt = {torch.int8: "int8", torch.uint8: "int4", torch.float8_e4m3fn: "float8e4m3fn"}[cache_dtype]
+            sc = _f64(x[scale_name])
+            scale = float(sc.reshape(-1)[0]) if qt == "PER_TENSOR" else sc.reshape(hkv, d)  # per channel: [Hkv, D]
+        sides[side] = (past, fmt, scale, cache_dtype)
+
+    out = np.full((bsz, s_len, h, d), np.nan)
+    qk = np.full((bsz, h, s_len, total), np.nan) if a["qk_output"] else None
+    present = {side: np.full((bsz, hkv, cap, d), np.nan) for side in sides}
+    cos = _f64(x["cos_cache"]) if a["do_rotary"] else None
+    sin = _f64(x["sin_cache"]) if a["do_rotary"] else None
+    first_prompt = "query_seqlens" not in x and s_len == total
+    scale_qk = a["scale"] or 1.0 / math.sqrt(d)
+    for b in range(bsz):
+        t, n = int(t_all[b]), int(q_all[b])
+        p = t - n  # position of query row 0
+        cached = t - n if kv_rows else t  # positions the past holds (shared KV: all T)
+        qb = q[b, :n].copy()
+        kb, vb = k[b, :n].copy(), v[b, :n].copy()
+        if a["do_rotary"]:
+            if "position_ids" in x:
+                pid = np.asarray(x["position_ids"]).astype(np.int64)
+                pos = pid[0, 0] + np.arange(n) if first_prompt else pid[b, :n]
+            else:
+                pos = p + np.arange(n)
+            rot = 2 * cos.shape[1]
+            qb[..., :rot] = _rope_np(qb[..., :rot], pos, cos, sin, bool(a["rotary_interleaved"]))
+            if kv_rows:
+                kb[..., :rot] = _rope_np(kb[..., :rot], pos, cos, sin, bool(a["rotary_interleaved"]))
+        # every position the step can read, as the cache holds it: {position: [Hkv, D]} per side
+        held = {}
+        for side, new in (("k", kb), ("v", vb)):
+            past, fmt, scale, cache_dtype = sides[side]
+            rows = {}
+            if past is not None:
+                resident = gqa_resident(cached, past_cap, window) if windowed else cached
+                stored = _gqa_decode(past[b].transpose(0, 1), fmt, scale)  # [C, Hkv, D]
+                for i in range(resident):
+                    rows[cached - resident + i] = stored[i]  # row i holds position P - L(P) + i
+            if kv_rows:
+                enc = _gqa_encode(new, fmt, scale, cache_dtype)
+                for i in range(n):
+                    rows[p + i] = enc[i]
+            held[side] = rows
+            after = gqa_resident(t, cap, window) if windowed else t
+            for i in range(after):
+                present[side][b, :, i] = rows[t - after + i]
+        for s in range(n):
+            qpos = p + s
+            keys = [kp for kp in sorted(held["k"]) if kp < t and (not a["causal"] or kp <= qpos)
+                    and (window <= 0 or kp >= qpos - window + 1)]
+            if qk is not None:
+                qk[b, :, s, :] = 0.0
+            for hh in range(h):
+                g = hh // (h // hkv)
+                logits = np.array([scale_qk * float(np.dot(qb[s, hh], held["k"][kp][g])) for kp in keys])
+                if a["softcap"] > 0:
+                    logits = a["softcap"] * np.tanh(logits / a["softcap"])
+                if "attention_bias" in x:
+                    bias = _f64(x["attention_bias"])
+                    logits = logits + np.array([bias[b if bias.shape[0] > 1 else 0, hh if bias.shape[1] > 1 else 0,
+                                                     s, kp] for kp in keys])
+                extra = []
+                if "head_sink" in x:
+                    extra = [float(_f64(x["head_sink"])[hh])]
+                elif int(a["smooth_softmax"]) == 1:
+                    extra = [0.0]
+                if not keys:
+                    out[b, s, hh] = 0.0
+                    continue
+                m = max(list(logits) + extra)
+                e = np.exp(logits - m)
+                probs = e / (e.sum() + sum(math.exp(z - m) for z in extra))
+                out[b, s, hh] = sum(pr * held["v"][kp][g] for pr, kp in zip(probs, keys))
+                if qk is not None:
+                    qk[b, hh, s, keys] = logits if int(a["qk_output"]) == 1 else probs
+    res = {"output": out.reshape(bsz, s_len, h * d), "present_key": present["k"], "present_value": present["v"]}
+    if qk is not None:
+        res["output_qk"] = qk
+    return res

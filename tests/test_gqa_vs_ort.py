@@ -2,7 +2,8 @@
 
 Every configuration runs as a single-node model on ORT CPU (an independent implementation) and through
 `pagedkit.kernels.gqa.reference.group_query_attention` on the same fresh seeded inputs (tests/paged_gqa.py:
-NaN in every cache row and padded q/k/v row the operator must not read). Compared where the operator
+NaN in every float cache row and padded q/k/v row the operator must not read, extreme codes in quantized
+cache rows it must not read). Compared where the operator
 defines a value: output rows [0, Q_b), output_qk rows [0, Q_b) (every column), present rows [0, T_b) (or
 [0, L(T_b)) for a windowed cache). fp32: max|diff| <= 1e-5 * max|ref|; fp16 T: 2e-3 * max|ref| (the fp16
 output rounding alone is up to 4.9e-4 of an element, and ORT's fp16 path rounds intermediates too).
@@ -10,7 +11,11 @@ Quantized presents must hold exactly ORT's codes on these inputs. ORT codes x * 
 reference clamp(rint(x / scale)) (quant.py, the contract's formula): they can differ by one step only
 where the two land on different sides of a rounding tie, which test_quantization_ties_and_saturation_vs_ort
 provokes and pins down; random inputs never hit it here, so no difference is tolerated elsewhere.
-ORT CPU rejects QK-norm, fp8 caches and bf16; those are covered by tests/test_paged_vs_gqa.py.
+Configurations: float32 and float16 T with float, int8 and int4 caches (the matrix below). ORT CPU rejects
+QK-norm, fp8 caches and bf16, so nothing here covers them (nor the separate q_norm_epsilon /
+k_norm_epsilon): tests/test_gqa_oracle.py checks them against an independent float64 oracle.
+tests/test_paged_vs_gqa.py compares this reference with the PagedAttention reference (QK-norm with one
+shared epsilon, fp8; no bf16), but the two share pagedkit/kernels/attention_math.py.
 """
 
 from __future__ import annotations

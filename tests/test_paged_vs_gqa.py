@@ -7,6 +7,11 @@ chunk). Both references run on every shared feature; output, output_qk and the u
 agree within max|diff| <= 5e-3 * max|ref| (fp16: both round Q/K/V and the output to fp16, at different
 points). Paged cache rows no sequence owns and padded GQA rows are NaN, so any stray read fails.
 
+Both references call pagedkit/kernels/attention_math.py (RMSNorm, RoPE, attend), so this checks the
+conversion between the two operators (paging vs padding, cache layouts and codes, masks), not that math:
+the math is checked against independent float64 oracles (tests/test_reference_paged.py for
+PagedAttention, tests/test_gqa_oracle.py for GQA) and onnxruntime CPU (tests/test_gqa_vs_ort.py).
+
 Not shared: onnxruntime's GQA adds attention_bias AFTER softcap, while PagedAttention's contract adds
 it before softcap (contract-decisions §3/§7); test_bias_with_softcap_differs pins that difference.
 """

@@ -1,7 +1,12 @@
 """Every fixed attention case (tests/cases: PagedAttention and GroupQueryAttention inputs with expected
-outputs from the reference, cross-checked against onnxruntime CPU), wrapped as a single-node model, gives
-the expected result through pagedkit.InferenceSession: by run() with numpy feeds (bf16 / fp8 through
-ml_dtypes) and by run_torch() (caches updated in place)."""
+outputs from pagedkit's reference kernels), wrapped as a single-node model, gives the expected result
+through pagedkit.InferenceSession: by run() with numpy feeds (bf16 / fp8 through ml_dtypes) and by
+run_torch() (caches updated in place).
+
+This checks the session (graph wrapping, feeds, dtypes, in-place caches), not the math: on this machine a
+GroupQueryAttention node runs on the same reference that wrote the expected outputs (GQA has no second
+pagedkit variant). The GQA math is checked by tests/test_gqa_oracle.py (onnxruntime CPU for the cases
+labelled so, an independent float64 oracle for all)."""
 
 from __future__ import annotations
 

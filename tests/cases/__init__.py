@@ -2,8 +2,11 @@
 
 `index.json` lists every case (op, attributes, input / output names, shapes, dtypes, tolerance, what it
 exercises) and names its compact `.npz` (keys "input.<name>", "expected.<name>", "defined.<name>").
-Expected outputs come from pagedkit's reference kernels (checked against onnxruntime's CPU GQA kernel and
-the PagedAttention == GQA parity tests); `generate.py` rebuilds them deterministically.
+Expected outputs come from pagedkit's reference kernels; `generate.py` rebuilds them deterministically.
+GQA cases labelled "onnxruntime CPU" (`expected_from`) are re-run on onnxruntime 1.32.0's CPU kernel, and
+every GQA case is compared with an independent float64 oracle (tests/paged_oracle.gqa_oracle), by
+tests/test_gqa_oracle.py. PagedAttention cases ("reference") are the reference's output; the reference
+itself is checked against the PagedAttention oracle on its own inputs (tests/test_reference_paged.py).
 
     from cases import load_cases, compare_case
     for case in load_cases():

@@ -3,7 +3,8 @@
 Deterministic: every case has a fixed seed. Inputs come from the test builders (GQA: tests/paged_gqa.py
 with the onnxruntime-checked configurations of tests/test_gqa_vs_ort.py plus the features ORT's CPU
 kernel lacks; PagedAttention: tests/nodes.make_paged_case at small sizes, with paging edits below).
-Expected outputs come from pagedkit's reference kernels. Rows a kernel must never read hold a large
+Expected outputs come from pagedkit's reference kernels; tests/test_gqa_oracle.py re-checks the GQA ones
+labelled "onnxruntime CPU" on onnxruntime and every GQA one against an independent float64 oracle. Rows a kernel must never read hold a large
 finite sentinel (300) rather than NaN, so tiled kernels that load and then mask them stay finite.
 """
 
@@ -43,7 +44,8 @@ GQA_FROM_ORT_MATRIX = [
     "int4_per_channel_prompt_interleaved", "int8_per_channel_window_cache", "fp16_decode_features",
     "fp16_window_cache",
 ]
-# ... and what ORT's CPU kernel rejects (QK-norm, fp8 caches, bf16), checked by the paged parity tests.
+# ... and what ORT's CPU kernel rejects (QK-norm, fp8 caches, bf16), checked against the independent float64
+# oracle (tests/paged_oracle.gqa_oracle) by tests/test_gqa_oracle.py, which re-runs the ORT-labelled ones on ORT.
 GQA_EXTRA = {
     "qk_norm_rotary_eps_override": dict(past=(4, 9), seq=1, qk_norm=True, rotary="half", dtype=torch.float16,
                                         attrs={"q_norm_epsilon": 1e-4, "k_norm_epsilon": 1e-3}),
@@ -162,7 +164,7 @@ def main() -> None:
         old.unlink()
     entries = []
     jobs = [("GroupQueryAttention", n, ORT_CHECKED[n], "onnxruntime CPU + reference") for n in GQA_FROM_ORT_MATRIX]
-    jobs += [("GroupQueryAttention", n, kw, "reference (PagedAttention parity)") for n, kw in GQA_EXTRA.items()]
+    jobs += [("GroupQueryAttention", n, kw, "reference + float64 oracle (tests/test_gqa_oracle.py)") for n, kw in GQA_EXTRA.items()]
     jobs += [("PagedAttention", n, kw, "reference") for n, kw in PAGED.items()]
     for op, name, kw, checked in jobs:
         make = gqa_case if op == "GroupQueryAttention" else paged_case
