@@ -76,7 +76,8 @@ class Builder:
         return self.cat(*vals)
 
     def reshape(self, x: ir.Value, *parts: ir.Value | int) -> ir.Value:
-        return self.op("Reshape", x, self.shape(*parts))
+        """Reshape to explicit dims; allowzero=1: a computed 0 (an empty batch) means 0, not "copy"."""
+        return self.op("Reshape", x, self.shape(*parts), allowzero=1)
 
     # -- short forms -----------------------------------------------------------------------------
     def cast(self, x: ir.Value, to: ir.DataType) -> ir.Value:

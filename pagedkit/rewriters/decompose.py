@@ -237,9 +237,9 @@ def rewrite(s: Spec, prefix: str) -> tuple[Builder, dict]:
     scale = float(a["scale"]) or 1.0 / math.sqrt(hd)
     m = Masking(bool(int(a["is_causal"])), int(a["local_window_size"]), float(a["softcap"]), scale,
                 int(a["qk_output"]))
-    allowed = allowed_mask(b, ix, ctx, m)
-    out, qk = attend(b, q, keys, values, allowed, ix, ctx, m, h, hkv, hd, s.v_head, x.get("attention_bias"),
-                     x.get("head_sink"))
+    allowed, readable = allowed_mask(b, ix, ctx, m)
+    out, qk = attend(b, q, keys, values, allowed, readable, ix, ctx, m, h, hkv, hd, s.v_head,
+                     x.get("attention_bias"), x.get("head_sink"))
     if "v" in s.sides and int(a["v_rotation"]):
         out = rotate(b, out, hd)
     new["output"] = b.cast(b.reshape(out, ix.t, h * s.v_head), s.t_elem)

@@ -3,7 +3,8 @@
 prologue: [packed QKV split] -> QK-norm (RMS over each head's channels) -> RoPE (half or interleaved, on
 channels [rotary_offset, rotary_offset + rotary_dim)) -> Hadamard rotation; Q rounded to T (as the
 reference's prologue workspace).
-attention: per token t and head h over its context [C] (C = block_table.shape[1] * block_size):
+attention: per sequence b, over its queries scattered to a [B, qmax] padded layout (row b * qmax + j;
+gathered back per token at the end) and its context [C] (C = block_table.shape[1] * block_size):
 scores = q . k * scale (+ attention_bias) -> softcap -> mask (mapped block, k < extent, causal k <= pos,
 window k >= pos - W + 1) -> softmax in float32 with the optional head_sink logit in the denominator
 (a row with no admitted key gives 0) -> probabilities @ V (masked V rows zeroed first, so garbage in
@@ -88,66 +89,83 @@ class Masking:
     qk_mode: int
 
 
-def allowed_mask(b: Builder, ix: TokenIndex, ctx: Context, m: Masking) -> ir.Value:
-    """[T, C] bool: key position k admitted for token t."""
-    kpos = b.unsq(b.op("Range", b.scalar_i64(0), b.sq(ctx.c, 0), b.scalar_i64(1)), 0)  # [1, C]
-    pos = b.unsq(ix.pos, 1)  # [T, 1]
-    terms = [ctx.mapped, b.op("Less", kpos, b.unsq(ix.extent, 1))]
+def to_padded(b: Builder, ix: TokenIndex, x: ir.Value, *row: int, zero: ir.Value | None = None) -> ir.Value:
+    """Token rows x [T, *row] -> [B, qmax, *row]: token t at (seq, j); padding rows hold `zero` (0.0)."""
+    zeros = b.op("Expand", zero if zero is not None else b.f32(0.0), b.shape(b.op("Mul", ix.batch, ix.qmax), *row))
+    flat = b.op("ScatterND", zeros, b.unsq(ix.pidx, 1), x)
+    return b.reshape(flat, ix.batch, ix.qmax, *row)
+
+
+def from_padded(b: Builder, ix: TokenIndex, x: ir.Value, *row: int) -> ir.Value:
+    """[B, qmax, *row] -> the token rows [T, *row]."""
+    return b.gather(b.reshape(x, b.op("Mul", ix.batch, ix.qmax), *row), ix.pidx)
+
+
+def allowed_mask(b: Builder, ix: TokenIndex, ctx: Context, m: Masking) -> tuple[ir.Value, ir.Value]:
+    """([B, qmax, C] bool: key position k admitted for the query at (b, j); [B, C] bool: readable =
+    mapped and k < extent). Padding rows (j >= q_len[b]) are computed and never gathered back."""
+    kpos = b.op("Range", b.scalar_i64(0), b.sq(ctx.c, 0), b.scalar_i64(1))  # [C]
+    readable = b.and_(ctx.mapped, b.op("Less", b.unsq(kpos, 0), b.unsq(ix.extent_b, 1)))  # [B, C]
+    pos = b.unsq(to_padded(b, ix, ix.pos, zero=b.scalar_i64(0)), 2)  # [B, qmax, 1]
+    k3 = b.unsq(kpos, 0, 1)  # [1, 1, C]
+    terms = [b.unsq(readable, 1)]
     if m.causal:
-        terms.append(b.op("LessOrEqual", kpos, pos))
+        terms.append(b.op("LessOrEqual", k3, pos))
     if m.window > 0:
-        terms.append(b.op("GreaterOrEqual", kpos, b.op("Sub", pos, b.scalar_i64(m.window - 1))))
-    return b.and_(*terms)
+        terms.append(b.op("GreaterOrEqual", k3, b.op("Sub", pos, b.scalar_i64(m.window - 1))))
+    return b.and_(*terms), readable
 
 
 def bias_rows(b: Builder, bias: ir.Value, ix: TokenIndex, c: ir.Value) -> ir.Value:
-    """attention_bias [Bb, Hb, Qc, Kc] -> [T, Hb, C] f32: row (b or 0, :, j) of each token, fit to C
-    (cut, or zero-padded: positions beyond Kc are beyond the extent and masked anyway)."""
+    """attention_bias [Bb, Hb, Qc, Kc] -> [B, Hb, qmax, C] f32: rows [b or 0, :, :qmax] fit to C (cut, or
+    zero-padded: positions beyond Kc are beyond the extent and masked anyway)."""
     bb = b.dim(bias, 0)
-    bsel = b.op("Min", ix.seq, b.sq(b.op("Sub", bb, b.i64(1)), 0))  # Bb == 1 -> 0, Bb == B -> b
-    idx = b.op("Concat", b.unsq(bsel, 1), b.unsq(ix.j, 1), axis=1)  # [T, 2]
-    rows = b.op("GatherND", b.op("Transpose", b.f(bias), perm=[0, 2, 1, 3]), idx)  # [T, Hb, Kc]
+    bsel = b.op("Min", b.op("Range", b.scalar_i64(0), b.sq(ix.batch, 0), b.scalar_i64(1)),
+                b.sq(b.op("Sub", bb, b.i64(1)), 0))  # Bb == 1 -> 0, Bb == B -> b
+    rows = b.slice(b.gather(b.f(bias), bsel), b.i64(0), ix.qmax, 2)  # [B, Hb, qmax, Kc]
     pad = b.op("Max", b.op("Sub", c, b.dim(bias, 3)), b.i64(0))
-    rows = b.op("Pad", rows, b.cat(b.i64(0, 0, 0, 0, 0), pad))  # pads: 3 begins, then ends (0, 0, pad)
-    return b.slice(rows, 0, c, 2)
+    rows = b.op("Pad", rows, b.cat(b.i64(0, 0, 0, 0, 0, 0, 0), pad))  # pads: 4 begins, then ends (0, 0, 0, pad)
+    return b.slice(rows, 0, c, 3)
 
 
-def attend(b: Builder, q: ir.Value, k: ir.Value, v: ir.Value, allowed: ir.Value, ix: TokenIndex, ctx: Context,
-           m: Masking, heads: int, kv_heads: int, head_size: int, v_head: int,
+def attend(b: Builder, q: ir.Value, k: ir.Value, v: ir.Value, allowed: ir.Value, readable: ir.Value,
+           ix: TokenIndex, ctx: Context, m: Masking, heads: int, kv_heads: int, head_size: int, v_head: int,
            bias: ir.Value | None, sink: ir.Value | None) -> tuple[ir.Value, ir.Value | None]:
-    """q [T, H, D], k [T, C, Hkv, D], v [T, C, Hkv, Dv] (f32) -> (out [T, H, Dv] f32, qk [T, H, C] or None)."""
+    """q [T, H, D] (tokens), k [B, C, Hkv, D], v [B, C, Hkv, Dv] (sequences), allowed [B, qmax, C] ->
+    (out [T, H, Dv] f32, qk [T, H, C] or None). Computed per sequence over its queries padded to qmax."""
     g = heads // kv_heads
-    q4 = b.reshape(q, ix.t, kv_heads, g, head_size)
-    kt = b.op("Transpose", k, perm=[0, 2, 3, 1])  # [T, Hkv, D, C]
-    s = b.reshape(b.op("MatMul", q4, kt), ix.t, heads, ctx.c)
+    qp = b.op("Transpose", to_padded(b, ix, q, heads, head_size), perm=[0, 2, 1, 3])  # [B, H, qmax, D]
+    q4 = b.reshape(qp, ix.batch, kv_heads, b.op("Mul", b.i64(g), ix.qmax), head_size)  # [B, Hkv, G*qmax, D]
+    kt = b.op("Transpose", k, perm=[0, 2, 3, 1])  # [B, Hkv, D, C]
+    s = b.reshape(b.op("MatMul", q4, kt), ix.batch, heads, ix.qmax, ctx.c)  # [B, H, qmax, C]
     s = b.op("Mul", s, b.f32(m.scale))
     if bias is not None:
         s = b.op("Add", s, bias_rows(b, bias, ix, ctx.c))
     if m.softcap > 0:
         s = b.op("Mul", b.op("Tanh", b.op("Div", s, b.f32(m.softcap))), b.f32(m.softcap))
-    allow3 = b.unsq(allowed, 1)  # [T, 1, C]
-    mx = b.reduce("ReduceMax", b.where(allow3, s, b.f32(-np.inf)), -1)  # [T, H, 1]
+    allow4 = b.unsq(allowed, 1)  # [B, 1, qmax, C]
+    mx = b.reduce("ReduceMax", b.where(allow4, s, b.f32(-np.inf)), -1)  # [B, H, qmax, 1]
     sk = None
     if sink is not None:
-        sk = b.reshape(b.f(sink), 1, heads, 1)
+        sk = b.reshape(b.f(sink), 1, heads, 1, 1)
         mx = b.op("Max", mx, sk)
     mx = b.where(b.op("IsInf", mx, detect_positive=0), b.f32(0.0), mx)  # no admitted key, no sink
-    e = b.where(allow3, b.op("Exp", b.op("Sub", s, mx)), b.f32(0.0))
+    e = b.where(allow4, b.op("Exp", b.op("Sub", s, mx)), b.f32(0.0))
     den = b.reduce("ReduceSum", e, -1)
     if sk is not None:
         den = b.op("Add", den, b.op("Exp", b.op("Sub", sk, mx)))
     den = b.where(b.op("Greater", den, b.f32(0.0)), den, b.f32(1.0))
-    p = b.op("Div", e, den)  # [T, H, C]
-    v_ok = b.where(b.unsq(allowed, 2, 3), v, b.f32(0.0))  # [T, C, Hkv, Dv]
-    vt = b.op("Transpose", v_ok, perm=[0, 2, 1, 3])  # [T, Hkv, C, Dv]
-    out = b.op("MatMul", b.reshape(p, ix.t, kv_heads, g, ctx.c), vt)  # [T, Hkv, G, Dv]
-    out = b.reshape(out, ix.t, heads, v_head)
+    p = b.op("Div", e, den)  # [B, H, qmax, C]
+    v_ok = b.where(b.unsq(readable, 2, 3), v, b.f32(0.0))  # [B, C, Hkv, Dv]: unwritten rows cannot leak NaN
+    vt = b.op("Transpose", v_ok, perm=[0, 2, 1, 3])  # [B, Hkv, C, Dv]
+    p4 = b.reshape(p, ix.batch, kv_heads, b.op("Mul", b.i64(g), ix.qmax), ctx.c)
+    out = b.reshape(b.op("MatMul", p4, vt), ix.batch, heads, ix.qmax, v_head)  # [B, H, qmax, Dv]
+    out = from_padded(b, ix, b.op("Transpose", out, perm=[0, 2, 1, 3]), heads, v_head)  # [T, H, Dv]
     qk = None
-    if m.qk_mode == 1:
-        qk = b.where(allow3, s, b.f32(0.0))
-    elif m.qk_mode == 2:
-        qk = p
+    if m.qk_mode:
+        qk = b.where(allow4, s, b.f32(0.0)) if m.qk_mode == 1 else p
+        qk = from_padded(b, ix, b.op("Transpose", qk, perm=[0, 2, 1, 3]), heads, ctx.c)  # [T, H, C]
     return out, qk
 
 
-__all__ = ["Masking", "allowed_mask", "apply_rope", "attend", "rms_norm", "rope_tables", "rotate"]
+__all__ = ["Masking", "allowed_mask", "apply_rope", "attend", "from_padded", "to_padded", "rms_norm", "rope_tables", "rotate"]

@@ -9,8 +9,8 @@
   PER_CHANNEL or PER_TOKEN scales, exactly as pagedkit.kernels.quant.
 - `write`: ScatterND of the kept tokens into the flattened cache -> a NEW cache tensor (onnxruntime
   does not alias outputs to inputs; the cache output is the input with the step's writes applied).
-- `read`: Gather of each token's context through its block_table row -> [T, C, Hkv, D] float32 with
-  C = block_table.shape[1] * block_size, plus the mapped mask [T, C].
+- `context` / `decode`: Gather of each sequence's context through its block_table row -> [B, C, Hkv, D]
+  float32 with C = block_table.shape[1] * block_size, plus the mapped mask [B, C].
 fp8 caches are handled through an exact float16 working copy: onnxruntime (opset 21-23) has no float8
 Gather / ScatterND / Compress kernels, and every float8e4m3fn value is a float16 value.
 """
@@ -58,6 +58,10 @@ class TokenIndex:
     dpos: ir.Value  # [T] derived position past[b] + j (cache slot)
     pos: ir.Value  # [T] RoPE / mask position (query_positions when given)
     extent: ir.Value  # [T] KV extent of the token's sequence
+    batch: ir.Value  # [1] batch_size B
+    qmax: ir.Value  # [1] the longest query of the step (max q_len)
+    pidx: ir.Value  # [T] row of each token in the padded [B * qmax] layout: seq * qmax + j
+    extent_b: ir.Value  # [B] KV extent of each sequence
 
 
 def token_index(b: Builder, query: ir.Value, csl: ir.Value, past: ir.Value,
@@ -73,9 +77,13 @@ def token_index(b: Builder, query: ir.Value, csl: ir.Value, past: ir.Value,
     j = b.op("Sub", tpos, b.gather(lo, seq))
     past_t = b.gather(past64, seq)
     dpos = b.op("Add", past_t, j)
-    extent = b.op("Add", past_t, b.gather(b.op("Sub", hi, lo), seq))
+    qlen = b.op("Sub", hi, lo)  # [B]
+    extent_b = b.op("Add", past64, qlen)
+    extent = b.gather(extent_b, seq)
     pos = b.cast(query_positions, I64) if query_positions is not None else dpos
-    return TokenIndex(t, tpos, seq, j, dpos, pos, extent)
+    qmax = b.reduce("ReduceMax", qlen, 0)  # [1]
+    pidx = b.op("Add", b.op("Mul", seq, qmax), j)
+    return TokenIndex(t, tpos, seq, j, dpos, pos, extent, b.dim(past, 0), qmax, pidx, extent_b)
 
 
 def write_slots(b: Builder, ix: TokenIndex, block_table: ir.Value, slot_mapping: ir.Value | None,
@@ -162,24 +170,24 @@ def write(b: Builder, cache: ir.Value, slots: ir.Value, keep: ir.Value, rows: ir
 
 @dataclass
 class Context:
-    tblocks: ir.Value  # [T, MB] safe block ids (unmapped -> 0)
-    mapped: ir.Value  # [T, C] bool
+    tblocks: ir.Value  # [B, MB] safe block ids (unmapped -> 0)
+    mapped: ir.Value  # [B, C] bool
     c: ir.Value  # [1] capacity MB * BS
 
 
 def context(b: Builder, ix: TokenIndex, block_table: ir.Value, cache: ir.Value) -> Context:
     nb, bs = b.dim(cache, 0), b.dim(cache, 1)
-    tb = b.gather(b.cast(block_table, I64), ix.seq)  # [T, MB]
+    tb = b.cast(block_table, I64)  # [B, MB]
     ok = b.and_(b.op("GreaterOrEqual", tb, b.scalar_i64(0)), b.op("Less", tb, b.sq(nb, 0)))
     c = b.op("Mul", b.dim(block_table, 1), bs)
-    mapped = b.op("Expand", b.unsq(ok, 2), b.shape(ix.t, b.dim(block_table, 1), bs))
-    return Context(b.where(ok, tb, b.scalar_i64(0)), b.op("Reshape", mapped, b.shape(ix.t, c)), c)
+    mapped = b.op("Expand", b.unsq(ok, 2), b.shape(ix.batch, b.dim(block_table, 1), bs))
+    return Context(b.where(ok, tb, b.scalar_i64(0)), b.op("Reshape", mapped, b.shape(ix.batch, c)), c)
 
 
 def decode(b: Builder, side: Side, ix: TokenIndex, ctx: Context, cache_work: ir.Value,
            scale_cache: ir.Value | None) -> ir.Value:
-    """Each token's context [T, C, Hkv, D] float32 read (dequantized) from the updated cache."""
-    raw = b.op("Reshape", b.gather(cache_work, ctx.tblocks), b.shape(ix.t, ctx.c, side.kv_heads, side.width))
+    """Each sequence's context [B, C, Hkv, D] float32 read (dequantized) from the updated cache."""
+    raw = b.op("Reshape", b.gather(cache_work, ctx.tblocks), b.shape(ix.batch, ctx.c, side.kv_heads, side.width))
     vals = b.f(raw)
     if side.fmt is None:
         return vals
@@ -187,11 +195,11 @@ def decode(b: Builder, side: Side, ix: TokenIndex, ctx: Context, cache_work: ir.
         high = b.op("Floor", b.op("Div", vals, b.f32(16.0)))
         low = b.op("Sub", vals, b.op("Mul", high, b.f32(16.0)))
         pair = b.op("Concat", b.unsq(low, 4), b.unsq(high, 4), axis=4)
-        vals = b.op("Sub", b.reshape(pair, ix.t, ctx.c, side.kv_heads, 2 * side.width), b.f32(8.0))
+        vals = b.op("Sub", b.reshape(pair, ix.batch, ctx.c, side.kv_heads, 2 * side.width), b.f32(8.0))
         if 2 * side.width != side.head_size:
             vals = b.slice(vals, 0, side.head_size, 3)
     if side.quant == "PER_TOKEN":
-        s = b.reshape(b.gather(scale_cache, ctx.tblocks), ix.t, ctx.c, side.kv_heads, 1)
+        s = b.reshape(b.gather(scale_cache, ctx.tblocks), ix.batch, ctx.c, side.kv_heads, 1)
         return b.op("Mul", vals, b.f(s))
     return b.op("Mul", vals, _static_scale(b, side))
 
