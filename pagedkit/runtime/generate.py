@@ -30,6 +30,7 @@ import torch
 from ..interface import dtypes
 from ..interface import names as N
 from ..interface.genai_config import GENAI_CONFIG, cache_templates, read_genai_config, read_pagedkit_section
+from ..interface.paths import check_config_paths, inside_folder
 from .kv.cache import KVCacheManager
 from .kv.config import GroupConfig, KVCacheConfig, LayerCacheSpec
 from .session import InferenceSession
@@ -87,25 +88,91 @@ def read_config(folder: str | Path) -> DecoderConfig:
     path = folder / GENAI_CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"{folder}: no genai_config.json (a model folder holds model.onnx and genai_config.json)")
-    cfg = read_genai_config(path)
-    model, dec = cfg.get("model", {}), cfg.get("model", {}).get("decoder", {})
+    inside_folder(folder, "genai_config.json")  # UnsafePathError: a symlink leading out of the folder
+    try:
+        cfg = read_genai_config(path)
+    except RecursionError:  # json's parser on pathologically nested input
+        raise ValueError(f"{path}: JSON nested too deeply") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason})") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: the top level is a JSON {type(cfg).__name__}, not an object")
+    check_config_paths(cfg, folder, str(path))  # every file it names lies inside the folder
+    get = _ConfigReader(path)
+    model = get.obj(cfg, "model")
+    dec = get.obj(model, "decoder", "model.")
+    search = get.obj(cfg, "search")
+    batching = get.obj(get.obj(cfg, "engine"), "dynamic_batching", "engine.")
     missing = [k for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_size") if k not in dec]
     if missing:
         raise ValueError(f"{path}: model.decoder lacks {missing}")
     eos = model.get("eos_token_id")
-    eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    eos = [] if eos is None else [get.int(e, "model.eos_token_id", minimum=0) for e in (eos if isinstance(eos, list) else [eos])]
     sw = dec.get("sliding_window") or {}
-    section = read_pagedkit_section(cfg)
-    block = section.get("block_size") or cfg.get("engine", {}).get("dynamic_batching", {}).get("block_size")
+    if not isinstance(sw, dict):
+        raise ValueError(f"{path}: model.decoder.sliding_window must be an object, got {type(sw).__name__}")
+    try:
+        section = read_pagedkit_section(cfg)
+    except ValueError as exc:  # the section's JSON text, or its type
+        raise ValueError(f"{path}: 'pagedkit' section: {exc}") from None
+    layers = section.get("layers", [])
+    if not isinstance(layers, list) or not all(isinstance(l, dict) for l in layers):
+        raise ValueError(f"{path}: pagedkit.layers must be a list of objects")
+    for l in layers:
+        get.int(l.get("layer"), "pagedkit.layers[].layer", minimum=0)
+        if "head_size" in l:
+            get.int(l["head_size"], "pagedkit.layers[].head_size")
+    block = section.get("block_size") or batching.get("block_size")
+    context = model.get("context_length") or search.get("max_length") or 2048
+    vocab = model.get("vocab_size")
+    chunk = search.get("chunk_size")
+    window = sw.get("window_size")
+    windowed = sw.get("layers", []) if sw else []
+    if not isinstance(windowed, list):
+        raise ValueError(f"{path}: model.decoder.sliding_window.layers must be a list, got {type(windowed).__name__}")
     return DecoderConfig(
-        folder=folder, filename=dec.get("filename", "model.onnx"), num_layers=int(dec["num_hidden_layers"]),
-        num_heads=int(dec["num_attention_heads"]), kv_num_heads=int(dec["num_key_value_heads"]),
-        head_size=int(dec["head_size"]), vocab_size=model.get("vocab_size"), eos_token_ids=eos,
-        context_length=int(model.get("context_length") or cfg.get("search", {}).get("max_length") or 2048),
-        inputs=dict(dec.get("inputs", {})), outputs=dict(dec.get("outputs", {})),
-        window=sw.get("window_size"), window_slack=int(sw.get("cache_slack") or 0), windowed_layers=list(sw.get("layers", [])) if sw else [],
-        block_size=int(block) if block else None, chunk_size=cfg.get("search", {}).get("chunk_size"),
+        folder=folder, filename=dec.get("filename", "model.onnx"),
+        num_layers=get.int(dec["num_hidden_layers"], "model.decoder.num_hidden_layers"),
+        num_heads=get.int(dec["num_attention_heads"], "model.decoder.num_attention_heads"),
+        kv_num_heads=get.int(dec["num_key_value_heads"], "model.decoder.num_key_value_heads"),
+        head_size=get.int(dec["head_size"], "model.decoder.head_size"),
+        vocab_size=None if vocab is None else get.int(vocab, "model.vocab_size"), eos_token_ids=eos,
+        context_length=get.int(context, "model.context_length"),
+        inputs=get.names(dec.get("inputs", {}), "model.decoder.inputs"),
+        outputs=get.names(dec.get("outputs", {}), "model.decoder.outputs"),
+        window=None if window is None else get.int(window, "model.decoder.sliding_window.window_size"),
+        window_slack=get.int(sw.get("cache_slack") or 0, "model.decoder.sliding_window.cache_slack", minimum=0),
+        windowed_layers=[get.int(l, "model.decoder.sliding_window.layers[]", minimum=0) for l in windowed],
+        block_size=get.int(block, "block_size") if block else None,
+        chunk_size=None if chunk is None else get.int(chunk, "search.chunk_size"),
         pagedkit=section, caches=cache_templates(cfg))
+
+
+class _ConfigReader:
+    """Typed reads of genai_config values: a wrong JSON type or range is a ValueError naming the field."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def obj(self, d: dict, key: str, prefix: str = "") -> dict:
+        value = d.get(key)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ValueError(f"{self.path}: {prefix}{key} must be an object, got {type(value).__name__}")
+        return value
+
+    def int(self, value, field: str, minimum: int = 1) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < 1 << 62:
+            raise ValueError(f"{self.path}: {field} must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    def names(self, value, field: str) -> dict[str, str]:
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise ValueError(f"{self.path}: {field} must map names to strings, got {value!r}"[:300])
+        return dict(value)
 
 
 @dataclass
@@ -281,7 +348,9 @@ class Generator:
             raise ValueError(block_size_error(block_size))
         self.config = read_config(model_dir)
         providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
-        self.session = session or InferenceSession(str(Path(model_dir) / self.config.filename), providers=providers)
+        model_path = inside_folder(model_dir, self.config.filename, "model.decoder.filename",
+                                   str(Path(model_dir) / "genai_config.json"))
+        self.session = session or InferenceSession(str(model_path), providers=providers)
         self.max_seq_len = min(max_seq_len or self.config.context_length, self.config.context_length)
         self.logits_name = self.config.outputs.get(N.LOGITS) or N.LOGITS
         self.state = (_PagedState(self, block_size, num_blocks, shuffle_seed) if self.config.paged

@@ -15,7 +15,8 @@ from pathlib import Path
 import onnx
 from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
-from ..validators.model_loading import all_tensors, external_data_problems, resolve_model_path
+from ..validators.model_loading import (ModelLoadError, all_tensors, external_data_problems, load_model_proto,
+                                        resolve_model_path)
 
 
 class UnsafeModelError(ValueError):
@@ -57,14 +58,17 @@ def load_model(source) -> tuple[onnx.ModelProto, str | None]:
                                    "(its external data is then checked and loaded from its folder)")
         return source, None
     if isinstance(source, (bytes, bytearray, memoryview)):
-        model = onnx.load_model_from_string(bytes(source))
+        try:
+            model = onnx.load_model_from_string(bytes(source))
+        except Exception as exc:  # protobuf's DecodeError (and friends): bad bytes, not a bug
+            raise ModelLoadError(f"the bytes given are not an ONNX model ({type(exc).__name__})") from None
         if _has_external(model):
             raise UnsafeModelError("a model given as bytes cannot reference external data: pass its path")
         return model, None
-    path, _, _ = resolve_model_path(source)
+    path, _, _ = resolve_model_path(source)  # ModelLoadError for a config path leading out of the folder
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {path}")
-    model = onnx.load(str(path), load_external_data=False)
+    model = load_model_proto(path)  # ModelLoadError naming the file when it is not ONNX
     base = str(path.parent)
     problems = check_external_data(model, base)
     if problems:

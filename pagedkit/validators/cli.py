@@ -1,7 +1,8 @@
 """`paged-validate MODEL.onnx|MODEL_DIR [--json]`: validate every attention node of a model.
 
 Exit status: 0 clean (prints "OK: N attention nodes checked"), 1 issues (one line per issue on stdout,
-a count on stderr), 2 the model is missing, unreadable or not ONNX (one line on stderr).
+a count on stderr), 2 the model is missing, unreadable or not ONNX, or its folder names a file outside
+itself (one line on stderr), 3 an internal error (one line on stderr; PAGEDKIT_DEBUG=1 re-raises).
 --json prints {"issues": [issue dicts], "summary": {...}} instead (exit status unchanged).
 A folder is read as its model.onnx (genai_config.json's decoder filename when given) plus
 genai_config.json; external data is read only from inside the model's folder.
@@ -14,7 +15,8 @@ import json
 import sys
 from typing import Sequence
 
-from .model import ModelLoadError, check_model
+from ..cli_errors import cli_main
+from .model import check_model
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,17 +30,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+@cli_main("paged-validate")  # errors: one stderr line; 2 bad input, 3 internal error (pagedkit/cli_errors.py)
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        report = check_model(args.model)
-    except (ModelLoadError, OSError) as exc:
-        print(f"paged-validate: error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # a bug of ours: still one line, no traceback
-        print(f"paged-validate: error: could not validate {args.model}: {type(exc).__name__}: {exc}",
-              file=sys.stderr)
-        return 2
+    report = check_model(args.model)
     ok = not report.issues
     if args.json:
         summary = {"model": report.path, "attention_nodes": report.attention_nodes,

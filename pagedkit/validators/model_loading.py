@@ -18,6 +18,7 @@ import onnx
 from onnx import TensorProto
 from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
+from ..interface.paths import UnsafePathError, check_config_paths, inside_folder
 from .issues import Issue
 
 
@@ -41,18 +42,33 @@ def resolve_model_path(path: str | os.PathLike) -> tuple[Path, dict | None, list
     config, issues = None, []
     cfg_path = folder / "genai_config.json"
     if cfg_path.is_file():
+        _inside(folder, "genai_config.json")
         try:
             config = json.loads(cfg_path.read_text(encoding="utf-8"))
             if not isinstance(config, dict):
                 raise ValueError("top level is not an object")
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deeply
             config = None
             issues.append(Issue("model", f"file '{cfg_path.name}'", "MODEL-genai-config", "readable JSON object",
                                 f"{type(exc).__name__}: {exc}"))
     if path.is_dir():
-        name = config_get(config, "model", "decoder", "filename") or "model.onnx"
-        path = folder / str(name)
+        # every file the config names must lie inside the folder (symlinks included), read or not
+        try:
+            check_config_paths(config, folder, str(cfg_path))
+        except UnsafePathError as exc:
+            raise ModelLoadError(str(exc)) from None
+        name = config_get(config, "model", "decoder", "filename")
+        path = _inside(folder, "model.onnx") if name is None else folder / name
     return path, config, issues
+
+
+def _inside(folder: Path, name: str) -> Path:
+    """folder / name (a fixed file name) when it resolves inside folder (symlinks included), else
+    ModelLoadError."""
+    try:
+        return inside_folder(folder, name)
+    except UnsafePathError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def load_model_proto(path: str | os.PathLike) -> onnx.ModelProto:

@@ -21,15 +21,21 @@ def torch_dtype(onnx_type: int, what: str = "element type") -> torch.dtype:
     try:
         return ONNX_TO_TORCH[onnx_type]
     except KeyError:
-        known = onnx_type in TensorProto.DataType.values()
-        name = onnx.helper.tensor_dtype_to_string(onnx_type) if known else onnx_type
+        try:
+            name = onnx.helper.tensor_dtype_to_string(onnx_type)
+        except (KeyError, ValueError):  # UNDEFINED (0) and numbers ONNX does not define
+            name = TensorProto.DataType.Name(onnx_type) if onnx_type in TensorProto.DataType.values() else onnx_type
         raise NotImplementedError(f"{what} {name} has no torch equivalent in the pagedkit runtime") from None
 
 
 def tensor_from_proto(proto: onnx.TensorProto, device: torch.device | str = "cpu") -> torch.Tensor:
     """An ONNX TensorProto (Constant value, ConstantOfShape value, initializer) as a torch tensor."""
-    arr = onnx.numpy_helper.to_array(proto)
-    dtype = torch_dtype(proto.data_type, f"tensor {proto.name or '(attribute)'}")
+    what = f"tensor {proto.name or '(attribute)'}"
+    dtype = torch_dtype(proto.data_type, what)  # NotImplementedError: no torch type (UNDEFINED, STRING, ...)
+    try:
+        arr = onnx.numpy_helper.to_array(proto)
+    except (TypeError, ValueError) as exc:  # a malformed tensor: data that does not match its dims / type
+        raise ValueError(f"{what}: {exc}") from None
     # ml_dtypes arrays (bfloat16, float8 variants) move through their raw integer view
     return dtypes.torch_from_numpy(arr).to(device=device, dtype=dtype)
 
