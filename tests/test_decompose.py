@@ -365,3 +365,12 @@ def test_duplicate_and_skipped_slots_leave_the_rest_of_the_cache_bit_identical(c
         untouched = (_bits(ref[out_name]) == _bits(before[in_name]))
         assert torch.equal(_bits(got[out_name])[untouched], _bits(before[in_name])[untouched]), out_name
         assert (~untouched).any(), out_name  # the step did write
+
+
+def test_a_feature_the_rewrite_does_not_know_is_refused_by_name(monkeypatch):
+    """If the contract grows, a node using the new attribute is refused by name, never decomposed without it
+    (simulated: the rewrite 'forgets' softcap)."""
+    monkeypatch.setattr(decompose_mod, "KNOWN_ATTRIBUTES", decompose_mod.KNOWN_ATTRIBUTES - {"softcap"})
+    (case,) = load_cases(["paged_sink_window_softcap"])
+    _, report = decompose(single_node_model(case))
+    assert report.skipped == [("paged_sink_window_softcap", "attribute 'softcap' is not decomposed")]

@@ -39,6 +39,16 @@ _FMT = {ir.DataType.INT8: "int8", ir.DataType.FLOAT8E4M3FN: "float8e4m3fn"}
 _FLOATS = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT)
 
 
+# What the rewrite implements. A contract that grows (a new attribute, input or output) makes a node that
+# uses it refused by name here, never decomposed without it.
+KNOWN_ATTRIBUTES = frozenset((
+    "num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "do_rotary", "rotary_interleaved",
+    "is_causal", "qk_norm_epsilon", "k_quant_type", "v_quant_type", "k_cache_dtype", "v_cache_dtype",
+    "kv_cache_layout", "v_head_size", "rotary_offset", "qk_output", "qk_rotation", "v_rotation"))
+KNOWN_INPUTS = frozenset(PAGED_ATTENTION.input_names[:21])
+KNOWN_OUTPUTS = frozenset(PAGED_ATTENTION.output_names[:6])
+
+
 class Refused(Exception):
     """A node the decomposition does not rewrite; the message is the reason."""
 
@@ -138,10 +148,16 @@ def check(node: ir.Node, proto_node: onnx.NodeProto, info: dict, consts: dict) -
     issues = validate_node(proto_node, info, consts)
     if issues:
         raise Refused("invalid node: " + "; ".join(str(i) for i in issues[:4]))
+    for attr in node.attributes:
+        if attr not in KNOWN_ATTRIBUTES:
+            raise Refused(f"attribute '{attr}' is not decomposed")
     a = PAGED_ATTENTION.defaults() | {k: v.value for k, v in node.attributes.items()}
     a = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in a.items()}
     x = {n: v for n, v in zip(PAGED_ATTENTION.input_names, node.inputs) if v is not None}
     outs = {n: v for n, v in zip(PAGED_ATTENTION.output_names, node.outputs) if v is not None and v.name}
+    for n in [*x, *outs]:
+        if n not in KNOWN_INPUTS | KNOWN_OUTPUTS:
+            raise Refused(f"input or output '{n}' is not decomposed")
     name_of = {n: v.name for n, v in x.items()}
     heads, kv_heads = int(a["num_heads"]), int(a["kv_num_heads"])
     latent = a["kv_cache_layout"] == "LATENT"
