@@ -93,7 +93,7 @@ def decode_feeds(sess, cfg: dict, batch: int, context: int, seed: int = 0) -> di
 def check_inputs_cost(sess, feeds: dict, reps: int) -> float:
     """Median ms of check_inputs over every attention node's concrete inputs of one step (what the old
     per-call validation ran), measured on the first layer's inputs x number of layers."""
-    import torch  # noqa: F401
+    import torch
     from pagedkit.validators import check_inputs
 
     calls = sess._compiled.attention_calls
@@ -110,7 +110,6 @@ def check_inputs_cost(sess, feeds: dict, reps: int) -> float:
             continue
         inputs[n] = env.get(src)
         if inputs[n] is None:
-            import torch
             inputs[n] = torch.zeros(tokens, width, dtype=torch.float16)
     outs = [n for n in call.out_names if n]
     times = []
@@ -172,7 +171,8 @@ def main() -> None:
                      "samples": args.reps,
                      "step_ms_all": {k: [round(x, 3) for x in v] for k, v in times.items()}})
         print(f"batch {batch} context {args.context}: per-call validation {med['per_call']:.2f} ms, "
-              f"at creation {med['at_creation']:.2f} ms, saving {saving:.2f} ms ({100 * saving / med['per_call']:.1f}%); "
+              f"at creation {med['at_creation']:.2f} ms, saving {saving:.2f} ms "
+              f"({100 * saving / med['per_call']:.1f}%); "
               f"check_inputs alone {check_ms:.2f} ms/step")
     attention_nodes = len(at_creation.attention_variants)
     result = {

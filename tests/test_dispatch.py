@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from onnx import helper
 
 import dummy_variant
 from nodes import make_gqa_case, make_paged_case
@@ -64,6 +65,16 @@ def test_builtin_variants_are_declarations_in_priority_order():
         assert not v.capturable and v.not_capturable_because  # honest: none is capturable today
     assert [v.stages_on_cpu for v in paged] == [False, True]  # the reference is the fallback, last
     assert len(dispatch.VARIANTS) == len(dispatch.variants())  # one "module:VARIANT" line each
+
+
+def test_registration_is_idempotent_and_names_are_unique(dummy, tmp_path, monkeypatch):
+    assert dispatch.register_variant(DUMMY) is dummy  # again: nothing changes
+    assert [v.name for v in dispatch.variants("PagedAttention")].count("dummy_decode") == 1
+    (tmp_path / "dummy_twin.py").write_text("from dummy_variant import VARIANT as _v\n"
+                                            "import dataclasses\nVARIANT = dataclasses.replace(_v)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="already registered"):
+        dispatch.register_variant("dummy_twin:VARIANT")
 
 
 def test_declarations_are_checked():
@@ -229,10 +240,7 @@ def test_inputs_are_checked_per_call_only_on_request(monkeypatch):
 def test_bad_values_are_a_validation_error_either_way(validate_inputs):
     """Unvalidated, the kernel's index guard trips first and the validator then names every issue."""
     case = _decode_case(slot_mapping=True)
-    node, _ = case.node(symbolic="dynamic")
-    from onnx import helper
-
-    _, info = case.node(symbolic="dynamic")
+    node, info = case.node(symbolic="dynamic")  # token / batch extents symbolic: values unknown at creation
     graph = helper.make_graph([node], "pa", [helper.make_tensor_value_info(n, *info[n]) for n in node.input if n],
                               [helper.make_tensor_value_info(n, *info[n]) for n in node.output if n])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),

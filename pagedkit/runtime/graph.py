@@ -340,6 +340,7 @@ def compile_model(model: onnx.ModelProto, device: torch.device, allow_reference_
     _liveness(g)
     host_consts = [t for n, t in _all_consts(g) if t.device.type == "cpu"]
     return CompiledModel(
-        graph=g, attention_variants=comp.variants, attention_calls=comp.calls, host_inputs=host_in, cache_inputs=_cache_graph_inputs(g),
+        graph=g, attention_variants=comp.variants, attention_calls=comp.calls, host_inputs=host_in,
+        cache_inputs=_cache_graph_inputs(g),
         const_storages=frozenset(t.untyped_storage().data_ptr() for t in host_consts if t.numel()),
         host_const_ids=frozenset(id(t) for t in host_consts) if device.type != "cpu" else frozenset())
