@@ -243,18 +243,18 @@ def rewrite(s: Spec, prefix: str) -> tuple[Builder, dict]:
         side = s.sides.get(p)
         if side is None:
             continue
-        work, out, scale_out = update_side(b, side, ix, slots, keep, val)
+        padded, out, scale_padded, scale_out = update_side(b, side, ix, slots, keep, val)
         new["key_cache_out" if p == "k" else "value_cache_out"] = out
         if scale_out is not None:
             new[f"{p}_scale_cache_out"] = scale_out
-        ctx_vals[p] = decode(b, side, ix, ctx, work, scale_out)
+        ctx_vals[p] = decode(b, side, ix, ctx, padded, scale_padded)
     keys = ctx_vals["k"]
     values = b.slice(keys, 0, s.v_head, 3) if s.latent else ctx_vals["v"]
     scale = float(a["scale"]) or 1.0 / math.sqrt(hd)
     m = Masking(bool(int(a["is_causal"])), int(a["local_window_size"]), float(a["softcap"]), scale,
                 int(a["qk_output"]))
-    allowed, readable = allowed_mask(b, ix, ctx, m)
-    out, qk = attend(b, q, keys, values, allowed, readable, ix, ctx, m, h, hkv, hd, s.v_head,
+    allowed = allowed_mask(b, ix, ctx, m)
+    out, qk = attend(b, q, keys, values, allowed, ix, ctx, m, h, hkv, hd, s.v_head,
                      x.get("attention_bias"), x.get("head_sink"))
     if "v" in s.sides and int(a["v_rotation"]):
         out = rotate(b, out, hd)

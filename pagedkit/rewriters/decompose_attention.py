@@ -7,8 +7,8 @@ attention: per sequence b, over its queries scattered to a [B, qmax] padded layo
 gathered back per token at the end) and its context [C] (C = block_table.shape[1] * block_size):
 scores = q . k * scale (+ attention_bias) -> softcap -> mask (mapped block, k < extent, causal k <= pos,
 window k >= pos - W + 1) -> softmax in float32 with the optional head_sink logit in the denominator
-(a row with no admitted key gives 0) -> probabilities @ V (masked V rows zeroed first, so garbage in
-unwritten cache rows cannot leak as NaN * 0).
+(a row with no admitted key gives 0) -> probabilities @ V (unreadable context rows were read as zeros,
+so garbage in unwritten cache rows cannot leak as NaN * 0).
 """
 
 from __future__ import annotations
@@ -101,19 +101,17 @@ def from_padded(b: Builder, ix: TokenIndex, x: ir.Value, *row: int) -> ir.Value:
     return b.gather(b.reshape(x, b.op("Mul", ix.batch, ix.qmax), *row), ix.pidx)
 
 
-def allowed_mask(b: Builder, ix: TokenIndex, ctx: Context, m: Masking) -> tuple[ir.Value, ir.Value]:
-    """([B, qmax, C] bool: key position k admitted for the query at (b, j); [B, C] bool: readable =
-    mapped and k < extent). Padding rows (j >= q_len[b]) are computed and never gathered back."""
-    kpos = b.op("Range", b.scalar_i64(0), b.sq(ctx.c, 0), b.scalar_i64(1))  # [C]
-    readable = b.and_(ctx.mapped, b.op("Less", b.unsq(kpos, 0), b.unsq(ix.extent_b, 1)))  # [B, C]
+def allowed_mask(b: Builder, ix: TokenIndex, ctx: Context, m: Masking) -> ir.Value:
+    """[B, qmax, C] bool: key position k admitted for the query at (b, j) (readable: mapped block and
+    k < extent; causal k <= pos; window k >= pos - W + 1). Padding rows are computed, never gathered back."""
+    kpos = b.unsq(b.op("Range", b.scalar_i64(0), b.sq(ctx.c, 0), b.scalar_i64(1)), 0, 1)  # [1, 1, C]
     pos = b.unsq(to_padded(b, ix, ix.pos, zero=b.scalar_i64(0)), 2)  # [B, qmax, 1]
-    k3 = b.unsq(kpos, 0, 1)  # [1, 1, C]
-    terms = [b.unsq(readable, 1)]
+    terms = [b.unsq(ctx.readable, 1)]
     if m.causal:
-        terms.append(b.op("LessOrEqual", k3, pos))
+        terms.append(b.op("LessOrEqual", kpos, pos))
     if m.window > 0:
-        terms.append(b.op("GreaterOrEqual", k3, b.op("Sub", pos, b.scalar_i64(m.window - 1))))
-    return b.and_(*terms), readable
+        terms.append(b.op("GreaterOrEqual", kpos, b.op("Sub", pos, b.scalar_i64(m.window - 1))))
+    return b.and_(*terms)
 
 
 def bias_rows(b: Builder, bias: ir.Value, ix: TokenIndex, c: ir.Value) -> ir.Value:
@@ -128,16 +126,19 @@ def bias_rows(b: Builder, bias: ir.Value, ix: TokenIndex, c: ir.Value) -> ir.Val
     return b.slice(rows, 0, c, 3)
 
 
-def attend(b: Builder, q: ir.Value, k: ir.Value, v: ir.Value, allowed: ir.Value, readable: ir.Value,
-           ix: TokenIndex, ctx: Context, m: Masking, heads: int, kv_heads: int, head_size: int, v_head: int,
+def attend(b: Builder, q: ir.Value, k: ir.Value, v: ir.Value, allowed: ir.Value, ix: TokenIndex, ctx: Context,
+           m: Masking, heads: int, kv_heads: int, head_size: int, v_head: int,
            bias: ir.Value | None, sink: ir.Value | None) -> tuple[ir.Value, ir.Value | None]:
     """q [T, H, D] (tokens), k [B, C, Hkv, D], v [B, C, Hkv, Dv] (sequences), allowed [B, qmax, C] ->
     (out [T, H, Dv] f32, qk [T, H, C] or None). Computed per sequence over its queries padded to qmax."""
     g = heads // kv_heads
     qp = b.op("Transpose", to_padded(b, ix, q, heads, head_size), perm=[0, 2, 1, 3])  # [B, H, qmax, D]
     q4 = b.reshape(qp, ix.batch, kv_heads, b.op("Mul", b.i64(g), ix.qmax), head_size)  # [B, Hkv, G*qmax, D]
-    kt = b.op("Transpose", k, perm=[0, 2, 3, 1])  # [B, Hkv, D, C]
-    s = b.reshape(b.op("MatMul", q4, kt), ix.batch, heads, ix.qmax, ctx.c)  # [B, H, qmax, C]
+    # K moved head-major in rows of D; the last-two-dims transpose before the MatMul is what onnxruntime's
+    # MatMul+Transpose fusion folds into FusedMatMul(transB=1), so it is not materialized there
+    kh = b.op("Transpose", k, perm=[0, 2, 1, 3])  # [B, Hkv, C, D]
+    st = b.op("MatMul", q4, b.op("Transpose", kh, perm=[0, 1, 3, 2]))  # [B, Hkv, G*qmax, C]
+    s = b.reshape(st, ix.batch, heads, ix.qmax, ctx.c)  # [B, H, qmax, C]
     s = b.op("Mul", s, b.f32(m.scale))
     if bias is not None:
         s = b.op("Add", s, bias_rows(b, bias, ix, ctx.c))
@@ -156,8 +157,7 @@ def attend(b: Builder, q: ir.Value, k: ir.Value, v: ir.Value, allowed: ir.Value,
         den = b.op("Add", den, b.op("Exp", b.op("Sub", sk, mx)))
     den = b.where(b.op("Greater", den, b.f32(0.0)), den, b.f32(1.0))
     p = b.op("Div", e, den)  # [B, H, qmax, C]
-    v_ok = b.where(b.unsq(readable, 2, 3), v, b.f32(0.0))  # [B, C, Hkv, Dv]: unwritten rows cannot leak NaN
-    vt = b.op("Transpose", v_ok, perm=[0, 2, 1, 3])  # [B, Hkv, C, Dv]
+    vt = b.op("Transpose", v, perm=[0, 2, 1, 3])  # [B, Hkv, C, Dv]; unreadable rows are 0 (the zero row)
     p4 = b.reshape(p, ix.batch, kv_heads, b.op("Mul", b.i64(g), ix.qmax), ctx.c)
     out = b.reshape(b.op("MatMul", p4, vt), ix.batch, heads, ix.qmax, v_head)  # [B, H, qmax, Dv]
     out = from_padded(b, ix, b.op("Transpose", out, perm=[0, 2, 1, 3]), heads, v_head)  # [T, H, Dv]

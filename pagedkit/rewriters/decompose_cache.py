@@ -7,10 +7,12 @@
   the tokens kept for writing (slot >= 0, and the last token of several sharing a slot).
 - `encode` / `decode`: float caches (Cast), int8 / fp8 / int4 (+8-biased nibbles) with PER_TENSOR,
   PER_CHANNEL or PER_TOKEN scales, exactly as pagedkit.kernels.quant.
-- `write`: ScatterND of the kept tokens into the flattened cache -> a NEW cache tensor (onnxruntime
-  does not alias outputs to inputs; the cache output is the input with the step's writes applied).
-- `context` / `decode`: Gather of each sequence's context through its block_table row -> [B, C, Hkv, D]
-  float32 with C = block_table.shape[1] * block_size, plus the mapped mask [B, C].
+- `write`: ScatterND of the kept tokens into the flattened cache (with one zero row appended) -> a NEW
+  cache tensor (onnxruntime does not alias outputs to inputs; the cache output is the input with the
+  step's writes applied).
+- `context` / `decode`: Gather of each sequence's context rows through its block_table row -> [B, C, Hkv, D]
+  float32 with C = block_table.shape[1] * block_size; positions that are unmapped or beyond the extent
+  read the appended zero row (so unwritten garbage never enters the math), plus that mask [B, C].
 fp8 caches are handled through an exact float16 working copy: onnxruntime (opset 21-23) has no float8
 Gather / ScatterND / Compress kernels, and every float8e4m3fn value is a float16 value.
 """
@@ -155,40 +157,48 @@ def stored(b: Builder, side: Side, codes: ir.Value) -> ir.Value:
     return b.cast(codes, side.elem)
 
 
-def write(b: Builder, cache: ir.Value, slots: ir.Value, keep: ir.Value, rows: ir.Value,
-          cast_rows=None) -> ir.Value:
-    """cache [NB, BS, *R] with rows [T, *R] written at flat slots[t] for keep[t] -> a new cache tensor.
-    rows are compressed before `cast_rows` (Compress has no bfloat16 kernel in onnxruntime)."""
+def write(b: Builder, cache: ir.Value, elem: ir.DataType, slots: ir.Value, keep: ir.Value, rows: ir.Value,
+          cast_rows=None) -> tuple[ir.Value, ir.Value]:
+    """cache [NB, BS, *R] of type elem with rows [T, *R] written at flat slots[t] for keep[t] -> (the updated cache,
+    a new tensor [NB, BS, *R]; the same rows flat with one zero row appended [NB * BS + 1, *R], the row
+    unreadable context positions read). rows are compressed before `cast_rows` (Compress has no bfloat16
+    kernel in onnxruntime)."""
     idx = b.unsq(b.op("Compress", slots, keep, axis=0), 1)  # [W, 1]
     upd = b.op("Compress", rows, keep, axis=0)
     if cast_rows is not None:
         upd = cast_rows(upd)
-    shape = b.op("Shape", cache)
-    flat = b.op("Reshape", cache, b.cat(b.i64(-1), b.op("Shape", cache, start=2)))  # NB*BS > 0 always
-    return b.op("Reshape", b.op("ScatterND", flat, idx, upd), shape)
+    shape, rest = b.op("Shape", cache), b.op("Shape", cache, start=2)
+    flat = b.op("Reshape", cache, b.cat(b.i64(-1), rest))  # NB*BS > 0 always
+    zero = b.cast(b.op("ConstantOfShape", b.cat(b.i64(1), rest)), elem)  # float 0 cast to the cache type
+    padded = b.op("ScatterND", b.op("Concat", flat, zero, axis=0), idx, upd)
+    total = b.op("Mul", b.dim(cache, 0), b.dim(cache, 1))
+    return b.op("Reshape", b.slice(padded, 0, total, 0), shape), padded
 
 
 @dataclass
 class Context:
-    tblocks: ir.Value  # [B, MB] safe block ids (unmapped -> 0)
-    mapped: ir.Value  # [B, C] bool
+    rows: ir.Value  # [B, C] flat row of each context position; unreadable -> NB * BS (the zero row)
+    readable: ir.Value  # [B, C] bool: in a mapped block and below the sequence's extent
     c: ir.Value  # [1] capacity MB * BS
 
 
 def context(b: Builder, ix: TokenIndex, block_table: ir.Value, cache: ir.Value) -> Context:
     nb, bs = b.dim(cache, 0), b.dim(cache, 1)
     tb = b.cast(block_table, I64)  # [B, MB]
-    ok = b.and_(b.op("GreaterOrEqual", tb, b.scalar_i64(0)), b.op("Less", tb, b.sq(nb, 0)))
     c = b.op("Mul", b.dim(block_table, 1), bs)
-    mapped = b.op("Expand", b.unsq(ok, 2), b.shape(ix.batch, b.dim(block_table, 1), bs))
-    return Context(b.where(ok, tb, b.scalar_i64(0)), b.op("Reshape", mapped, b.shape(ix.batch, c)), c)
+    kpos = b.op("Range", b.scalar_i64(0), b.sq(c, 0), b.scalar_i64(1))  # [C]
+    blk = b.gather(tb, b.op("Div", kpos, bs), axis=1)  # [B, C]
+    ok = b.and_(b.op("GreaterOrEqual", blk, b.scalar_i64(0)), b.op("Less", blk, b.sq(nb, 0)),
+                b.op("Less", b.unsq(kpos, 0), b.unsq(ix.extent_b, 1)))
+    row = b.op("Add", b.op("Mul", blk, bs), b.op("Mod", kpos, bs))
+    return Context(b.where(ok, row, b.sq(b.op("Mul", nb, bs), 0)), ok, c)
 
 
-def decode(b: Builder, side: Side, ix: TokenIndex, ctx: Context, cache_work: ir.Value,
-           scale_cache: ir.Value | None) -> ir.Value:
-    """Each sequence's context [B, C, Hkv, D] float32 read (dequantized) from the updated cache."""
-    raw = b.op("Reshape", b.gather(cache_work, ctx.tblocks), b.shape(ix.batch, ctx.c, side.kv_heads, side.width))
-    vals = b.f(raw)
+def decode(b: Builder, side: Side, ix: TokenIndex, ctx: Context, padded: ir.Value,
+           scale_padded: ir.Value | None) -> ir.Value:
+    """Each sequence's context [B, C, Hkv, D] float32 read (dequantized) from the updated cache (`padded`
+    flat rows from `write`); unreadable positions read the zero row: 0, never garbage or NaN."""
+    vals = b.f(b.gather(padded, ctx.rows))  # [B, C, Hkv, Dc]
     if side.fmt is None:
         return vals
     if side.fmt == "int4":
@@ -199,21 +209,23 @@ def decode(b: Builder, side: Side, ix: TokenIndex, ctx: Context, cache_work: ir.
         if 2 * side.width != side.head_size:
             vals = b.slice(vals, 0, side.head_size, 3)
     if side.quant == "PER_TOKEN":
-        s = b.reshape(b.gather(scale_cache, ctx.tblocks), ix.batch, ctx.c, side.kv_heads, 1)
-        return b.op("Mul", vals, b.f(s))
+        return b.op("Mul", vals, b.unsq(b.f(b.gather(scale_padded, ctx.rows)), 3))
     return b.op("Mul", vals, _static_scale(b, side))
 
 
 def update_side(b: Builder, side: Side, ix: TokenIndex, slots: ir.Value, keep: ir.Value, x: ir.Value):
-    """Encode x [T, Hkv, D] f32 and write it -> (cache working copy, cache output, scale cache output)."""
+    """Encode x [T, Hkv, D] f32 and write it -> (padded flat working rows, cache output, padded flat scale
+    rows or None, scale cache output or None)."""
     codes, tok_scale = encode(b, side, x)
-    src = side.cache if work_dtype(side) == side.elem else b.cast(side.cache, work_dtype(side))
-    work = write(b, src, slots, keep, codes, lambda u: stored(b, side, u))
-    out = work if work_dtype(side) == side.elem else b.cast(work, side.elem)
-    scale_out = None
+    wt = work_dtype(side)
+    src = side.cache if wt == side.elem else b.cast(side.cache, wt)
+    work, padded = write(b, src, wt, slots, keep, codes, lambda u: stored(b, side, u))
+    out = work if wt == side.elem else b.cast(work, side.elem)
+    scale_out = scale_padded = None
     if tok_scale is not None:
-        scale_out = write(b, side.scale_cache, slots, keep, tok_scale, lambda u: b.cast(u, side.scale_elem))
-    return work, out, scale_out
+        scale_out, scale_padded = write(b, side.scale_cache, side.scale_elem, slots, keep, tok_scale,
+                                        lambda u: b.cast(u, side.scale_elem))
+    return padded, out, scale_padded, scale_out
 
 
 __all__ = ["Context", "Side", "TokenIndex", "context", "decode", "token_index", "update_side",
