@@ -1,0 +1,100 @@
+"""Run genai-layout decoders step by step for the rewriter tests (teacher-forced, same tokens both sides).
+
+- `run_gqa(sess, prompt, steps)`: a GQA-layout model (onnxruntime or pagedkit session), batch of one: the
+  prompt, then one token per step; returns the logits of every token [len(prompt) + steps, V] (float64).
+- `run_paged(sess, prompts, steps, block_size, seed)`: a paged-layout model; every sequence of `prompts` in
+  ONE packed batch (a ragged prefill, then one token per sequence per step) over a shuffled block table;
+  returns one [len(prompt_b) + steps, V] array per sequence.
+The tokens fed after the prompt are fixed (`forced`), not sampled, so both sides see the same inputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagedkit.interface import names as N
+
+
+def forced(prompt: list[int], steps: int, vocab: int, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed + len(prompt))
+    return [int(t) for t in rng.integers(3, vocab, steps)]
+
+
+def _inputs(sess) -> dict:
+    return {i.name: i for i in sess.get_inputs()}
+
+
+def _np_dtype(type_str: str):
+    return {"tensor(float16)": np.float16, "tensor(float)": np.float32, "tensor(bfloat16)": np.float32,
+            "tensor(int64)": np.int64, "tensor(int32)": np.int32}[type_str]
+
+
+def run_gqa(sess, prompt: list[int], steps: int, vocab: int, seed: int = 0, head_size: int = 16) -> np.ndarray:
+    ins = _inputs(sess)
+    layers = sorted(int(n.split(".")[1]) for n in ins if n.startswith("past_key_values.") and n.endswith(".key"))
+    kv = ins[N.past_name("key", layers[0])]
+    hkv, d = kv.shape[1], kv.shape[3] if isinstance(kv.shape[3], int) else head_size
+    cdt = _np_dtype(kv.type)
+    past = {N.past_name(k, i): np.zeros((1, hkv, 0, d), cdt) for i in layers for k in ("key", "value")}
+    tokens = list(prompt)
+    out = []
+    feed_ids = list(prompt)
+    for step in range(steps + 1):
+        total = len(tokens)
+        feeds = {N.INPUT_IDS: np.array([feed_ids], np.int64),
+                 N.ATTENTION_MASK: np.ones((1, total), np.int64), **past}
+        names = [N.LOGITS] + [N.present_name(k, i) for i in layers for k in ("key", "value")]
+        res = dict(zip(names, sess.run(names, feeds)))
+        out.append(np.asarray(res[N.LOGITS], np.float64)[0])
+        past = {N.past_name(k, i): res[N.present_name(k, i)] for i in layers for k in ("key", "value")}
+        if step < steps:
+            nxt = forced(prompt, steps, vocab, seed)[step]
+            tokens.append(nxt)
+            feed_ids = [nxt]
+    return np.concatenate(out, 0)
+
+
+def run_paged(sess, prompts: list[list[int]], steps: int, vocab: int, block_size: int = 16, seed: int = 0,
+              windowed: bool = False) -> list[np.ndarray]:
+    ins = _inputs(sess)
+    layers = sorted(int(n.split(".")[1]) for n in ins if n.startswith("past_key_values.") and n.endswith(".key"))
+    kv = ins[N.past_name("key", layers[0])]
+    hkv, d = kv.shape[2], kv.shape[3]
+    cdt = _np_dtype(kv.type)
+    bsz = len(prompts)
+    longest = max(len(p) for p in prompts) + steps
+    per_seq = -(-longest // block_size)
+    num_blocks = bsz * per_seq + 3
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(num_blocks)[: bsz * per_seq]
+    table = perm.reshape(bsz, per_seq).astype(np.int32)
+    caches = {N.past_name(k, i): np.full((num_blocks, block_size, hkv, d), np.nan, cdt)
+              for i in layers for k in ("key", "value")}
+    lengths = [0] * bsz
+    outs: list[list[np.ndarray]] = [[] for _ in range(bsz)]
+    step_tokens = [list(p) for p in prompts]
+    follow = [forced(p, steps, vocab, seed) for p in prompts]
+    for step in range(steps + 1):
+        ids = [t for seq in step_tokens for t in seq]
+        csl = np.cumsum([0] + [len(s) for s in step_tokens]).astype(np.int32)
+        feeds = {N.INPUT_IDS: np.array(ids, np.int64), N.BLOCK_TABLE: table,
+                 N.CUMULATIVE_SEQUENCE_LENGTHS: csl, N.PAST_SEQUENCE_LENGTHS: np.array(lengths, np.int32),
+                 N.ATTENTION_METADATA: np.array([max(len(s) for s in step_tokens), max(lengths) +
+                                                 max(len(s) for s in step_tokens), 0], np.int32), **caches}
+        if N.BLOCK_TABLE_WINDOWED in ins:
+            feeds[N.BLOCK_TABLE_WINDOWED] = table
+        names = [N.LOGITS] + [N.present_name(k, i) for i in layers for k in ("key", "value")]
+        res = dict(zip(names, sess.run(names, feeds)))
+        logits = np.asarray(res[N.LOGITS], np.float64)
+        for b in range(bsz):
+            outs[b].append(logits[csl[b]:csl[b + 1]])
+            lengths[b] += len(step_tokens[b])
+        caches = {N.past_name(k, i): np.asarray(res[N.present_name(k, i)]) for i in layers for k in ("key", "value")}
+        if step < steps:
+            step_tokens = [[follow[b][step]] for b in range(bsz)]
+    return [np.concatenate(o, 0) for o in outs]
+
+
+def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
+    """max |a - ref| / max |ref| (norm-relative)."""
+    return float(np.max(np.abs(a - ref)) / max(np.max(np.abs(ref)), 1e-12))
