@@ -374,3 +374,25 @@ def test_a_feature_the_rewrite_does_not_know_is_refused_by_name(monkeypatch):
     (case,) = load_cases(["paged_sink_window_softcap"])
     _, report = decompose(single_node_model(case))
     assert report.skipped == [("paged_sink_window_softcap", "attribute 'softcap' is not decomposed")]
+
+
+def test_nan_garbage_in_unwritten_cache_rows_never_reaches_the_output():
+    """Cache rows no sequence may read (beyond each extent, in unmapped / unused blocks) hold NaN: the output
+    stays finite and equal to the reference; those rows come back bit-identical."""
+    rc = build(Spec(q_lens=[3, 1], past=[5, 17], seed=9, rotary="half", sink=True, unmapped=((1, 0),)))
+    x = rc.inputs
+    readable = torch.zeros(x["key_cache"].shape[:2], dtype=torch.bool)
+    for b, (past, n) in enumerate(zip([5, 17], [3, 1])):
+        for p in range(past + n):
+            blk = int(x["block_table"][b, p // 16])
+            if blk >= 0:
+                readable[blk, p % 16] = True
+    for name in ("key_cache", "value_cache"):
+        x[name][~readable] = float("nan")
+    before = {k: v.clone() for k, v in x.items()}
+    ref = paged_attention({k: v.clone() for k, v in x.items()}, **rc.attrs)
+    case = Case("nan_garbage", "PagedAttention", rc.attrs, before, Expected({"output": ref["output"]}, {}))
+    model, _ = decompose(single_node_model(case))
+    got = ort_run(model, before, {"output": (tuple(ref["output"].shape), torch.float16)})
+    assert torch.isfinite(got["output"]).all()
+    _compare(case, got, TOL[torch.float16])
