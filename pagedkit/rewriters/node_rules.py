@@ -414,6 +414,11 @@ GQA_TO_PAGED: tuple[Rule, ...] = (
 )
 
 
+def _renamed(name: str, old: str, new: str) -> str:
+    """The builder's node names end in the op type ('/model/layers.0/attn/GroupQueryAttention'): swap it."""
+    return name[: -len(old)] + new if name.endswith(old) else f"{name}/{new}"
+
+
 def gqa_node_to_paged(node: ir.Node, io: PagedIO, rules: tuple[Rule, ...] = GQA_TO_PAGED) -> tuple[list, dict, list]:
     """Convert one GroupQueryAttention node: (new nodes in order, {source value: replacing value}, rules
     applied). Refused(reason) when a feature cannot be expressed exactly. The graph is not touched."""
@@ -422,7 +427,7 @@ def gqa_node_to_paged(node: ir.Node, io: PagedIO, rules: tuple[Rule, ...] = GQA_
     applied = run_rules(rules, f, t, io)
     pre = list(t.b.nodes)
     t.b.tape = ir.tape.Tape()
-    attn = make_node(t, f"{f.name}/PagedAttention")
+    attn = make_node(t, _renamed(f.name, "GroupQueryAttention", "PagedAttention"))
     return [*pre, attn, *t.b.nodes], t.replaces, applied
 
 
@@ -599,7 +604,7 @@ def paged_node_to_gqa(node: ir.Node, io: GqaIO, rules: tuple[Rule, ...] = PAGED_
     applied = run_rules(rules, f, t, io)
     pre = list(t.b.nodes)
     t.b.tape = ir.tape.Tape()
-    attn = make_node(t, f"{f.name}/GroupQueryAttention")
+    attn = make_node(t, _renamed(f.name, "PagedAttention", "GroupQueryAttention"))
     return [*pre, attn, *t.b.nodes], t.replaces, applied
 
 
