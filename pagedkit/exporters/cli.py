@@ -3,6 +3,10 @@ ONNX model + genai_config.json, validated before success is declared.
 
     paged-export --model llama-3.1-8b --num-layers 2 --output /tmp/llama2l
     paged-export --model ./my-checkpoint --output out --kv-cache int8 --kv-quant PER_TOKEN
+
+Exit status: 0 exported and validated, 1 the exported model failed the ONNX checker / pagedkit's validator,
+2 bad arguments or input (missing / malformed checkpoint, unsupported model, the `export` extra not
+installed), 3 an internal error; errors are one line on stderr (PAGEDKIT_DEBUG=1 re-raises them).
 """
 
 from __future__ import annotations
@@ -10,6 +14,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
+
+from ..cli_errors import EXIT_BAD_INPUT, EXIT_FAILED, cli_main, one_line
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never the network
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -58,6 +65,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class UsageExit(SystemExit):
+    """A bad combination of flags: exit status 2 (as argparse's errors), str() is the message."""
+
+    def __init__(self, message: str):
+        super().__init__(EXIT_BAD_INPUT)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _usage_error(message: str) -> UsageExit:
+    print(f"paged-export: error: {message}", file=sys.stderr)
+    return UsageExit(message)
+
+
 def kv_options(args):
     """The KVOptions of the --k-* / --v-* / --kv-* flags."""
     from .families.base import KVOptions
@@ -72,16 +95,17 @@ def kv_options(args):
         if side_dtype in quantized:
             return q or "PER_TOKEN"
         if q not in (None, "NONE"):
-            raise SystemExit(f"paged-export: --*-quant {q} needs a quantized cache (--kv-cache int8|fp8|int4)")
+            raise _usage_error(f"--*-quant {q} needs a quantized cache (--kv-cache int8|fp8|int4)")
         return "NONE"
 
     if k != v:
-        raise SystemExit(f"paged-export: K and V caches must share one dtype (the operator binds both to T_CACHE), "
-                         f"got --k-cache {args.k_cache or kv_default} and --v-cache {args.v_cache or kv_default}")
+        raise _usage_error(f"K and V caches must share one dtype (the operator binds both to T_CACHE), "
+                           f"got --k-cache {args.k_cache or kv_default} and --v-cache {args.v_cache or kv_default}")
     return KVOptions(k_dtype=k, v_dtype=v, k_quant=quant(k, args.k_quant), v_quant=quant(v, args.v_quant),
                      rotate=args.rotate_kv)
 
 
+@cli_main("paged-export")  # errors: one stderr line; 2 bad input, 3 internal error (pagedkit/cli_errors.py)
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from ..validators.contract import block_size_error
@@ -101,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error("--model and --output are required")
     from .export import ExportError, export
     from .families.base import ExportOptions
-    from .weights import WeightsError
+    from .weights import RandomWeightsWarning
 
     extras = {e.strip() for e in args.extra_inputs.split(",") if e.strip()}
     unknown = extras - {"slot_mapping", "query_positions"}
@@ -111,12 +135,15 @@ def main(argv: list[str] | None = None) -> int:
                          kv=kv_options(args), slot_mapping="slot_mapping" in extras,
                          query_positions="query_positions" in extras, progress=not args.quiet)
     try:
-        result = export(args.model, args.output, opts, num_layers=args.num_layers, num_experts=args.num_experts,
-                        seed=args.seed, weights=args.weights, calibration=args.calibration,
-                        percentile=args.calibration_percentile)
-    except (WeightsError, ExportError, NotImplementedError, ValueError) as exc:
-        print(f"paged-export: error: {exc}", file=sys.stderr)
-        return 1
+        with warnings.catch_warnings():  # the random-weights banner is printed already: not a second time
+            warnings.simplefilter("ignore", RandomWeightsWarning)
+            result = export(args.model, args.output, opts, num_layers=args.num_layers, num_experts=args.num_experts,
+                            seed=args.seed, weights=args.weights, calibration=args.calibration,
+                            percentile=args.calibration_percentile)
+    except ExportError as exc:  # the export ran, its result failed the checker / validator
+        print(f"paged-export: error: {one_line(str(exc))}", file=sys.stderr)
+        return EXIT_FAILED
+    # any other error (bad checkpoint, unsupported model, missing extra): cli_main, status 2
     print(result.summary())
     return 0
 

@@ -38,6 +38,15 @@ _EXPERT_KEYS = (("num_local_experts", "num_experts_per_tok"), ("n_routed_experts
                 ("num_experts", "num_experts_per_tok"))
 
 
+class RandomWeightsWarning(UserWarning):
+    """Exporting random weights (no local checkpoint weights). The banner on stderr is what the user
+    reads; the warning is for code (pytest.warns, filters) and is not displayed by default, so that the
+    message is printed once. An explicit filter (-W always, simplefilter) still shows it."""
+
+
+warnings.filterwarnings("ignore", category=RandomWeightsWarning, append=True)  # after any user filter
+
+
 class WeightsError(ValueError):
     """A checkpoint pagedkit refuses to load (pickle, remote code, nothing usable); the message says why."""
 
@@ -123,7 +132,7 @@ def _random_model(config, name: str, dtype: torch.dtype, seed: int, why: str) ->
            "The model will produce noise; point --model at a local checkpoint folder for real weights.")
     banner = "!" * 100
     print(f"{banner}\nWARNING: {msg}\n{banner}", file=sys.stderr)
-    warnings.warn(msg, stacklevel=3)
+    warnings.warn(msg, RandomWeightsWarning, stacklevel=3)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, attn_implementation="eager")

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..cli_errors import cli_main, one_line, report as report_error
+
 
 def _parse_ids(text: str) -> list[int]:
     try:
@@ -52,11 +54,17 @@ def _tokenizer(model_dir: Path):
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         return None
+    from ..interface.paths import inside_folder
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(path))
+    inside_folder(model_dir, "tokenizer.json")  # UnsafePathError: a symlink leading out of the folder
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises its own Exception for a malformed file
+        raise ValueError(f"{path}: not a tokenizer file ({one_line(str(exc))})") from None
 
 
+@cli_main("paged-run")
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -88,11 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         from .generate import TOLERANCES, Generator
 
         t0 = time.perf_counter()
-        gen = Generator(model_dir, device=args.device, block_size=args.block_size)
+        # caches sized for this run (prompt + new tokens), not for the config's context_length
+        gen = Generator(model_dir, device=args.device, block_size=args.block_size,
+                        max_seq_len=len(prompt) + args.max_new_tokens)
         setup = time.perf_counter() - t0
     except (OSError, ValueError, NotImplementedError) as exc:
-        print(f"paged-run: {exc}", file=sys.stderr)
-        return 2
+        return report_error("paged-run", exc)
     cfg = gen.config
     print(f"model: {model_dir} ({'paged' if cfg.paged else 'GQA'} layout, {cfg.num_layers} layers, "
           f"{str(gen.dtype).replace('torch.', '')}) on {args.device}, session ready in {setup:.2f} s")
@@ -107,9 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                 shown = text
             else:
                 print(f"{' ' if len(tokens) > 1 else ''}{step.token}", end="", flush=True)
-    except (ValueError, RuntimeError) as exc:
-        print(f"\npaged-run: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, RuntimeError, TypeError) as exc:  # a model that fails at run time (feeds, cache pool)
+        print(file=sys.stderr)
+        return report_error("paged-run", exc if isinstance(exc, ValueError) else ValueError(f"{type(exc).__name__}: {exc}"))
     print()
     steps = gen.history.steps
     prefill, decode = steps[0].seconds, sum(s.seconds for s in steps[1:])
@@ -126,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         ref = hf_logits(args.parity, gen.history.token_ids)
         report = parity(gen.history, ref, tol)
     except (OSError, ValueError) as exc:
-        print(f"paged-run: --parity: {exc}", file=sys.stderr)
-        return 2
+        return report_error("paged-run: --parity", exc)
     print(f"parity vs Hugging Face eager float32 ({args.parity}), teacher-forced over the same tokens:")
     print("\n".join(report.lines()))
     return 0 if report.ok else 1
