@@ -455,7 +455,7 @@ class GqaIO:
     batch_seq: ir.Value
     token_rows: ir.Value | None = None
     cast_to: ir.DataType | None = None
-    cache_dtype: ir.DataType | None = None
+    query_seqlens: ir.Value | None = None  # int32 [B]: valid rows of each right-padded chunk (padded batches)
 
 
 def _p2g_cast(t, io, v, src=None):
@@ -490,6 +490,8 @@ def _p2g_core(f, t, io: GqaIO):
             t.inputs[n] = _p2g_cast(t, io, f.inputs[n])
     t.inputs.update(past_key=io.past_key, past_value=io.past_value, seqlens_k=io.seqlens_k,
                     total_sequence_length=io.total_length)
+    if io.query_seqlens is not None:
+        t.inputs["query_seqlens"] = io.query_seqlens
     src_out = f.outputs["output"]
     out = _new_value(f"{f.name}/gqa/output", io.cast_to or _dtype(src_out), None)
     t.outputs["output"] = out
