@@ -3,12 +3,12 @@ exit status, never a traceback for bad input.
 
 Exit statuses shared by the three commands:
 
-| status | meaning |
-| --- | --- |
-| 0 | success |
-| 1 | the command ran and the result failed its check (validate: issues; run: parity failure; export: the exported model is invalid) |
-| 2 | bad input: bad arguments, a missing / unreadable / malformed model, folder, config or checkpoint, a path leading outside the model folder, a missing optional dependency |
-| 3 | internal error: an exception pagedkit does not expect (a bug: please report it) |
+    0  success
+    1  the command ran and the result failed its check (validate: issues; run: parity failure;
+       export: the exported model is invalid)
+    2  bad input: bad arguments, a missing / unreadable / malformed model, folder, config or
+       checkpoint, a path leading outside the model folder, a missing optional dependency
+    3  internal error: an exception pagedkit does not expect (a bug: please report it)
 
 Known error types (bad input, status 2): ValueError (pagedkit's ValidationError, ModelLoadError,
 UnsafeModelError, UnsafePathError, WeightsError; json.JSONDecodeError, UnicodeDecodeError), OSError

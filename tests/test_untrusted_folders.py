@@ -771,7 +771,8 @@ def test_export_bad_input_is_status_2(tmp_path):
     """Bad input is status 2 for paged-export too (as for paged-validate / paged-run), one line."""
     from pagedkit.exporters.cli import main as export_main
 
-    rc, out, err = _call(export_main, ["--model", str(tmp_path / "no-such-checkpoint"), "--output", str(tmp_path / "o")])
+    rc, out, err = _call(export_main, ["--model", str(tmp_path / "no-such-checkpoint"),
+                                       "--output", str(tmp_path / "o")])
     assert rc == 2, (rc, out, err)
     _one_line(err, "paged-export")
     (tmp_path / "ckpt").mkdir()

@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{' ' if len(tokens) > 1 else ''}{step.token}", end="", flush=True)
     except (ValueError, RuntimeError, TypeError) as exc:  # a model that fails at run time (feeds, cache pool)
         print(file=sys.stderr)
-        return report_error("paged-run", exc if isinstance(exc, ValueError) else ValueError(f"{type(exc).__name__}: {exc}"))
+        bad = exc if isinstance(exc, ValueError) else ValueError(f"{type(exc).__name__}: {exc}")
+        return report_error("paged-run", bad)
     print()
     steps = gen.history.steps
     prefill, decode = steps[0].seconds, sum(s.seconds for s in steps[1:])

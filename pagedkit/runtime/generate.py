@@ -109,7 +109,8 @@ def read_config(folder: str | Path) -> DecoderConfig:
     if missing:
         raise ValueError(f"{path}: model.decoder lacks {missing}")
     eos = model.get("eos_token_id")
-    eos = [] if eos is None else [get.int(e, "model.eos_token_id", minimum=0) for e in (eos if isinstance(eos, list) else [eos])]
+    eos = [] if eos is None else [get.int(e, "model.eos_token_id", minimum=0)
+                                  for e in (eos if isinstance(eos, list) else [eos])]
     sw = dec.get("sliding_window") or {}
     if not isinstance(sw, dict):
         raise ValueError(f"{path}: model.decoder.sliding_window must be an object, got {type(sw).__name__}")
