@@ -18,7 +18,8 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from ..contract import OpContract
+from ...interface import dtypes
+from ..contract import CACHE_FORMATS, OpContract
 from ..issues import Issue
 from ..nodeview import NodeView, TensorInfo, dtype_name, type_str
 
@@ -66,7 +67,9 @@ COMMON_DOCS = {
     "bias-heads": "attention_bias dimension 1 must be 1 or num_heads.",
 }
 
-QUANTIZED_CACHE_TYPES = ("int8", "float8e4m3fn", "uint8")
+# element-type names of caches that hold codes (int8, float8e4m3fn, uint8 = packed int4): CACHE_FORMATS' storage
+QUANTIZED_CACHE_TYPES = tuple(dtypes.type_name(dtypes.elem_type(f.storage)) for f in CACHE_FORMATS.values()
+                              if f.quantized)
 
 
 def dtype_docs(contract: OpContract) -> dict[str, str]:
