@@ -143,6 +143,20 @@ def _elem(info: dict, name: str) -> ir.DataType | None:
     return ir.DataType(e) if e else None
 
 
+def _t_elem(a: dict, info: dict, name_of: dict, outs: dict) -> ir.DataType | None:
+    """T: query's element type, else that of any other T-typed input (often initializers: cos/sin, norm
+    weights, sinks), of output 0, or of an unquantized cache (T_CACHE == T iff no quantization)."""
+    for n in ("query", "key", "value", "cos_cache", "sin_cache", "head_sink", "q_norm_weight", "k_norm_weight",
+              "attention_bias"):
+        if n in name_of and _elem(info, name_of[n]) is not None:
+            return _elem(info, name_of[n])
+    if "output" in outs and _elem(info, outs["output"].name) is not None:
+        return _elem(info, outs["output"].name)
+    if a["k_quant_type"] == "NONE" and a["k_cache_dtype"] != "int4":
+        return _elem(info, name_of["key_cache"])
+    return None
+
+
 def check(node: ir.Node, proto_node: onnx.NodeProto, info: dict, consts: dict) -> Spec:
     """Validate the node and collect its static facts; raises Refused(reason)."""
     issues = validate_node(proto_node, info, consts)
@@ -162,7 +176,7 @@ def check(node: ir.Node, proto_node: onnx.NodeProto, info: dict, consts: dict) -
     heads, kv_heads = int(a["num_heads"]), int(a["kv_num_heads"])
     latent = a["kv_cache_layout"] == "LATENT"
     packed = not latent and "key" not in x and "value" not in x
-    t_elem = _elem(info, name_of["query"])
+    t_elem = _t_elem(a, info, name_of, outs)
     if t_elem is None:
         raise Refused("the element type of input 'query' is unknown (run shape inference or declare it)")
     width = _dim(info, name_of["query"], 1)
