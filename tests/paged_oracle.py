@@ -1,6 +1,8 @@
-"""Test-side PagedAttention cases and an independent float64 oracle (shared by the reference tests).
+"""Test-side PagedAttention cases and independent float64 oracles (no pagedkit import): PagedAttention
+(`oracle`, shared by the reference tests) and GroupQueryAttention (`gqa_oracle`, a per-query-row loop, used
+by tests/test_gqa_oracle.py).
 
-The oracle never pages and never loops per query row: it keeps each sequence's context as one contiguous
+The PagedAttention oracle never pages and never loops per query row: it keeps each sequence's context as one contiguous
 float64 tensor [L, Hkv, D] (the cached past, dequantized, followed by the step's new tokens fake-quantized
 with its own numpy quantizer) and evaluates dense masked attention, cross-checked against torch SDPA.
 """

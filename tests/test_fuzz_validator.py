@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 
 import pytest
 import torch
@@ -326,7 +325,7 @@ def bases():
 
 def test_fuzz_targeted_mutations_are_reported(bases):
     rng = random.Random(SEED)
-    start, done, static_checked, per_kind = time.time(), 0, 0, {}
+    done, static_checked, per_kind = 0, 0, {}
     while done < N_TARGETED:
         case = bases.get(rng)
         mutate = rng.choice(TARGETED)
@@ -350,7 +349,6 @@ def test_fuzz_targeted_mutations_are_reported(bases):
         done += 1
     assert all(per_kind.get(m.__name__, 0) >= 100 for m in TARGETED), per_kind
     assert static_checked > 300
-    assert time.time() - start < 60
 
 
 def _symbolic_node(rng, case):

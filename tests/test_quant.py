@@ -153,10 +153,12 @@ def test_hadamard_sylvester_order_and_orthonormal():
         assert torch.allclose(h.abs(), torch.full((n, n), 1 / math.sqrt(n), dtype=torch.float64), atol=1e-15)
 
 
-def test_hadamard_matches_scipy():
-    linalg = pytest.importorskip("scipy.linalg")
-    for n in (16, 64):
-        ref = torch.from_numpy(linalg.hadamard(n).astype(np.float64)) / math.sqrt(n)
+def test_hadamard_is_sylvester_ordered():
+    """Sylvester's ordering (scipy.linalg.hadamard's; scipy is not a dependency): H[i, j] = (-1)^popcount(i & j)."""
+    for n in (2, 16, 64):
+        i = np.arange(n)
+        signs = np.array([[(-1.0) ** bin(a & b).count("1") for b in i] for a in i])
+        ref = torch.from_numpy(signs) / math.sqrt(n)
         assert torch.allclose(quant.hadamard_matrix(n, torch.float64), ref, atol=1e-15, rtol=0)
 
 
