@@ -13,7 +13,6 @@ import onnx_ir as ir
 
 F32 = ir.DataType.FLOAT
 I64 = ir.DataType.INT64
-BOOL = ir.DataType.BOOL
 
 
 class Builder:

@@ -168,4 +168,5 @@ def attend(b: Builder, q: ir.Value, k: ir.Value, v: ir.Value, allowed: ir.Value,
     return out, qk
 
 
-__all__ = ["Masking", "allowed_mask", "apply_rope", "attend", "from_padded", "to_padded", "rms_norm", "rope_tables", "rotate"]
+__all__ = ["Masking", "allowed_mask", "apply_rope", "attend", "from_padded", "rms_norm", "rope_tables", "rotate",
+           "to_padded"]

@@ -28,7 +28,6 @@ from ._builder import I64, Builder
 FP16 = ir.DataType.FLOAT16
 QMAX = {"int8": 127.0, "float8e4m3fn": 448.0, "int4": 7.0}
 QMIN = {"int8": -128.0, "float8e4m3fn": -448.0, "int4": -8.0}
-STORED = {"int8": ir.DataType.INT8, "float8e4m3fn": ir.DataType.FLOAT8E4M3FN, "int4": ir.DataType.UINT8}
 
 
 @dataclass
