@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "folder (config.json + *.safetensors), a local .gguf file, or a built-in name "
                     f"({', '.join(builtin_names())}); without local weights it exports random weights and "
                     "says so.")
-    p.add_argument("--model", "-m", help="local checkpoint folder, .gguf file, or built-in name")
+    p.add_argument("--model", "-m", help="local checkpoint folder, .gguf file, built-in name, or a model "
+                                         "fetched by paged-fetch (smollm2-135m)")
     p.add_argument("--output", "-o", help="output folder (model.onnx, genai_config.json, tokenizer files)")
     p.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="activation / weight dtype (fp16)")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size written to the config: a power of two >= 16 (16)")
@@ -118,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         from .weights import builtin_names
 
         print("built-in models:", ", ".join(builtin_names()))
+        from .fetch import FETCHABLE
+
+        print("real weights (run `paged-fetch NAME` first):", ", ".join(sorted(FETCHABLE)))
         for model_type, features in supported().items():
             print(f"{model_type}: {'; '.join(features)}")
         return 0

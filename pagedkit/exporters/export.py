@@ -202,6 +202,8 @@ def export(model: str | os.PathLike, output_dir: str | os.PathLike, opts: Export
     dtype = torch.float16 if opts.dtype == "fp16" else torch.bfloat16
     loaded = load_model(model, num_layers=num_layers, num_experts=num_experts, seed=seed, dtype=dtype)
     source = {"model": str(model), "num_hidden_layers": loaded.config.num_hidden_layers}
+    if loaded.checkpoint is not None:  # the local weights, for `paged-run --parity` without a second path
+        source["checkpoint"] = str(loaded.checkpoint)
     holder, tokenizer_dir, kind = [loaded.model], loaded.source_dir, loaded.weights
     del loaded
     return _export(holder, output_dir, opts, weights=kind, source=source, tokenizer_dir=tokenizer_dir,

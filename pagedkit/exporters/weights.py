@@ -58,6 +58,7 @@ class LoadedModel:
     name: str  # what the user asked for
     weights: str  # "safetensors" | "gguf" | "random"
     source_dir: Path | None  # where tokenizer files may be found
+    checkpoint: Path | None = None  # the local weights loaded (checkpoint folder or .gguf file); None: random
 
 
 def builtin_names() -> list[str]:
@@ -145,7 +146,7 @@ def _from_dir(path: Path, name: str, config, dtype: torch.dtype) -> LoadedModel:
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, torch_dtype=dtype, use_safetensors=True, trust_remote_code=False,
         local_files_only=True, attn_implementation="eager")
-    return LoadedModel(model.eval(), model.config, name, "safetensors", path)
+    return LoadedModel(model.eval(), model.config, name, "safetensors", path, Path(path).resolve())
 
 
 def _from_gguf(file: Path, name: str, dtype: torch.dtype, num_layers: int | None) -> LoadedModel:
@@ -161,7 +162,7 @@ def _from_gguf(file: Path, name: str, dtype: torch.dtype, num_layers: int | None
     model = AutoModelForCausalLM.from_pretrained(
         file.parent, gguf_file=file.name, config=config, torch_dtype=dtype, trust_remote_code=False,
         local_files_only=True, attn_implementation="eager")
-    return LoadedModel(model.eval(), model.config, name, "gguf", file.parent)
+    return LoadedModel(model.eval(), model.config, name, "gguf", file.parent, file.resolve())
 
 
 def load_model(name_or_path: str | os.PathLike, *, num_layers: int | None = None, num_experts: int | None = None,
@@ -190,6 +191,14 @@ def load_model(name_or_path: str | os.PathLike, *, num_layers: int | None = None
         loaded = _random_model(config, name, dtype, 0 if seed is None else seed, "the folder has no *.safetensors")
         loaded.source_dir = path
         return loaded
+    from .fetch import FETCHABLE, fetched, model_folder
+
+    if name in FETCHABLE:  # a model `paged-fetch NAME` put in the cache folder (never fetched from here)
+        got = fetched(name)
+        if got is None:
+            raise WeightsError(f"{name} is not fetched yet: run `paged-fetch {name}` first (it fills "
+                               f"{model_folder(name)}; paged-export itself never downloads)")
+        return _from_gguf(got.gguf, name, dtype, num_layers)
     if os.sep in name or name.startswith("."):
         raise WeightsError(f"{name}: no such file or folder")
     cfg = builtin_config(name)

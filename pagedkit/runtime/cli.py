@@ -3,13 +3,16 @@
     paged-run MODEL_DIR --prompt-ids 1,2,3 [--max-new-tokens N] [--device cpu|cuda]
     paged-run MODEL_DIR --prompt "some text"              # needs MODEL_DIR/tokenizer.json
     paged-run MODEL_DIR --prompt-ids 1,2,3 --parity HF_CHECKPOINT_DIR
+    paged-run MODEL_DIR --prompt "some text" --parity   # the checkpoint paged-export recorded
 
 MODEL_DIR holds model.onnx and genai_config.json (pagedkit's or onnxruntime-genai's). Tokens are
 printed as they come (text when MODEL_DIR has a tokenizer, else ids), then a summary (tokens/s).
---parity runs Hugging Face eager (float32, the local folder only, no remote code, offline)
-teacher-forced over the same tokens and prints, step by step, the largest logit difference and
-whether the greedy tokens agree (near-ties marked). Exit status: 0 ok, 1 parity failure, 2 bad
-arguments or model.
+--parity runs Hugging Face eager (float32, the local folder or .gguf only, no remote code, offline;
+without a path, the source checkpoint paged-export recorded in genai_config.json) teacher-forced over
+the same tokens and prints, step by step, the largest logit difference and whether the greedy tokens
+agree, then how many steps were compared and how many were near-ties (HF's own top-2 logits closer than
+the tolerance: only there may the tokens differ; see pagedkit/runtime/parity.py). Exit status: 0 ok,
+1 parity failure, 2 bad arguments or model.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text (tokenized with MODEL_DIR/tokenizer.json)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--parity", metavar="HF_CHECKPOINT_DIR", help="compare with Hugging Face eager (local folder)")
+    p.add_argument("--parity", metavar="HF_CHECKPOINT", nargs="?", const="",
+                   help="compare with Hugging Face eager: a local checkpoint folder or .gguf; without a value, the "
+                        "source checkpoint paged-export recorded in genai_config.json")
     p.add_argument("--tol", type=float, help="parity tolerance on max|diff| / max|ref| "
                                              "(default: 1e-4 for float32 models, 2e-2 for float16 / bfloat16)")
     p.add_argument("--block-size", type=int, help="KV block size (paged layout; default from the model / config)")
@@ -127,17 +132,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ids: {tokens}")
     print(f"generated {len(tokens)} tokens: prefill {len(prompt)} tokens in {prefill:.3f} s, "
           f"decode {len(steps) - 1} tokens in {decode:.3f} s ({rate})")
-    if not args.parity:
+    if args.parity is None:
         return 0
-    from .parity import hf_logits, parity
+    from .parity import hf_logits, load_hf, parity, recorded_source
 
     tol = args.tol if args.tol is not None else TOLERANCES[gen.dtype]
     try:
-        ref = hf_logits(args.parity, gen.history.token_ids)
+        checkpoint, layers = (recorded_source(cfg.pagedkit, model_dir) if args.parity == ""
+                              else (Path(args.parity), None))
+        ref = hf_logits(load_hf(checkpoint, layers), gen.history.token_ids)
         report = parity(gen.history, ref, tol)
     except (OSError, ValueError) as exc:
         return report_error("paged-run: --parity", exc)
-    print(f"parity vs Hugging Face eager float32 ({args.parity}), teacher-forced over the same tokens:")
+    print(f"parity vs Hugging Face eager float32 ({checkpoint}), teacher-forced over the same tokens:")
     print("\n".join(report.lines()))
     return 0 if report.ok else 1
 
