@@ -98,3 +98,45 @@ def run_paged(sess, prompts: list[list[int]], steps: int, vocab: int, block_size
 def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
     """max |a - ref| / max |ref| (norm-relative)."""
     return float(np.max(np.abs(a - ref)) / max(np.max(np.abs(ref)), 1e-12))
+
+
+def save_sharp_checkpoint(family: str, out, factor: float = 10.0, seed: int = 0):
+    """tests/genai_models.save_checkpoint with every layer's q_proj and k_proj weights multiplied by `factor`:
+    a random init's attention scores are ~0.03 (softmax nearly uniform, logits blind to the score scale);
+    x10 on Q and K makes them O(1), so a 2% scale error moves the logits well past the fp16 tolerance."""
+    import torch
+    import transformers
+
+    from genai_models import _COMMON, FAMILIES, _save_tokenizer
+
+    cls_name, extra = FAMILIES[family]
+    config = getattr(transformers, cls_name)(**(_COMMON | extra))
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(factor)
+            layer.self_attn.k_proj.weight.mul_(factor)
+    model.save_pretrained(out)
+    _save_tokenizer(out, config.vocab_size)
+    return out
+
+
+def build_sharp_model(family: str, layout: str, root):
+    """The builder's model folder for the sharpened checkpoint of `family` in `layout` ("gqa" / "paged"),
+    built once under root. Raises genai_models.BuilderFailed."""
+    from pathlib import Path
+
+    from genai_models import BuilderFailed, run_builder
+
+    root = Path(root)
+    out = root / f"{family}-sharp-{layout}"
+    if (out / "model.onnx").exists():
+        return out
+    hf = root / f"hf-{family}-sharp"
+    if not (hf / "config.json").exists():
+        try:
+            save_sharp_checkpoint(family, hf)
+        except Exception as exc:
+            raise BuilderFailed(f"could not write a {family} checkpoint: {type(exc).__name__}: {exc}") from exc
+    return run_builder(hf, out, layout, root / "cache")

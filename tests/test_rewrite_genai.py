@@ -1,0 +1,212 @@
+"""Whole-model rewrites of onnxruntime-genai builder models (pagedkit/rewriters/gqa_to_paged.py,
+paged_to_gqa.py, rewrite.py) and the `paged-rewrite` CLI.
+
+Models: a random tiny 2-layer checkpoint (tests/genai_models.py) with Q and K projections x10 so that attention
+scores are O(1) (rewrite_helpers.save_sharp_checkpoint: at random init the logits cannot see a 2% scale
+error), run through the builder (GQA layout: float32 for CPU; paged layout: fp16 with
+use_paged_attention=true). Checks:
+- GQA -> paged: the builder's GQA model in onnxruntime CPU vs its rewrite in pagedkit.InferenceSession, all
+  sequences packed in one ragged batch over a shuffled block table, prompt then forced decode tokens
+  (teacher-forced): logits within 5e-3 * max |ref| (the rewrite computes attention in fp16); its graph I/O
+  (names, shapes) and genai_config.json equal the builder's own paged export of the same checkpoint, except
+  the allowed differences (docs/rewrite.md): logits float32 (the source is float32), the "pagedkit" section.
+- paged -> GQA: the builder's paged model in pagedkit vs its GQA rewrite in onnxruntime CPU.
+- round trip GQA -> paged -> GQA in onnxruntime CPU vs the original.
+- teeth: a 2% scale change in the rewritten graph fails each comparison.
+Llama runs by default; Gemma 2 (window + softcap) and Qwen3 (QK-norm) are `slow`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+pytest.importorskip("onnxruntime_genai")
+pytest.importorskip("transformers")
+ort = pytest.importorskip("onnxruntime")
+
+import pagedkit  # noqa: E402
+from genai_models import BuilderFailed  # noqa: E402
+from rewrite_helpers import build_sharp_model, rel_err, run_gqa, run_paged  # noqa: E402
+from pagedkit.rewriters.cli import main  # noqa: E402
+from pagedkit.rewriters.rewrite import rewrite_file  # noqa: E402
+
+TOL = 5e-3
+VOCAB = 128
+PROMPTS = [[5, 9, 17, 33, 4, 8, 90, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [7, 7, 100], [40, 41, 42, 43, 44]]
+STEPS = 4
+
+
+@pytest.fixture(scope="session")
+def genai_root(tmp_path_factory) -> Path:
+    """Built models live here for the session (PAGEDKIT_REWRITE_MODELS=<dir> reuses a folder across runs)."""
+    keep = os.environ.get("PAGEDKIT_REWRITE_MODELS")
+    return Path(keep) if keep else tmp_path_factory.mktemp("rewrite-genai")
+
+
+def built(root: Path, family: str, layout: str) -> Path:
+    try:
+        return build_sharp_model(family, layout, root)
+    except BuilderFailed as exc:
+        pytest.skip(f"onnxruntime-genai builder could not build {family}/{layout}: {exc}")
+
+
+def _ort(path) -> "ort.InferenceSession":
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _io(path) -> dict:
+    m = onnx.load(str(path), load_external_data=False)
+
+    def desc(v):
+        t = v.type.tensor_type
+        return (t.elem_type, tuple(d.dim_param or d.dim_value for d in t.shape.dim))
+    return {"inputs": {v.name: desc(v) for v in m.graph.input},
+            "outputs": {v.name: desc(v) for v in m.graph.output}}
+
+
+def _scale_mutated(src: Path, dst: Path, op: str, factor: float = 1.02) -> Path:
+    """A copy of the model with every `op` node's scale multiplied by factor (external data shared)."""
+    m = onnx.load(str(src), load_external_data=False)
+    for n in m.graph.node:
+        if n.op_type == op:
+            a = next((a for a in n.attribute if a.name == "scale"), None)
+            if a is None:
+                n.attribute.append(onnx.helper.make_attribute("scale", 0.25 * factor))
+            else:
+                a.f *= factor
+    onnx.save(m, str(dst))
+    return dst
+
+
+def _gqa_to_paged(root: Path, family: str, tmp: Path) -> tuple[Path, Path]:
+    src = built(root, family, "gqa")
+    out = tmp / f"{family}-rewrite" / "model.onnx"
+    rewrite_file(src / "model.onnx", out, "paged")
+    return src, out
+
+
+def _paged_vs_gqa(paged_model, gqa_model, windowed=False) -> list[float]:
+    p = pagedkit.InferenceSession(str(paged_model))
+    g = _ort(gqa_model)
+    got = run_paged(p, PROMPTS, STEPS, VOCAB, windowed=windowed)
+    return [rel_err(o, run_gqa(g, pr, STEPS, VOCAB)) for pr, o in zip(PROMPTS, got)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Llama (default run)
+# ------------------------------------------------------------------------------------------------
+
+def test_llama_gqa_to_paged_logits(genai_root, tmp_path):
+    src, out = _gqa_to_paged(genai_root, "llama", tmp_path)
+    errs = _paged_vs_gqa(out, src / "model.onnx")
+    assert max(errs) <= TOL, errs
+    # teeth: a 2% wrong scale in the rewrite fails the same comparison
+    bad = _scale_mutated(out, out.parent / "bad.onnx", "PagedAttention")
+    assert max(_paged_vs_gqa(bad, src / "model.onnx")) > TOL
+
+
+def test_llama_rewrite_io_and_config_equal_builder_paged(genai_root, tmp_path):
+    _, out = _gqa_to_paged(genai_root, "llama", tmp_path)
+    builder = built(genai_root, "llama", "paged")
+    mine, theirs = _io(out), _io(builder / "model.onnx")
+    assert list(mine["inputs"]) == list(theirs["inputs"]) or set(mine["inputs"]) == set(theirs["inputs"])
+    assert mine["inputs"] == theirs["inputs"]
+    # allowed: logits are float32 (the source GQA model is float32), shapes and names equal
+    assert mine["outputs"].pop("logits") == (onnx.TensorProto.FLOAT, theirs["outputs"]["logits"][1])
+    theirs["outputs"].pop("logits")
+    assert mine["outputs"] == theirs["outputs"]
+    cfg = json.loads((out.parent / "genai_config.json").read_text())
+    ref = json.loads((builder / "genai_config.json").read_text())
+    assert "pagedkit" in cfg
+    cfg.pop("pagedkit")
+    assert cfg == ref
+
+
+def test_llama_paged_to_gqa_logits(genai_root, tmp_path):
+    src = built(genai_root, "llama", "paged")
+    out = tmp_path / "gqa" / "model.onnx"
+    rewrite_file(src, out, "gqa")
+    errs = _paged_vs_gqa(src / "model.onnx", out)
+    assert max(errs) <= TOL, errs
+    cfg = json.loads((out.parent / "genai_config.json").read_text())
+    ref = json.loads((built(genai_root, "llama", "gqa") / "genai_config.json").read_text())
+    assert cfg["model"]["decoder"]["inputs"] == ref["model"]["decoder"]["inputs"]
+    assert cfg["model"]["decoder"]["outputs"] == ref["model"]["decoder"]["outputs"]
+    bad = _scale_mutated(out, out.parent / "bad.onnx", "GroupQueryAttention")
+    assert max(_paged_vs_gqa(src / "model.onnx", bad)) > TOL
+
+
+def test_llama_round_trip_gqa_paged_gqa(genai_root, tmp_path):
+    src, paged = _gqa_to_paged(genai_root, "llama", tmp_path)
+    back = tmp_path / "back" / "model.onnx"
+    rewrite_file(paged, back, "gqa")
+    a, b = _ort(src / "model.onnx"), _ort(back)
+    errs = [rel_err(run_gqa(b, pr, STEPS, VOCAB), run_gqa(a, pr, STEPS, VOCAB)) for pr in PROMPTS]
+    assert max(errs) <= TOL, errs
+    assert _io(back)["inputs"].keys() == _io(src / "model.onnx")["inputs"].keys()
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
+
+def test_cli_rewrites_and_summarizes(genai_root, tmp_path, capsys):
+    src = built(genai_root, "llama", "gqa")
+    out = tmp_path / "cli" / "model.onnx"
+    assert main([str(src / "model.onnx"), str(out), "--to", "paged", "--block-size", "16"]) == 0
+    text = capsys.readouterr().out
+    assert "2 attention node(s) rewritten, 0 skipped" in text and "validated" in text
+    assert (out.parent / "model.onnx.data").is_file()  # external data kept external
+    assert json.loads((out.parent / "genai_config.json").read_text())["engine"]["dynamic_batching"]["block_size"] == 16
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--to", "paged", "--block-size", "24"], "block_size must be a power of two >= 16, got 24"),
+    (["--to", "gqa"], "no com.microsoft::PagedAttention node"),
+])
+def test_cli_refusal_is_one_line(genai_root, tmp_path, capsys, args, needle):
+    src = built(genai_root, "llama", "gqa")
+    assert main([str(src / "model.onnx"), str(tmp_path / "o" / "model.onnx"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("paged-rewrite: error: ") and needle in err
+
+
+def test_cli_unsafe_external_data_refused(genai_root, tmp_path, capsys):
+    src = built(genai_root, "llama", "gqa")
+    m = onnx.load(str(src / "model.onnx"), load_external_data=False)
+    for t in m.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = "../elsewhere.data"
+    (tmp_path / "evil").mkdir()
+    onnx.save(m, str(tmp_path / "evil" / "model.onnx"))
+    assert main([str(tmp_path / "evil" / "model.onnx"), str(tmp_path / "o" / "model.onnx"), "--to", "paged"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "external data" in err
+
+
+# ------------------------------------------------------------------------------------------------
+# other families (slow)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma2", "qwen3"])
+def test_family_gqa_to_paged_logits(genai_root, tmp_path, family):
+    src, out = _gqa_to_paged(genai_root, family, tmp_path)
+    errs = _paged_vs_gqa(out, src / "model.onnx")
+    assert max(errs) <= TOL, errs
+    builder = built(genai_root, family, "paged")
+    mine, theirs = _io(out), _io(builder / "model.onnx")
+    assert mine["inputs"] == theirs["inputs"]
+    mine["outputs"].pop("logits"), theirs["outputs"].pop("logits")
+    assert mine["outputs"] == theirs["outputs"]
+    cfg = json.loads((out.parent / "genai_config.json").read_text())
+    ref = json.loads((builder / "genai_config.json").read_text())
+    cfg.pop("pagedkit")
+    assert cfg["model"] == ref["model"]
