@@ -29,13 +29,17 @@ def _np_dtype(type_str: str):
             "tensor(int64)": np.int64, "tensor(int32)": np.int32}[type_str]
 
 
-def run_gqa(sess, prompt: list[int], steps: int, vocab: int, seed: int = 0, head_size: int = 16) -> np.ndarray:
+def run_gqa(sess, prompt: list[int], steps: int, vocab: int, seed: int = 0, head_size: int = 16,
+            window: int = 32) -> np.ndarray:
     ins = _inputs(sess)
     layers = sorted(int(n.split(".")[1]) for n in ins if n.startswith("past_key_values.") and n.endswith(".key"))
     kv = ins[N.past_name("key", layers[0])]
     hkv, d = kv.shape[1], kv.shape[3] if isinstance(kv.shape[3], int) else head_size
     cdt = _np_dtype(kv.type)
-    past = {N.past_name(k, i): np.zeros((1, hkv, 0, d), cdt) for i in layers for k in ("key", "value")}
+    # windowed layers (sliding_window_cache=1, dim 'past_sliding_length') keep a fixed window-sized buffer
+    sliding = {i for i in layers if ins[N.past_name("key", i)].shape[2] == "past_sliding_length"}
+    past = {N.past_name(k, i): np.zeros((1, hkv, window if i in sliding else 0, d), cdt)
+            for i in layers for k in ("key", "value")}
     tokens = list(prompt)
     out = []
     feed_ids = list(prompt)

@@ -124,10 +124,11 @@ def gqa_to_paged(model: onnx.ModelProto | ir.Model, *, dtype: ir.DataType = F16
                 head = w // (heads + 2 * kv_heads) if w and node.inputs[1] is None else (w // heads if w else None)
             if not head:
                 raise Refused("head_size is not known statically")
+            win = node.attributes.get_int("local_window_size", -1)
+            ring = table_w is not None and win > 0  # the builder names the windowed pool num_blocks_windowed
             for v in (pk, pv):
                 v.dtype = cache_dt
-                v.shape = ir.Shape(["num_blocks", "block_size", kv_heads, head])
-            win = node.attributes.get_int("local_window_size", -1)
+                v.shape = ir.Shape(["num_blocks_windowed" if ring else "num_blocks", "block_size", kv_heads, head])
             q_dt = node.inputs[0].dtype
             io = PagedIO(pk, pv, csl, past, table_w if (table_w is not None and win > 0) else table,
                          N.present_name("key", layer), N.present_name("value", layer), attention_metadata=meta,
