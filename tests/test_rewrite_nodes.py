@@ -139,12 +139,17 @@ def gqa_to_paged_error(x, a, rules=GQA_TO_PAGED, gqa_engine="ort", gqa_extra_att
     return _rel(flat(got), flat(ref)), conv
 
 
-def paged_to_gqa_error(x, a, rules=PAGED_TO_GQA):
+def paged_to_gqa_error(x, a, rules=PAGED_TO_GQA, unfuse=False, drop=()):
+    """(error, rewritten model); `drop`: inputs removed from the rewrite's node only (teeth)."""
     import pagedkit
 
     px = {n: x[n] for n in PA.input_names if n in x}
     proto = one_node_model(PA, px, a, ["output", "key_cache_out", "value_cache_out"])
     ref = pagedkit.InferenceSession(proto).run(["output"], {k: _np(v.clone()) for k, v in px.items()})[0]
+    if drop:
+        proto = one_node_model(PA, {k: v for k, v in px.items() if k not in drop}, a,
+                               ["output", "key_cache_out", "value_cache_out"])
+        px = {k: v for k, v in px.items() if k not in drop}
     gx, ga, layout = gqa_from_paged(x, a)
     rows = _layout_rows(layout)
     extra = {"past_key": gx["past_key"], "past_value": gx["past_value"], "seqlens_k": gx["seqlens_k"],
@@ -154,7 +159,7 @@ def paged_to_gqa_error(x, a, rules=PAGED_TO_GQA):
     def io(v):
         return GqaIO(v["past_key"], v["past_value"], "present_key", "present_value", v["seqlens_k"],
                      v["total_sequence_length"], v["batch_seq"], token_rows=v["token_rows"],
-                     query_seqlens=v["query_seqlens"])
+                     query_seqlens=v["query_seqlens"], unfuse_qk_norm=unfuse)
     conv = convert(proto, paged_node_to_gqa, io, rules, extra)
     feeds = {k: _np(v) for k, v in px.items()} | {k: (v if isinstance(v, np.ndarray) else _np(v))
                                                    for k, v in extra.items()}
@@ -286,3 +291,18 @@ def test_paged_to_gqa_refusals(attrs, present, reason):
                   "block_table", *present))
     with pytest.raises(Refused, match=reason):
         paged_node_to_gqa(node, _gqa_io())
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_paged_qk_norm_unfused_for_onnxruntime_cpu(packed):
+    """PagedAttention with fused QK-norm -> GQA with the norm as standard ops before it: onnxruntime CPU
+    (which rejects fused QK-norm) runs the rewrite and matches pagedkit on the original."""
+    x, a = make_paged(qk_norm=True, rotary="half", packed=packed, qk_norm_epsilon=1e-5, seed=16)
+    err, conv = paged_to_gqa_error(x, a, unfuse=True)
+    assert err <= TOL
+    gqa = next(n for n in conv.graph.node if n.op_type == "GroupQueryAttention")
+    assert len(gqa.input) <= 14 or not gqa.input[14]  # no q_norm_weight on the node
+    # teeth: the wrong epsilon placement (no norm at all) fails
+    err_no_norm, _ = paged_to_gqa_error(x, {k: v for k, v in a.items()}, unfuse=True,
+                                        drop=("q_norm_weight", "k_norm_weight"))
+    assert err_no_norm > TOL

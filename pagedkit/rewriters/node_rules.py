@@ -456,6 +456,7 @@ class GqaIO:
     token_rows: ir.Value | None = None
     cast_to: ir.DataType | None = None
     query_seqlens: ir.Value | None = None  # int32 [B]: valid rows of each right-padded chunk (padded batches)
+    unfuse_qk_norm: bool = False  # QK-norm as standard ops before the node (onnxruntime CPU rejects it fused)
 
 
 def _p2g_cast(t, io, v, src=None):
@@ -465,15 +466,15 @@ def _p2g_cast(t, io, v, src=None):
     return v
 
 
-def _unpack(t: Target, io: GqaIO, v: ir.Value, fill=0.0) -> ir.Value:
-    """[T, W] -> [B, S, W]."""
+def _unpack(t: Target, io: GqaIO, v: ir.Value, dt: ir.DataType | None = None, fill=0.0) -> ir.Value:
+    """[T, W] -> [B, S, W] (dt: v's element type when the builder has not recorded it)."""
     b = t.b
     shape = b.cat(io.batch_seq, b.dim(v, 1))
     if io.token_rows is None:
         return b.op("Reshape", v, shape)
     n = b.op("ReduceProd", io.batch_seq, keepdims=1)
     zeros = b.op("ConstantOfShape", b.cat(n, b.dim(v, 1)),
-                 value=ir.tensor(np.full(1, fill, dtype=_np_dtype(_dtype(v)))))
+                 value=ir.tensor(np.full(1, fill, dtype=_np_dtype(dt or _dtype(v)))))
     return b.op("Reshape", b.op("ScatterND", zeros, b.unsq(io.token_rows, 1), v), shape)
 
 
@@ -482,11 +483,14 @@ def _p2g_core(f, t, io: GqaIO):
     t.attrs["num_heads"], t.attrs["kv_num_heads"] = a["num_heads"], a["kv_num_heads"]
     if "is_causal" in f.given:
         t.attrs["causal"] = a["is_causal"]
-    for n in ("query", "key", "value"):
-        if n in f.inputs:
-            t.inputs[n] = _p2g_cast(t, io, _unpack(t, io, f.inputs[n]), _dtype(f.inputs[n]))
+    qkv = {n: f.inputs[n] for n in ("query", "key", "value") if n in f.inputs}
+    unfused = io.unfuse_qk_norm and "q_norm_weight" in f.inputs
+    if unfused:
+        qkv = _unfused_qk_norm(f, t, qkv)
+    for n, v in qkv.items():
+        t.inputs[n] = _p2g_cast(t, io, _unpack(t, io, v, _dtype(f.inputs["query"])), _dtype(f.inputs["query"]))
     for n in PASS_INPUTS:
-        if n in f.inputs:
+        if n in f.inputs and not (unfused and n in ("q_norm_weight", "k_norm_weight")):
             t.inputs[n] = _p2g_cast(t, io, f.inputs[n])
     t.inputs.update(past_key=io.past_key, past_value=io.past_value, seqlens_k=io.seqlens_k,
                     total_sequence_length=io.total_length)
@@ -510,6 +514,29 @@ def _p2g_core(f, t, io: GqaIO):
         t.outputs[dst] = _new_value(name, _dtype(past), None)
         if src in f.outputs:
             t.replaces[f.outputs[src]] = t.outputs[dst]
+
+
+def _rms(b: Builder, x: ir.Value, w: ir.Value, eps: float, dt: ir.DataType) -> ir.Value:
+    """Per-head RMSNorm of x [T, heads * D] with gain w [D], computed in float32, rounded to dt."""
+    rows = b.op("Reshape", b.f(x), b.cat(b.i64(-1), b.dim(w, 0)))
+    ms = b.op("ReduceMean", b.op("Mul", rows, rows), b.i64(-1), keepdims=1)
+    y = b.op("Mul", b.op("Div", rows, b.op("Sqrt", b.op("Add", ms, b.f32(eps)))), b.f(w))
+    return b.cast(b.op("Reshape", y, b.op("Shape", x)), dt)
+
+
+def _unfused_qk_norm(f, t, qkv: dict) -> dict:
+    """PagedAttention's fused QK-norm (RMSNorm per head of Q and K with q/k_norm_weight, before RoPE) as
+    standard ops on the packed rows, so that the GQA node runs without it (onnxruntime CPU rejects it)."""
+    b, a = t.b, f.attrs
+    eps, dt = float(a["qk_norm_epsilon"]), _dtype(f.inputs["query"])
+    wq, wk = f.inputs["q_norm_weight"], f.inputs["k_norm_weight"]
+    if "key" in qkv:
+        return dict(qkv, query=_rms(b, qkv["query"], wq, eps, dt), key=_rms(b, qkv["key"], wk, eps, dt))
+    d = b.dim(wq, 0)
+    sizes = b.cat(b.op("Mul", d, b.i64(int(a["num_heads"]))), b.op("Mul", d, b.i64(int(a["kv_num_heads"]))),
+                  b.op("Mul", d, b.i64(int(a["kv_num_heads"]))))
+    q, k, v = b.ops("Split", qkv["query"], sizes, num_outputs=3, axis=1)
+    return {"query": b.op("Concat", _rms(b, q, wq, eps, dt), _rms(b, k, wk, eps, dt), v, axis=1)}
 
 
 def _p2g_quant_check(f, io):
@@ -539,7 +566,7 @@ def _p2g_quant(f, t, io):
 def _p2g_positions(f, t, io):
     b = t.b
     pos = b.cast(f.inputs["query_positions"], I64)
-    t.inputs["position_ids"] = b.sq(_unpack(t, io, b.unsq(pos, 1)), 2)
+    t.inputs["position_ids"] = b.sq(_unpack(t, io, b.unsq(pos, 1), I64), 2)
 
 
 def _p2g_window_check(f, io):

@@ -14,8 +14,9 @@ Every other op is per token, so the [B * S] rows (padding included) run as the p
 node unpacks [B * S, W] -> [B, S, W] with a Reshape, exact for any B. Windowed layers keep
 local_window_size over a full-length cache (no sliding_window_cache): the same result.
 
-onnxruntime's CPU GQA rejects fused QK-norm and bf16: `cast_to=FLOAT` puts Casts around bf16 nodes; a node
-with QK-norm is converted (valid GQA for the GPU) and the report says onnxruntime CPU will refuse it.
+onnxruntime's CPU GQA rejects fused QK-norm and bf16: by default QK-norm moves out of the node into standard
+ops (RMSNorm per head in float32 before the node; unfuse_qk_norm=False keeps it fused: valid GQA that
+onnxruntime's CUDA kernel runs); `cast_to=FLOAT` puts Casts around bf16 nodes.
 """
 
 from __future__ import annotations
@@ -50,9 +51,11 @@ def _const(g: ir.Graph, name: str, values, dtype=I64) -> ir.Value:
     return v
 
 
-def paged_to_gqa(model: onnx.ModelProto | ir.Model, *, cast_to: ir.DataType | None = None
-                 ) -> tuple[onnx.ModelProto | ir.Model, RewriteReport]:
+def paged_to_gqa(model: onnx.ModelProto | ir.Model, *, cast_to: ir.DataType | None = None,
+                 unfuse_qk_norm: bool = True) -> tuple[onnx.ModelProto | ir.Model, RewriteReport]:
     """Rewrite a paged-layout decoder into the padded GQA layout. Returns (model of the kind given, report).
+    unfuse_qk_norm (default): fused QK-norm becomes standard ops before each GQA node (onnxruntime CPU
+    rejects it fused); False keeps q/k_norm_weight on the node. cast_to=FLOAT: Casts around bf16 nodes.
     Raises RewriteRefused (one line, every reason) when a node cannot be converted exactly."""
     as_proto = isinstance(model, onnx.ModelProto)
     irm = ir.serde.deserialize_model(model) if as_proto else model
@@ -103,7 +106,7 @@ def paged_to_gqa(model: onnx.ModelProto | ir.Model, *, cast_to: ir.DataType | No
             hkv = node.attributes["kv_num_heads"].as_int()
             d = kc.shape[3] if kc.shape is not None else None
             io = GqaIO(kc, vc, N.present_name("key", layer), N.present_name("value", layer), seqlens, total,
-                       batch_seq, cast_to=cast_to)
+                       batch_seq, cast_to=cast_to, unfuse_qk_norm=unfuse_qk_norm)
             new_nodes, replaces, applied = paged_node_to_gqa(node, io)
         except Refused as exc:
             report.skipped.append((name, str(exc)))
@@ -126,11 +129,11 @@ def paged_to_gqa(model: onnx.ModelProto | ir.Model, *, cast_to: ir.DataType | No
                 new.type = kc.type
                 g.outputs[idx] = new
             old.replace_all_uses_with(new)
+        if "q_norm_weight" in [p.name for p, v in zip(_gqa_inputs_pa(), node.inputs) if v is not None]:
+            report.model.append(f"{node.name}: QK-norm " + ("moved out of the node into standard ops (onnxruntime "
+                                "CPU rejects it fused)" if unfuse_qk_norm else "kept fused on the GQA node "
+                                "(onnxruntime CPU refuses it; CUDA runs it)"))
         g.remove(node, safe=True)
-        if any(n.op_type == "GroupQueryAttention" and "q_norm_weight" in
-               [p.name for p, v in zip(_gqa_inputs(), n.inputs) if v is not None] for n in new_nodes):
-            report.model.append(f"{node.name}: fused QK-norm kept on the GQA node (onnxruntime CPU refuses it; "
-                                "CUDA runs it)")
     # logits [T, V] -> [B, S, V]
     idx = g.outputs.index(logits)
     vocab = logits.shape[-1] if logits.shape is not None else "vocab_size"
@@ -163,10 +166,10 @@ def paged_to_gqa(model: onnx.ModelProto | ir.Model, *, cast_to: ir.DataType | No
     return (ir.serde.serialize_model(irm) if as_proto else irm), report
 
 
-def _gqa_inputs():
-    from pagedkit.validators.contract import GROUP_QUERY_ATTENTION
+def _gqa_inputs_pa():
+    from pagedkit.validators.contract import PAGED_ATTENTION
 
-    return GROUP_QUERY_ATTENTION.inputs
+    return PAGED_ATTENTION.inputs
 
 
 def gqa_genai_config(source_config: dict) -> dict:
