@@ -195,7 +195,8 @@ def test_cli_unsafe_external_data_refused(genai_root, tmp_path, capsys):
 # other families (slow)
 # ------------------------------------------------------------------------------------------------
 
-LONG = [[3 + (i * 7) % 120 for i in range(45)]]  # past Gemma 2's window of 32
+LONG = [[3 + (i * 7) % 120 for i in range(45)]]  # past Gemma 2's / GPT-OSS's window of 32
+WINDOWED = ("gemma2", "gpt_oss")
 
 
 def _window_mutated(src: Path, dst: Path) -> Path:
@@ -209,13 +210,14 @@ def _window_mutated(src: Path, dst: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma2", "qwen3"])
+@pytest.mark.parametrize("family", ["gemma2", "qwen3", "gpt_oss"])
 def test_family_gqa_to_paged_logits(genai_root, tmp_path, family):
     """Gemma 2: a windowed layer (sliding_window_cache=1 in the source, block_table_windowed in the rewrite)
     and softcap, with a 45-token prompt past the window; Qwen3: QK-norm (standard ops before the node in both
-    of the builder's layouts, onnxruntime-genai 0.18)."""
+    of the builder's layouts, onnxruntime-genai 0.18); GPT-OSS: sinks (head_sink, float32 initializers cast to
+    float16), window, MoE."""
     src, out = _gqa_to_paged(genai_root, family, tmp_path)
-    prompts = PROMPTS + (LONG if family == "gemma2" else [])
+    prompts = PROMPTS + (LONG if family in WINDOWED else [])
     g, p = _ort(src / "model.onnx"), pagedkit.InferenceSession(str(out))
     refs = [run_gqa(g, pr, STEPS, VOCAB) for pr in prompts]
     errs = [rel_err(o, r) for o, r in zip(run_paged(p, prompts, STEPS, VOCAB), refs)]
@@ -232,14 +234,22 @@ def test_family_gqa_to_paged_logits(genai_root, tmp_path, family):
     bad = _scale_mutated(out, out.parent / "bad.onnx", "PagedAttention")
     bad_p = pagedkit.InferenceSession(str(bad))
     assert max(rel_err(o, r) for o, r in zip(run_paged(bad_p, prompts, STEPS, VOCAB), refs)) > TOL
-    if family == "gemma2":  # teeth: the window dropped
+    if family == "gpt_oss":  # teeth: the sinks dropped
+        m = onnx.load(str(out), load_external_data=False)
+        for n in m.graph.node:
+            if n.op_type == "PagedAttention":
+                n.input[11] = ""
+        onnx.save(m, str(out.parent / "nosink.onnx"))
+        nosink = pagedkit.InferenceSession(str(out.parent / "nosink.onnx"))
+        assert max(rel_err(o, r) for o, r in zip(run_paged(nosink, prompts, STEPS, VOCAB), refs)) > TOL
+    if family in WINDOWED:  # teeth: the window dropped
         nowin = pagedkit.InferenceSession(str(_window_mutated(out, out.parent / "nowin.onnx")))
         got = run_paged(nowin, LONG, STEPS, VOCAB)
         assert rel_err(got[0], refs[-1]) > TOL
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma2", "qwen3"])
+@pytest.mark.parametrize("family", ["gemma2", "qwen3", "gpt_oss"])
 def test_family_paged_to_gqa_logits(genai_root, tmp_path, family):
     """The builder's paged export (Gemma 2: windowed layer over block_table_windowed; Qwen3: QK-norm, which
     onnxruntime-genai 0.18 leaves as standard ops before the node; a fused one would be moved out, see
@@ -251,7 +261,7 @@ def test_family_paged_to_gqa_logits(genai_root, tmp_path, family):
     fused = any(n.op_type == "PagedAttention" and len(n.input) > 12 and n.input[12]
                 for n in onnx.load(str(src / "model.onnx"), load_external_data=False).graph.node)
     assert fused == any("QK-norm moved out" in m for m in report.model)
-    prompts = PROMPTS + (LONG if family == "gemma2" else [])
+    prompts = PROMPTS + (LONG if family in WINDOWED else [])
     p, g = pagedkit.InferenceSession(str(src / "model.onnx")), _ort(out)
     got = run_paged(p, prompts, STEPS, VOCAB)
     errs = [rel_err(run_gqa(g, pr, STEPS, VOCAB), o) for pr, o in zip(prompts, got)]
