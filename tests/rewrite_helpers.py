@@ -144,3 +144,31 @@ def build_sharp_model(family: str, layout: str, root):
         except Exception as exc:
             raise BuilderFailed(f"could not write a {family} checkpoint: {type(exc).__name__}: {exc}") from exc
     return run_builder(hf, out, layout, root / "cache")
+
+
+def greedy_paged(sess, prompt: list[int], new: int, block_size: int = 16, seed: int = 0) -> list[int]:
+    """Greedy generation of `new` tokens with a paged-layout model (one sequence, shuffled block table)."""
+    ins = _inputs(sess)
+    layers = sorted(int(n.split(".")[1]) for n in ins if n.startswith("past_key_values.") and n.endswith(".key"))
+    kv = ins[N.past_name("key", layers[0])]
+    hkv, d = kv.shape[2], kv.shape[3]
+    blocks = -(-(len(prompt) + new) // block_size)
+    table = np.random.default_rng(seed).permutation(blocks + 3)[:blocks].astype(np.int32)[None]
+    caches = {N.past_name(k, i): np.zeros((blocks + 3, block_size, hkv, d), _np_dtype(kv.type))
+              for i in layers for k in ("key", "value")}
+    names = [N.LOGITS] + [N.present_name(k, i) for i in layers for k in ("key", "value")]
+    past, feed, out = 0, list(prompt), []
+    for _ in range(new):
+        feeds = {N.INPUT_IDS: np.array(feed, np.int64), N.BLOCK_TABLE: table,
+                 N.CUMULATIVE_SEQUENCE_LENGTHS: np.array([0, len(feed)], np.int32),
+                 N.PAST_SEQUENCE_LENGTHS: np.array([past], np.int32),
+                 N.ATTENTION_METADATA: np.array([len(feed), past + len(feed), 0], np.int32), **caches}
+        if N.BLOCK_TABLE_WINDOWED in ins:
+            feeds[N.BLOCK_TABLE_WINDOWED] = table
+        res = dict(zip(names, sess.run(names, feeds)))
+        nxt = int(np.asarray(res[N.LOGITS], np.float64)[-1].argmax())
+        out.append(nxt)
+        caches = {N.past_name(k, i): np.asarray(res[N.present_name(k, i)]) for i in layers for k in ("key", "value")}
+        past += len(feed)
+        feed = [nxt]
+    return out

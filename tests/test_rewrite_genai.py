@@ -280,3 +280,25 @@ def test_example_script_runs(genai_root, capsys):
     assert "largest logit difference" in out and "same greedy token at" in out
     rel = float(out.split(" of the largest logit")[0].rsplit("(", 1)[1])
     assert rel <= TOL
+
+
+def test_gqa_rewrite_of_paged_export_runs_in_onnxruntime_genai(genai_root, tmp_path):
+    """Interop: the builder's paged Llama rewritten to GQA loads in onnxruntime-genai on the CPU (og.Model) and
+    generates the same 16 greedy tokens as pagedkit on the paged original (shuffled block table)."""
+    og = pytest.importorskip("onnxruntime_genai")
+    from rewrite_helpers import greedy_paged
+
+    src = built(genai_root, "llama", "paged")
+    out = tmp_path / "og" / "model.onnx"
+    rewrite_file(src, out, "gqa")
+    prompt = [1, 17, 33, 52, 8, 90, 11]
+    model = og.Model(str(out.parent))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + 16, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.array([prompt], dtype=np.int32))
+    while not gen.is_done():
+        gen.generate_next_token()
+    og_tokens = [int(t) for t in gen.get_sequence(0)][len(prompt):]
+    ours = greedy_paged(pagedkit.InferenceSession(str(src / "model.onnx")), prompt, 16)
+    assert og_tokens == ours
