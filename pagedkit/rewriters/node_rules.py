@@ -318,7 +318,7 @@ def _g2p_quant_check(f, io):
 def _g2p_quant(f, t, io):
     bits = int(f.attrs.get("kv_cache_bit_width", 0) or 0)
     fmt = _BITS_TO_DTYPE[(bits, _dtype(io.key_cache))]
-    h, d = int(f.attrs["kv_num_heads"]), None
+    h = int(f.attrs["kv_num_heads"])
     for side in ("k", "v"):
         qt = f.attrs.get(f"{side}_quant_type", "NONE")
         if qt == "NONE":
@@ -332,7 +332,6 @@ def _g2p_quant(f, t, io):
             if _dims(s) is None or len(_dims(s)) != 3 or _dims(s)[1] != 1:
                 s = t.b.op("Reshape", s, t.b.i64(h, 1, -1))
         t.inputs[f"{side}_scale"] = s
-    del d
 
 
 def _g2p_positions(f, t, io):
