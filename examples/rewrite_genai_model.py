@@ -31,14 +31,16 @@ def build_tiny_llama(root: Path) -> Path:
     return build_genai_model("llama", "gqa", root)
 
 
-def greedy_gqa(sess, prompt: list[int], new: int) -> tuple[list[int], list[np.ndarray]]:
+def greedy_gqa(sess, prompt: list[int], new: int, head_size: int, window: int = 0
+               ) -> tuple[list[int], list[np.ndarray]]:
     """onnxruntime on the GQA layout: prompt, then greedy tokens; returns (tokens, logits of each step's last
-    token)."""
+    token). Windowed layers (dim 'past_sliding_length', sliding_window_cache=1) get a window-sized buffer."""
     ins = {i.name: i for i in sess.get_inputs()}
     layers = sorted({int(n.split(".")[1]) for n in ins if n.startswith("past_key_values.")})
     hkv = ins["past_key_values.0.key"].shape[1]
-    head = 16 if not isinstance(ins["past_key_values.0.key"].shape[3], int) else ins["past_key_values.0.key"].shape[3]
-    past = {f"past_key_values.{i}.{k}": np.zeros((1, hkv, 0, head), np.float32) for i in layers for k in ("key", "value")}
+    past = {f"past_key_values.{i}.{k}": np.zeros(
+        (1, hkv, window if ins[f"past_key_values.{i}.key"].shape[2] == "past_sliding_length" else 0, head_size),
+        np.float32) for i in layers for k in ("key", "value")}
     tokens, feed, outs = list(prompt), list(prompt), []
     for _ in range(new):
         names = ["logits"] + [f"present.{i}.{k}" for i in layers for k in ("key", "value")]
@@ -68,11 +70,13 @@ def forced_paged(sess, prompt: list[int], forced: list[int], block_size: int = 1
     past, feed, choices, outs = 0, list(prompt), [], []
     for step in range(len(forced)):
         names = ["logits"] + [f"present.{i}.{k}" for i in layers for k in ("key", "value")]
-        res = sess.run(names, {"input_ids": np.array(feed, np.int64), "block_table": table,
-                               "cumulative_sequence_lengths": np.array([0, len(feed)], np.int32),
-                               "past_sequence_lengths": np.array([past], np.int32),
-                               "attention_metadata": np.array([len(feed), past + len(feed), 0], np.int32),
-                               **caches})
+        feeds = {"input_ids": np.array(feed, np.int64), "block_table": table,
+                 "cumulative_sequence_lengths": np.array([0, len(feed)], np.int32),
+                 "past_sequence_lengths": np.array([past], np.int32),
+                 "attention_metadata": np.array([len(feed), past + len(feed), 0], np.int32), **caches}
+        if "block_table_windowed" in ins:  # windowed layers: the same (full-length) table suffices
+            feeds["block_table_windowed"] = table
+        res = sess.run(names, feeds)
         logits = np.asarray(res[0][-1], np.float64)
         outs.append(logits)
         choices.append(int(logits.argmax()))
@@ -86,6 +90,7 @@ def main(argv: list[str]) -> int:
     import onnxruntime as ort
 
     import pagedkit
+    from pagedkit.interface import read_genai_config
     from pagedkit.rewriters.rewrite import rewrite_file
 
     work = Path(tempfile.mkdtemp(prefix="rewrite-example-"))
@@ -94,9 +99,12 @@ def main(argv: list[str]) -> int:
     report = rewrite_file(src, out, "paged")
     print(report)
     prompt = [1, 17, 33, 52, 8, 90, 11]
+    folder = src if src.is_dir() else src.parent
+    decoder = read_genai_config(folder)["model"]["decoder"]
+    window = decoder.get("sliding_window", {}).get("window_size", 0)
     original = ort.InferenceSession(str(src / "model.onnx" if src.is_dir() else src),
                                     providers=["CPUExecutionProvider"])
-    ref_tokens, ref_logits = greedy_gqa(original, prompt, 16)
+    ref_tokens, ref_logits = greedy_gqa(original, prompt, 16, decoder["head_size"], window)
     choices, logits = forced_paged(pagedkit.InferenceSession(str(out)), prompt, ref_tokens)
     diff = max(float(np.abs(a - b).max()) for a, b in zip(logits, ref_logits))
     scale = max(float(np.abs(b).max()) for b in ref_logits)

@@ -302,3 +302,20 @@ def test_gqa_rewrite_of_paged_export_runs_in_onnxruntime_genai(genai_root, tmp_p
     og_tokens = [int(t) for t in gen.get_sequence(0)][len(prompt):]
     ours = greedy_paged(pagedkit.InferenceSession(str(src / "model.onnx")), prompt, 16)
     assert og_tokens == ours
+
+
+@pytest.mark.slow
+def test_pagedkit_generator_serves_gemma2_rewrite(genai_root, tmp_path):
+    """pagedkit's Generator reads the rewrite's genai_config.json (two pools: block_table_windowed for the
+    windowed layer) and generates the same greedy tokens as on the GQA source, past the window."""
+    from pagedkit.runtime.generate import Generator
+
+    src = built(genai_root, "gemma2", "gqa")
+    out = tmp_path / "gen" / "model.onnx"
+    rewrite_file(src, out, "paged", block_size=16)
+    prompt = PROMPTS[0] + LONG[0]
+    gen = Generator(out.parent, block_size=16, shuffle_seed=3)
+    assert len(gen.state.mgr.pools) == 2
+    mine = [s.token for s in gen.greedy(prompt, 12, stop_at_eos=False)]
+    ref = [s.token for s in Generator(src).greedy(prompt, 12, stop_at_eos=False)]
+    assert mine == ref
