@@ -346,3 +346,34 @@ def test_onnxruntime_int4_code_after_rope():
     assert gqa_to_paged_error(x, a, gqa_engine="pagedkit")[0] <= TOL
     x, a = make_paged(seed=212, **kw)
     assert gqa_to_paged_error(x, a, gqa_engine="ort")[0] > TOL
+
+
+def test_node_pass_converts_what_it_can_and_reports_the_rest():
+    """node_pass: two GQA nodes, one with attention_bias and softcap (refused, left unchanged, reported with the
+    reason), one plain (converted, its output rewired to the graph output)."""
+    from pagedkit.rewriters.node_rules import node_pass
+
+    f16, i32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.INT32
+    vi = onnx.helper.make_tensor_value_info
+    ins = [vi("q", f16, [1, 3, 64]), vi("k", f16, [1, 3, 32]), vi("v", f16, [1, 3, 32]),
+           vi("pk", f16, [1, 2, 4, 16]), vi("pv", f16, [1, 2, 4, 16]), vi("sk", i32, [1]), vi("tot", i32, [1]),
+           vi("bias", f16, [1, 4, 3, 7])]
+    base = ["q", "k", "v", "pk", "pv", "sk", "tot"]
+    nodes = [onnx.helper.make_node("GroupQueryAttention", base, ["o1", "pk1", "pv1"], domain="com.microsoft",
+                                   name="plain", num_heads=4, kv_num_heads=2),
+             onnx.helper.make_node("GroupQueryAttention", base + ["", "", "", "bias"], ["o2", "pk2", "pv2"],
+                                   domain="com.microsoft", name="biased", num_heads=4, kv_num_heads=2, softcap=30.0)]
+    g = onnx.helper.make_graph(nodes, "two", ins, [vi("o1", f16, None), vi("o2", f16, None)])
+    m = ir.serde.deserialize_model(onnx.helper.make_model(g, opset_imports=[
+        onnx.helper.make_opsetid("", 21), onnx.helper.make_opsetid("com.microsoft", 1)]))
+    v = lambda n, dt, shape: ir.Value(name=n, type=ir.TensorType(dt), shape=ir.Shape(shape))  # noqa: E731
+    extra = [v("kc", ir.DataType.FLOAT16, ["nb", 16, 2, 16]), v("vc", ir.DataType.FLOAT16, ["nb", 16, 2, 16]),
+             v("csl", ir.DataType.INT32, [2]), v("past", ir.DataType.INT32, [1]), v("bt", ir.DataType.INT32, [1, 4])]
+    m.graph.inputs.extend(extra)
+    report = node_pass(m, "paged", lambda node: PagedIO(*extra, "kc_out", "vc_out"))
+    assert report.changed == ["plain"]
+    assert report.skipped[0][0] == "biased" and "adds the bias after softcap" in report.skipped[0][1]
+    ops = [n.op_type for n in m.graph]
+    assert ops.count("PagedAttention") == 1 and ops.count("GroupQueryAttention") == 1
+    assert m.graph.outputs[0].name == "o1" and m.graph.outputs[0].producer().op_type in ("Unsqueeze", "Reshape")
+    assert "skipped: biased" in str(report)

@@ -636,5 +636,41 @@ def paged_node_to_gqa(node: ir.Node, io: GqaIO, rules: tuple[Rule, ...] = PAGED_
     return [*pre, attn, *t.b.nodes], t.replaces, applied
 
 
-__all__ = ["GQA_TO_PAGED", "PAGED_TO_GQA", "GqaIO", "NodeFacts", "PagedIO", "Refused", "Rule", "Target",
+
+def node_pass(model: ir.Model, to: str, io_for: Callable[[ir.Node], object], rules: tuple[Rule, ...] | None = None):
+    """Convert every main-graph attention node of the source operator (GroupQueryAttention for to="paged",
+    PagedAttention for to="gqa") in place; `io_for(node)` gives its PagedIO / GqaIO (or raises Refused).
+    A refused node is left unchanged and reported with the reason. Consumers of the old outputs and graph
+    outputs are rewired to the new values. Returns a RewriteReport (changed, skipped, rules per node)."""
+    from .report import RewriteReport
+
+    if to not in ("paged", "gqa"):
+        raise ValueError(f"to should be 'paged' or 'gqa', got {to!r}")
+    src_op, fn = ("GroupQueryAttention", gqa_node_to_paged) if to == "paged" else ("PagedAttention", paged_node_to_gqa)
+    rules = rules if rules is not None else (GQA_TO_PAGED if to == "paged" else PAGED_TO_GQA)
+    g = model.graph
+    report = RewriteReport(f"node pass -> {to}")
+    for i, node in enumerate([n for n in g if n.op_type == src_op and n.domain == DOMAIN]):
+        name = node.name or f"{src_op}_{i}"
+        try:
+            new_nodes, replaces, applied = fn(node, io_for(node), rules)
+        except Refused as exc:
+            report.skipped.append((name, str(exc)))
+            continue
+        g.insert_before(node, new_nodes)
+        for old, new in replaces.items():
+            if old in g.outputs:
+                idx = g.outputs.index(old)
+                keep = old.name
+                old.name = f"{keep}/replaced"
+                new.name = keep
+                g.outputs[idx] = new
+            old.replace_all_uses_with(new)
+        g.remove(node, safe=True)
+        report.changed.append(name)
+        report.rules[name] = applied
+    return report
+
+
+__all__ = ["GQA_TO_PAGED", "PAGED_TO_GQA", "GqaIO", "NodeFacts", "PagedIO", "Refused", "Rule", "Target", "node_pass",
            "gqa_node_to_paged", "make_node", "paged_node_to_gqa", "run_rules"]
