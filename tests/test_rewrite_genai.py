@@ -319,3 +319,29 @@ def test_pagedkit_generator_serves_gemma2_rewrite(genai_root, tmp_path):
     mine = [s.token for s in gen.greedy(prompt, 12, stop_at_eos=False)]
     ref = [s.token for s in Generator(src).greedy(prompt, 12, stop_at_eos=False)]
     assert mine == ref
+
+
+def test_pagedkit_export_to_gqa_runs_in_onnxruntime_and_genai(tmp_path):
+    """A pagedkit export (examples/tiny-paged, fp16) -> GQA: onnxruntime CPU matches pagedkit on the paged
+    original (teacher-forced, two sequences), and onnxruntime-genai (og.Model, CPU) generates the same 16
+    greedy tokens as pagedkit."""
+    og = pytest.importorskip("onnxruntime_genai")
+    from rewrite_helpers import greedy_paged
+
+    src = Path(__file__).resolve().parent.parent / "examples" / "tiny-paged"
+    out = tmp_path / "gqa" / "model.onnx"
+    rewrite_file(src, out, "gqa")
+    paged = pagedkit.InferenceSession(str(src / "model.onnx"))
+    prompts = [[5, 9, 17, 33, 4, 8, 90, 11, 12, 13], [7, 7, 100]]
+    got = run_paged(paged, prompts, 3, VOCAB)
+    g = _ort(out)
+    assert max(rel_err(run_gqa(g, pr, 3, VOCAB), o) for pr, o in zip(prompts, got)) <= TOL
+    prompt = [1, 17, 33, 52, 8, 90, 11]
+    model = og.Model(str(out.parent))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + 16, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.array([prompt], dtype=np.int32))
+    while not gen.is_done():
+        gen.generate_next_token()
+    assert [int(t) for t in gen.get_sequence(0)][len(prompt):] == greedy_paged(paged, prompt, 16)

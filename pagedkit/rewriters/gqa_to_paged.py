@@ -68,8 +68,9 @@ def gqa_to_paged(model: onnx.ModelProto | ir.Model, *, dtype: ir.DataType = F16
                  ) -> tuple[onnx.ModelProto | ir.Model, RewriteReport, list[LayerSpec]]:
     """Rewrite a builder-layout GQA decoder into the paged layout. Returns (model of the kind given: a new
     ModelProto, or the ir.Model edited in place; the report; one LayerSpec per layer for the config).
-    Raises RewriteRefused (one line, every reason) when any attention node cannot be converted exactly:
-    nothing is half-rewritten."""
+    Raises RewriteRefused (one line, every reason) when any attention node cannot be converted exactly: no
+    node is converted then (an ir.Model given in place may have new inputs and retyped caches: pass a
+    ModelProto, or reload, to keep the original)."""
     as_proto = isinstance(model, onnx.ModelProto)
     irm = ir.serde.deserialize_model(model) if as_proto else model
     g = irm.graph

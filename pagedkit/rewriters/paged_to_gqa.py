@@ -53,7 +53,8 @@ def _const(g: ir.Graph, name: str, values, dtype=I64) -> ir.Value:
 
 def paged_to_gqa(model: onnx.ModelProto | ir.Model, *, cast_to: ir.DataType | None = None,
                  unfuse_qk_norm: bool = True) -> tuple[onnx.ModelProto | ir.Model, RewriteReport]:
-    """Rewrite a paged-layout decoder into the padded GQA layout. Returns (model of the kind given, report).
+    """Rewrite a paged-layout decoder into the padded GQA layout. Returns (model of the kind given, report);
+    an ir.Model is edited in place, and on refusal may be left partly edited (pass a ModelProto to keep yours).
     unfuse_qk_norm (default): fused QK-norm becomes standard ops before each GQA node (onnxruntime CPU
     rejects it fused); False keeps q/k_norm_weight on the node. cast_to=FLOAT: Casts around bf16 nodes.
     Raises RewriteRefused (one line, every reason) when a node cannot be converted exactly."""
@@ -105,6 +106,8 @@ def paged_to_gqa(model: onnx.ModelProto | ir.Model, *, cast_to: ir.DataType | No
                 raise Refused(f"key_cache / value_cache are not the graph inputs '{N.PAST_KEY}' / '{N.PAST_VALUE}'")
             hkv = node.attributes["kv_num_heads"].as_int()
             d = kc.shape[3] if kc.shape is not None else None
+            for v in (kc, vc):  # BNSH before the node is built, so that the validator sees the GQA shapes
+                v.shape = ir.Shape(["batch_size", hkv, "past_sequence_length", d])
             io = GqaIO(kc, vc, N.present_name("key", layer), N.present_name("value", layer), seqlens, total,
                        batch_seq, cast_to=cast_to, unfuse_qk_norm=unfuse_qk_norm)
             new_nodes, replaces, applied = paged_node_to_gqa(node, io)
@@ -118,8 +121,6 @@ def paged_to_gqa(model: onnx.ModelProto | ir.Model, *, cast_to: ir.DataType | No
         raise RewriteRefused("; ".join(f"{n}: {r}" for n, r in report.skipped))
 
     for node, new_nodes, replaces, kc, vc, hkv, d in plans:
-        for v in (kc, vc):
-            v.shape = ir.Shape(["batch_size", hkv, "past_sequence_length", d])
         g.insert_before(node, new_nodes)
         for old, new in replaces.items():
             if old in g.outputs:
