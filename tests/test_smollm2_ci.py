@@ -8,10 +8,10 @@ TOL is 1e-2, not paged-run's float16 default of 2e-2: measured here, the float16
 max|HF| over 64 steps, and a 2% wrong attention scale (in all 30 layers) moves the logits by 1.75e-2 x max|HF|
 without flipping a single greedy token, which 2e-2 would let pass.
 
-Not marked slow: runs in CI. Measured on a 2-core machine shared with other jobs (fetched wheel cached): 2 min 4 s
-of CPU time, 4 min 41 s wall at load average 4-10 (22 min at 12-16); most of it the session fixtures (the
-export, HF's reference). Without the model (no network, no cached wheel) the tests skip with the reason —
-except in CI (CI=true), where that is a failure.
+Not marked slow: runs in CI. Measured on an idle 2-core CPU (fetched wheel cached): 60 s, of which 45 s the
+session fixtures (the export, HF's reference); 4 min 41 s at load average 4-10, 22 min at 12-16. Without the
+model (no network, no cached wheel) the tests skip with the reason — except in CI (CI=true), where that is a
+failure.
 """
 
 from __future__ import annotations
