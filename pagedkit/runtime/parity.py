@@ -109,18 +109,20 @@ def load_hf(hf_dir: str | Path, num_layers: int | None = None) -> torch.nn.Modul
     import transformers
 
     path = Path(hf_dir)
-    if _is_gguf(path):
-        from ..exporters.weights import load_model
-
-        return load_model(path, num_layers=num_layers, dtype=torch.float32).model.eval()
-    if not path.is_dir():
-        raise FileNotFoundError(f"Hugging Face checkpoint folder not found: {hf_dir}")
     kwargs = {}
+    if _is_gguf(path):  # transformers' GGUF reader, dequantized to float32
+        gguf = path if path.is_file() else next(path.glob("*.gguf"))
+        path, kwargs["gguf_file"] = gguf.parent, gguf.name
+    elif not path.is_dir():
+        raise FileNotFoundError(f"Hugging Face checkpoint folder not found: {hf_dir}")
     if num_layers is not None:
-        from ..exporters.weights import shrink_config
-
-        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
-        kwargs["config"] = shrink_config(config, num_layers)
+        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False,
+                                                         **kwargs)
+        if num_layers < config.num_hidden_layers:  # the first num_layers layers, as `paged-export --num-layers`
+            config.num_hidden_layers = num_layers
+            if getattr(config, "layer_types", None) is not None:
+                config.layer_types = list(config.layer_types[:num_layers])
+        kwargs["config"] = config
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(path), dtype=torch.float32, attn_implementation="eager", local_files_only=True,
         trust_remote_code=False, **kwargs).eval()
