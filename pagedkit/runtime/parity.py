@@ -22,6 +22,7 @@ from typing import Sequence
 
 import torch
 
+from ..interface.paths import recorded_checkpoint
 from .generate import TOLERANCES, History
 
 __all__ = ["ParityReport", "ParityStep", "TOLERANCES", "hf_logits", "load_hf", "parity", "recorded_source"]
@@ -138,7 +139,8 @@ def recorded_source(pagedkit_section: dict, model_dir: str | Path = "") -> tuple
                else "no pagedkit.source.checkpoint in its genai_config.json")
         raise ValueError(f"{model_dir}: no source checkpoint recorded ({why}); pass --parity HF_CHECKPOINT_DIR")
     layers = source.get("num_hidden_layers")
-    return Path(checkpoint), int(layers) if layers else None
+    # the config names this path: only inside the model folder or pagedkit's model cache (issue 9.1)
+    return recorded_checkpoint(model_dir, checkpoint), int(layers) if layers else None
 
 
 def hf_logits(model: torch.nn.Module | str | Path, token_ids: Sequence[int]) -> torch.Tensor:
