@@ -95,6 +95,9 @@ def test_generator_option():
     gen = Generator(TINY_PAGED, block_size=16)  # the model's caches are [num_blocks, 16, ...]
     assert gen.state.mgr.config.groups[0].block_size == 16
     assert len([s.token for s in gen.greedy([1, 7, 9, 30], 2)]) == 2
+    # a valid block size the graph's static cache shape contradicts is refused at construction, by name
+    with pytest.raises(ValueError, match=r"block_size 32: the model's caches fix block_size 16 .*past_key_values\.0\.key"):
+        Generator(TINY_PAGED, block_size=32)
 
 
 @pytest.mark.parametrize("bs", (8, 4, 12, 0))

@@ -207,7 +207,11 @@ class _PagedState:
         args = {a.name: a for a in sess.get_inputs()}
         key0 = cfg.name(N.past_names_key("key"), 0)
         dims = args[key0].shape if key0 in args else []
-        bs = block_size or (dims[1] if len(dims) > 1 and isinstance(dims[1], int) else None) or cfg.block_size or 16
+        fixed = dims[1] if len(dims) > 1 and isinstance(dims[1], int) else None  # the graph's static block_size
+        if block_size and fixed and block_size != fixed:
+            raise ValueError(f"block_size {block_size}: the model's caches fix block_size {fixed} "
+                             f"(input '{key0}' dimension 1); use {fixed}")
+        bs = block_size or fixed or cfg.block_size or 16
         self.max_seq_len = gen.max_seq_len
         chunk = max(1, min(cfg.chunk_size or bs, self.max_seq_len)) if cfg.windowed_layers else self.max_seq_len
         groups = []
