@@ -17,6 +17,7 @@ import sys
 import warnings
 
 from ..cli_errors import EXIT_BAD_INPUT, EXIT_FAILED, cli_main, one_line
+from ..validators.contract import CACHE_FORMATS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never the network
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -89,7 +90,7 @@ def kv_options(args):
     kv_default = args.kv_cache
     k = CACHE_CHOICES.get(args.k_cache or kv_default or "", "")
     v = CACHE_CHOICES.get(args.v_cache or kv_default or "", "")
-    quantized = ("int8", "float8e4m3fn", "int4")
+    quantized = tuple(n for n, f in CACHE_FORMATS.items() if f.quantized)  # int8, float8e4m3fn, int4
 
     def quant(side_dtype: str, side_quant: str | None) -> str:
         q = side_quant or args.kv_quant

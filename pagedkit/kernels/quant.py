@@ -26,7 +26,7 @@ from ..validators.contract import CACHE_FORMATS, cache_width
 # the quantized formats of the contract's cache-format table (validators/contract.py CACHE_FORMATS)
 QUANT_FORMATS = tuple(n for n, f in CACHE_FORMATS.items() if f.quantized)  # int8, float8e4m3fn, int4
 QMAX = {n: CACHE_FORMATS[n].qmax for n in QUANT_FORMATS}  # 127, 448, 7
-QMIN = {"int8": -128.0, "float8e4m3fn": -448.0, "int4": -8.0}
+QMIN = {n: CACHE_FORMATS[n].qmin for n in QUANT_FORMATS}  # -128, -448, -8
 STORAGE_DTYPE = {n: dtypes.torch_dtype(CACHE_FORMATS[n].storage) for n in QUANT_FORMATS}  # int4: uint8
 FORMAT_OF_STORAGE = {dt: n for n, dt in STORAGE_DTYPE.items()}  # torch storage dtype -> format (uint8: int4)
 

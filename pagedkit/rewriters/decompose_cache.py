@@ -23,11 +23,12 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
+from ..validators.contract import CACHE_FORMATS
 from ._builder import I64, Builder
 
 FP16 = ir.DataType.FLOAT16
-QMAX = {"int8": 127.0, "float8e4m3fn": 448.0, "int4": 7.0}
-QMIN = {"int8": -128.0, "float8e4m3fn": -448.0, "int4": -8.0}
+QMAX = {n: f.qmax for n, f in CACHE_FORMATS.items() if f.quantized}  # contract facts: 127 / 448 / 7
+QMIN = {n: f.qmin for n, f in CACHE_FORMATS.items() if f.quantized}  # -128 / -448 / -8
 
 
 @dataclass

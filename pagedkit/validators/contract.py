@@ -426,6 +426,7 @@ class CacheFormat:
     quantized: bool  # holds codes that need a scale (int8 / fp8 / int4)
     per_element: int = 1  # channels per stored element (2 for packed int4)
     qmax: float | None = None  # largest code magnitude (PER_TOKEN scale = amax / qmax)
+    qmin: float | None = None  # smallest code (codes are clamped to [qmin, qmax])
 
     def width(self, head_size: int) -> int:
         """The cache's last dimension for `head_size` channels: (head_size + 1) // 2 for int4."""
@@ -435,9 +436,9 @@ class CacheFormat:
 CACHE_FORMATS: dict[str, CacheFormat] = {f.name: f for f in (
     CacheFormat("float16", "tensor(float16)", False),
     CacheFormat("bfloat16", "tensor(bfloat16)", False),
-    CacheFormat("int8", "tensor(int8)", True, qmax=127.0),
-    CacheFormat("float8e4m3fn", "tensor(float8e4m3fn)", True, qmax=448.0),
-    CacheFormat("int4", "tensor(uint8)", True, per_element=2, qmax=7.0),  # +8-biased nibbles, even channel low
+    CacheFormat("int8", "tensor(int8)", True, qmax=127.0, qmin=-128.0),
+    CacheFormat("float8e4m3fn", "tensor(float8e4m3fn)", True, qmax=448.0, qmin=-448.0),
+    CacheFormat("int4", "tensor(uint8)", True, per_element=2, qmax=7.0, qmin=-8.0),  # +8-biased nibbles, even channel low
 )}
 
 
