@@ -377,3 +377,17 @@ def test_node_pass_converts_what_it_can_and_reports_the_rest():
     assert ops.count("PagedAttention") == 1 and ops.count("GroupQueryAttention") == 1
     assert m.graph.outputs[0].name == "o1" and m.graph.outputs[0].producer().op_type in ("Unsqueeze", "Reshape")
     assert "skipped: biased" in str(report)
+
+
+def test_paged_to_gqa_cast_to_is_refused_not_half_done():
+    """Casts around bf16 nodes are planned: asking for them is refused with the reason, never a broken model."""
+    from pathlib import Path
+
+    import onnx
+    import onnx_ir as ir
+
+    from pagedkit.rewriters import RewriteRefused, paged_to_gqa
+
+    model = onnx.load(str(Path(__file__).resolve().parents[1] / "examples" / "tiny-paged" / "model.onnx"))
+    with pytest.raises(RewriteRefused, match="cast_to=.* is not supported yet"):
+        paged_to_gqa(model, cast_to=ir.DataType.FLOAT)

@@ -56,8 +56,12 @@ def paged_to_gqa(model: onnx.ModelProto | ir.Model, *, cast_to: ir.DataType | No
     """Rewrite a paged-layout decoder into the padded GQA layout. Returns (model of the kind given, report);
     an ir.Model is edited in place, and on refusal may be left partly edited (pass a ModelProto to keep yours).
     unfuse_qk_norm (default): fused QK-norm becomes standard ops before each GQA node (onnxruntime CPU
-    rejects it fused); False keeps q/k_norm_weight on the node. cast_to=FLOAT: Casts around bf16 nodes.
+    rejects it fused); False keeps q/k_norm_weight on the node. cast_to: not supported yet (refused): a bf16
+    paged model becomes a bf16 GQA model, which onnxruntime's CUDA kernel runs and its CPU kernel rejects.
     Raises RewriteRefused (one line, every reason) when a node cannot be converted exactly."""
+    if cast_to is not None:
+        raise RewriteRefused(f"paged -> gqa: cast_to={cast_to} is not supported yet (the caches would have to change "
+                             "dtype too); a bf16 model stays bf16 (onnxruntime's CUDA GQA runs it, its CPU GQA does not)")
     as_proto = isinstance(model, onnx.ModelProto)
     irm = ir.serde.deserialize_model(model) if as_proto else model
     g = irm.graph
