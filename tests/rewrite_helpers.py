@@ -172,3 +172,17 @@ def greedy_paged(sess, prompt: list[int], new: int, block_size: int = 16, seed: 
         past += len(feed)
         feed = [nxt]
     return out
+
+
+def og_greedy(folder, prompt: list[int], new: int) -> list[int]:
+    """onnxruntime-genai (og.Model on the CPU) greedy continuation of `prompt`: the `new` generated tokens."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + new, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.array([prompt], dtype=np.int32))
+    while not gen.is_done():
+        gen.generate_next_token()
+    return [int(t) for t in gen.get_sequence(0)][len(prompt):]

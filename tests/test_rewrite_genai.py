@@ -32,7 +32,7 @@ ort = pytest.importorskip("onnxruntime")
 
 import pagedkit  # noqa: E402
 from genai_models import BuilderFailed  # noqa: E402
-from rewrite_helpers import build_sharp_model, rel_err, run_gqa, run_paged  # noqa: E402
+from rewrite_helpers import build_sharp_model, og_greedy, rel_err, run_gqa, run_paged  # noqa: E402
 from pagedkit.rewriters.cli import main  # noqa: E402
 from pagedkit.rewriters.rewrite import rewrite_file  # noqa: E402
 
@@ -285,21 +285,14 @@ def test_example_script_runs(genai_root, capsys):
 def test_gqa_rewrite_of_paged_export_runs_in_onnxruntime_genai(genai_root, tmp_path):
     """Interop: the builder's paged Llama rewritten to GQA loads in onnxruntime-genai on the CPU (og.Model) and
     generates the same 16 greedy tokens as pagedkit on the paged original (shuffled block table)."""
-    og = pytest.importorskip("onnxruntime_genai")
+    pytest.importorskip("onnxruntime_genai")
     from rewrite_helpers import greedy_paged
 
     src = built(genai_root, "llama", "paged")
     out = tmp_path / "og" / "model.onnx"
     rewrite_file(src, out, "gqa")
     prompt = [1, 17, 33, 52, 8, 90, 11]
-    model = og.Model(str(out.parent))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + 16, do_sample=False)
-    gen = og.Generator(model, params)
-    gen.append_tokens(np.array([prompt], dtype=np.int32))
-    while not gen.is_done():
-        gen.generate_next_token()
-    og_tokens = [int(t) for t in gen.get_sequence(0)][len(prompt):]
+    og_tokens = og_greedy(out.parent, prompt, 16)
     ours = greedy_paged(pagedkit.InferenceSession(str(src / "model.onnx")), prompt, 16)
     assert og_tokens == ours
 
@@ -325,7 +318,7 @@ def test_pagedkit_export_to_gqa_runs_in_onnxruntime_and_genai(tmp_path):
     """A pagedkit export (examples/tiny-paged, fp16) -> GQA: onnxruntime CPU matches pagedkit on the paged
     original (teacher-forced, two sequences), and onnxruntime-genai (og.Model, CPU) generates the same 16
     greedy tokens as pagedkit."""
-    og = pytest.importorskip("onnxruntime_genai")
+    pytest.importorskip("onnxruntime_genai")
     from rewrite_helpers import greedy_paged
 
     src = Path(__file__).resolve().parent.parent / "examples" / "tiny-paged"
@@ -337,11 +330,4 @@ def test_pagedkit_export_to_gqa_runs_in_onnxruntime_and_genai(tmp_path):
     g = _ort(out)
     assert max(rel_err(run_gqa(g, pr, 3, VOCAB), o) for pr, o in zip(prompts, got)) <= TOL
     prompt = [1, 17, 33, 52, 8, 90, 11]
-    model = og.Model(str(out.parent))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + 16, do_sample=False)
-    gen = og.Generator(model, params)
-    gen.append_tokens(np.array([prompt], dtype=np.int32))
-    while not gen.is_done():
-        gen.generate_next_token()
-    assert [int(t) for t in gen.get_sequence(0)][len(prompt):] == greedy_paged(paged, prompt, 16)
+    assert og_greedy(out.parent, prompt, 16) == greedy_paged(paged, prompt, 16)

@@ -421,12 +421,17 @@ def _renamed(name: str, old: str, new: str) -> str:
 def gqa_node_to_paged(node: ir.Node, io: PagedIO, rules: tuple[Rule, ...] = GQA_TO_PAGED) -> tuple[list, dict, list]:
     """Convert one GroupQueryAttention node: (new nodes in order, {source value: replacing value}, rules
     applied). Refused(reason) when a feature cannot be expressed exactly. The graph is not touched."""
-    f = NodeFacts.of(node, GQA)
-    t = Target(PA, Builder(f"{f.name}/paged"))
+    return _convert(node, io, rules, GQA, PA, "paged")
+
+
+def _convert(node: ir.Node, io, rules: tuple[Rule, ...], src, dst, tag: str) -> tuple[list, dict, list]:
+    """Run `rules` on one node of op `src`, build the `dst` node: (nodes before it, it, nodes after it)."""
+    f = NodeFacts.of(node, src)
+    t = Target(dst, Builder(f"{f.name}/{tag}"))
     applied = run_rules(rules, f, t, io)
     pre = list(t.b.nodes)
     t.b.tape = ir.tape.Tape()
-    attn = make_node(t, _renamed(f.name, "GroupQueryAttention", "PagedAttention"))
+    attn = make_node(t, _renamed(f.name, src.name, dst.name))
     return [*pre, attn, *t.b.nodes], t.replaces, applied
 
 
@@ -627,13 +632,7 @@ PAGED_TO_GQA: tuple[Rule, ...] = (
 
 def paged_node_to_gqa(node: ir.Node, io: GqaIO, rules: tuple[Rule, ...] = PAGED_TO_GQA) -> tuple[list, dict, list]:
     """Convert one PagedAttention node to GroupQueryAttention; as gqa_node_to_paged."""
-    f = NodeFacts.of(node, PA)
-    t = Target(GQA, Builder(f"{f.name}/gqa"))
-    applied = run_rules(rules, f, t, io)
-    pre = list(t.b.nodes)
-    t.b.tape = ir.tape.Tape()
-    attn = make_node(t, _renamed(f.name, "PagedAttention", "GroupQueryAttention"))
-    return [*pre, attn, *t.b.nodes], t.replaces, applied
+    return _convert(node, io, rules, PA, GQA, "gqa")
 
 
 
