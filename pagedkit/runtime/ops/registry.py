@@ -63,6 +63,15 @@ _MAX_SINCE: dict[tuple[str, str], int] = {}
 _HOST_INPUTS: dict[tuple[str, str], frozenset[int]] = {}
 # ops whose outputs are host (CPU) tensors whatever the device: Shape, Size (as onnxruntime's CUDA EP)
 _HOST_OUTPUTS: set[tuple[str, str]] = set()
+# (domain, op_type) -> prepack function: lays a node's constant inputs out once, at session creation
+_PREPACK: dict[tuple[str, str], "PrepackFn"] = {}
+
+# prepack(inputs, attrs, ctx) -> {input index: replacement}. `inputs` holds the node's constant inputs
+# (initializers and folded values, on the host) and None for run-time values; each replacement (a
+# tensor in another dtype / layout, or a Packed object, see packed.py) takes the place of that input for
+# this node only, and the original is dropped once no other node reads it (one copy in memory).
+# The op's implementation must accept both the original and the replacement in that slot.
+PrepackFn = Callable[[list[Any], dict[str, Any], "OpContext"], dict[int, Any]]
 
 
 def normalize_domain(domain: str | None) -> str:
@@ -93,6 +102,25 @@ def register(*op_types: str, domain: str = ONNX_DOMAIN, max_since: int = MAX_ONN
         return fn
 
     return deco
+
+
+def prepack(*op_types: str, domain: str = ONNX_DOMAIN):
+    """Decorator: register `fn` (a PrepackFn, see above) as the creation-time layout step of each op type."""
+    domain = normalize_domain(domain)
+
+    def deco(fn: PrepackFn) -> PrepackFn:
+        for op_type in op_types:
+            if (domain, op_type) in _PREPACK:
+                raise RuntimeError(f"prepack for {domain or 'ai.onnx'}::{op_type} registered twice")
+            _PREPACK[(domain, op_type)] = fn
+        return fn
+
+    return deco
+
+
+def prepacker(domain: str | None, op_type: str) -> PrepackFn | None:
+    """The op's prepack function, or None."""
+    return _PREPACK.get((normalize_domain(domain), op_type))
 
 
 def _where(op_type: str, domain: str, node_name: str | None) -> str:
