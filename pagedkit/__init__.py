@@ -8,12 +8,12 @@ Public API (imported lazily so that `paged-validate` does not pay for torch):
 
 __version__ = "0.1.0"
 
-__all__ = ["InferenceSession", "__version__"]
+__all__ = ["InferenceSession", "SessionOptions", "__version__"]
 
 
 def __getattr__(name):
-    if name == "InferenceSession":
-        from .runtime.session import InferenceSession
+    if name in ("InferenceSession", "SessionOptions"):
+        from .runtime import session
 
-        return InferenceSession
+        return getattr(session, name)
     raise AttributeError(f"module 'pagedkit' has no attribute {name!r}")

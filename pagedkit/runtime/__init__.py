@@ -3,9 +3,9 @@
 from .kv.cache import KVCacheExhausted, KVCacheManager
 from .kv.config import GroupConfig, KVCacheConfig, LayerCacheSpec
 from .kv.plan import StepPlan
-from .session import InferenceSession, NodeArg
+from .session import InferenceSession, NodeArg, SessionOptions
 
 __all__ = [
     "GroupConfig", "InferenceSession", "KVCacheConfig", "KVCacheExhausted", "KVCacheManager", "LayerCacheSpec",
-    "NodeArg", "StepPlan",
+    "NodeArg", "SessionOptions", "StepPlan",
 ]

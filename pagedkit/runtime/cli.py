@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tol", type=float, help="parity tolerance on max|diff| / max|ref| "
                                              "(default: 1e-4 for float32 models, 2e-2 for float16 / bfloat16)")
     p.add_argument("--block-size", type=int, help="KV block size (paged layout; default from the model / config)")
+    p.add_argument("--threads", type=int, help="CPU threads (like onnxruntime's intra_op_num_threads; "
+                                               "default: torch's, one per core)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     return p
 
@@ -83,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         if block_size_error(args.block_size):
             print(f"paged-run: --block-size: {block_size_error(args.block_size)}", file=sys.stderr)
             return 2
+    if args.threads is not None and args.threads < 1:
+        print(f"paged-run: --threads should be >= 1, got {args.threads}", file=sys.stderr)
+        return 2
     if args.device == "cuda":
         import torch
 
@@ -103,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         # caches sized for this run (prompt + new tokens), not for the config's context_length
         gen = Generator(model_dir, device=args.device, block_size=args.block_size,
-                        max_seq_len=len(prompt) + args.max_new_tokens)
+                        max_seq_len=len(prompt) + args.max_new_tokens, threads=args.threads)
         setup = time.perf_counter() - t0
     except (OSError, ValueError, NotImplementedError) as exc:
         return report_error("paged-run", exc)

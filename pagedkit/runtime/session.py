@@ -69,6 +69,29 @@ def _node_arg(vi: onnx.ValueInfoProto) -> tuple[NodeArg, int]:
     return NodeArg(vi.name, shape, type_name(tt.elem_type)), tt.elem_type
 
 
+@dataclass
+class SessionOptions:
+    """What InferenceSession(sess_options=...) reads, like onnxruntime.SessionOptions (an onnxruntime
+    SessionOptions object is read the same way).
+
+    intra_op_num_threads: threads of the CPU kernels (torch's intra-op pool; 0 = torch's default). torch's
+    pool is per process: the last session created with a value sets it for every session.
+    inter_op_num_threads: accepted for compatibility; the plan runs its steps in order on one thread."""
+
+    intra_op_num_threads: int = 0
+    inter_op_num_threads: int = 0
+
+
+def _apply_threads(options: Any) -> None:
+    if options is None:
+        return
+    n = getattr(options, "intra_op_num_threads", 0)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"sess_options.intra_op_num_threads: expected an integer >= 0 (0 = default), got {n!r}")
+    if n > 0 and torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
 def _select_device(providers) -> tuple[torch.device, list[str]]:
     names = [p[0] if isinstance(p, (tuple, list)) else p for p in (providers or ["CPUExecutionProvider"])]
     unknown = [p for p in names if p not in _PROVIDERS]
@@ -86,6 +109,7 @@ class InferenceSession:
     """Runs an ONNX model with PagedAttention / GroupQueryAttention nodes on torch.
 
     providers: ["CPUExecutionProvider"] (default) or ["CUDAExecutionProvider", ...].
+    sess_options: a SessionOptions (or onnxruntime.SessionOptions): intra_op_num_threads sets the CPU threads.
     allow_reference_fallback: on CUDA, run attention combinations no GPU variant serves on the
     loop-based reference (one-time warning) instead of refusing at creation.
     capturable: require CUDA-graph capturable attention kernels; a node whose serving variants are all
@@ -105,6 +129,7 @@ class InferenceSession:
         capturable: bool = False,
         validate_inputs: bool | None = None,
     ):
+        _apply_threads(sess_options)
         self._model, self._base_dir = load_model(path_or_bytes)
         self.device, self._providers = _select_device(providers)
         self.allow_reference_fallback = allow_reference_fallback
