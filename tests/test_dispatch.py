@@ -57,13 +57,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_builtin_variants_are_declarations_in_priority_order():
     paged = dispatch.variants("PagedAttention")
-    assert [v.name for v in paged] == ["torch_sdpa", "reference"]
+    assert [v.name for v in paged] == ["torch_planned", "torch_sdpa", "reference"]
     assert [v.name for v in dispatch.variants("GroupQueryAttention")] == ["reference"]
     for v in dispatch.variants():
         assert isinstance(v, KernelVariant) and callable(v.load())
         assert set(v.features) <= set(OP_FEATURES[v.op]) <= set(FEATURES)
         assert not v.capturable and v.not_capturable_because  # honest: none is capturable today
-    assert [v.stages_on_cpu for v in paged] == [False, True]  # the reference is the fallback, last
+    assert [v.stages_on_cpu for v in paged] == [False, False, True]  # the reference is the fallback, last
     assert len(dispatch.VARIANTS) == len(dispatch.variants())  # one "module:VARIANT" line each
 
 
@@ -110,11 +110,11 @@ def test_node_info_carries_the_validators_static_facts():
 def test_session_reports_serving_variants_and_the_one_that_ran():
     case = _decode_case()
     sess = InferenceSession(case.model())
-    assert sess.attention_dispatch == {NODE: {"serving": ["torch_sdpa", "reference"], "refused": {}}}
-    assert sess.attention_variants == {NODE: "torch_sdpa"}
+    assert sess.attention_dispatch == {NODE: {"serving": ["torch_planned", "torch_sdpa", "reference"], "refused": {}}}
+    assert sess.attention_variants == {NODE: "torch_planned"}
     assert sess.last_run_variants == {}
     out = sess.run_torch(_clone(case.inputs))
-    assert sess.last_run_variants == {NODE: "torch_sdpa"}
+    assert sess.last_run_variants == {NODE: "torch_planned"}
     ref = reference.paged_attention(_clone(case.inputs), outputs=case.outputs, **case.attrs)
     assert _rel(out["output"], ref["output"]) <= 2e-3
     with pytest.raises(ValueError, match="plan 'warp'"):
@@ -123,18 +123,18 @@ def test_session_reports_serving_variants_and_the_one_that_ran():
 
 def test_registered_dummy_variant_is_picked_reported_refused_and_documented(dummy):
     # by default a registered variant goes before the reference of its op
-    assert [v.name for v in dispatch.variants("PagedAttention")] == ["torch_sdpa", "dummy_decode", "reference"]
+    assert [v.name for v in dispatch.variants("PagedAttention")] == ["torch_planned", "torch_sdpa", "dummy_decode", "reference"]
     case = _decode_case()
     sess = InferenceSession(case.model())
-    assert sess.attention_dispatch[NODE] == {"serving": ["torch_sdpa", "dummy_decode", "reference"], "refused": {}}
-    sess.run_torch(_clone(case.inputs), plan="decode")  # torch_sdpa serves every plan and comes first
-    assert sess.last_run_variants == {NODE: "torch_sdpa"} and dummy_variant.CALLS == []
+    assert sess.attention_dispatch[NODE] == {"serving": ["torch_planned", "torch_sdpa", "dummy_decode", "reference"], "refused": {}}
+    sess.run_torch(_clone(case.inputs), plan="decode")  # torch_planned serves every plan and comes first
+    assert sess.last_run_variants == {NODE: "torch_planned"} and dummy_variant.CALLS == []
 
     # placed first: a decode hint picks it, a run without a hint ("mixed") the next serving variant
     dispatch.unregister_variant(DUMMY)
-    dispatch.register_variant(DUMMY, before="torch_sdpa")
+    dispatch.register_variant(DUMMY, before="torch_planned")
     sess = InferenceSession(case.model())
-    assert sess.attention_dispatch[NODE] == {"serving": ["dummy_decode", "torch_sdpa", "reference"], "refused": {}}
+    assert sess.attention_dispatch[NODE] == {"serving": ["dummy_decode", "torch_planned", "torch_sdpa", "reference"], "refused": {}}
     assert sess.attention_variants == {NODE: "dummy_decode"}
     feeds = _clone(case.inputs)
     out = sess.run_torch(feeds, plan="decode")
@@ -144,15 +144,16 @@ def test_registered_dummy_variant_is_picked_reported_refused_and_documented(dumm
     assert torch.equal(out["output"], ref["output"])  # the dummy is the reference behind a declaration
     assert torch.equal(feeds["key_cache"], ref["key_cache_out"])  # cache written in place
     out = sess.run_torch(_clone(case.inputs))
-    assert sess.last_run_variants == {NODE: "torch_sdpa"} and len(dummy_variant.CALLS) == 1
+    assert sess.last_run_variants == {NODE: "torch_planned"} and len(dummy_variant.CALLS) == 1
     assert _rel(out["output"], ref["output"]) <= 2e-3
 
     # refused, with its reason, for nodes it does not serve (static facts: head size, cache format)
     wide = InferenceSession(_decode_case(head_size=64).model()).attention_dispatch[NODE]
-    assert wide["serving"] == ["torch_sdpa", "reference"]
+    assert wide["serving"] == ["torch_planned", "torch_sdpa", "reference"]
     assert "head_size <= 32" in wide["refused"]["dummy_decode"] and "64" in wide["refused"]["dummy_decode"]
     quant = InferenceSession(_decode_case(cache="int8", quant="PER_TENSOR").model()).attention_dispatch[NODE]
-    assert quant["refused"] == {"dummy_decode": "does not serve feature(s) int8_cache"}
+    assert quant["refused"] == {"torch_planned": "does not serve feature(s) int8_cache",
+                               "dummy_decode": "does not serve feature(s) int8_cache"}
 
     # the generated table lists it with its declaration
     text = kernel_docs.render()
@@ -172,11 +173,11 @@ def test_capturable_requirement_refuses_non_capturable_variants_by_name(dummy):
     with pytest.raises(NotImplementedError) as err:
         InferenceSession(case.model(), capturable=True)
     msg = str(err.value)
-    assert NODE in msg and "torch_sdpa: not CUDA-graph capturable" in msg and "reference: not CUDA-graph" in msg
+    assert NODE in msg and "torch_sdpa: not CUDA-graph capturable" in msg and "torch_planned: not CUDA-graph" in msg and "reference: not CUDA-graph" in msg
     dispatch.register_variant(DUMMY)  # declares itself capturable and serves this node
     sess = InferenceSession(case.model(), capturable=True)
     report = sess.attention_dispatch[NODE]
-    assert report["serving"] == ["dummy_decode"] and set(report["refused"]) == {"torch_sdpa", "reference"}
+    assert report["serving"] == ["dummy_decode"] and set(report["refused"]) == {"torch_planned", "torch_sdpa", "reference"}
     sess.run_torch(_clone(case.inputs), plan="decode")
     assert sess.last_run_variants == {NODE: "dummy_decode"}
     with pytest.raises(ValueError, match="no serving variant serves plan None"):  # it serves decode steps only
@@ -197,10 +198,11 @@ def test_reference_fallback_on_cuda_is_allowed_with_a_warning_or_refused():
     assert call.name == "reference" and call.report()["serving"] == ["reference"]
     paged, paged_vi = _decode_case().node()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # torch_sdpa serves CUDA: no fallback, no warning
+        warnings.simplefilter("error")  # torch_planned / torch_sdpa serve CUDA: no fallback, no warning
         call = dispatch.bind(paged, None, cuda, allow_reference_fallback=False, value_info=paged_vi)
-    assert call.report()["serving"] == ["torch_sdpa"] and "allow_reference_fallback" in call.refused["reference"]
-    assert dispatch.bind(paged, None, cuda, value_info=paged_vi).report()["serving"] == ["torch_sdpa", "reference"]
+    assert call.report()["serving"] == ["torch_planned", "torch_sdpa"] and "allow_reference_fallback" in call.refused["reference"]
+    assert dispatch.bind(paged, None, cuda, value_info=paged_vi).report()["serving"] == [
+        "torch_planned", "torch_sdpa", "reference"]
 
 
 # ---- validation at creation --------------------------------------------------------------------------

@@ -78,14 +78,16 @@ def poison_stale(inputs: dict, attrs: dict) -> int:
     return int((~live).sum())
 
 
-def check_against_reference(inputs: dict, attrs: dict, outputs: list[str], poison: bool = True) -> dict:
-    """Run the reference and the variant on copies; assert the documented agreement; return the variant's."""
+def check_against_reference(inputs: dict, attrs: dict, outputs: list[str], poison: bool = True, impl=None) -> dict:
+    """Run the reference and the variant (impl: a variant's entry, default torch_sdpa's) on copies; assert the
+    documented agreement; return the variant's."""
+    impl = impl or torch_paged.paged_attention
     inputs = _clone(inputs)
     if poison:
         poison_stale(inputs, attrs)
     ref_x, got_x = _clone(inputs), _clone(inputs)
     ref = reference.paged_attention(ref_x, outputs=outputs, output_dtype=torch.float32, **attrs)
-    got = torch_paged.paged_attention(got_x, outputs=outputs, output_dtype=torch.float32, **attrs)
+    got = impl(got_x, outputs=outputs, output_dtype=torch.float32, **attrs)
     assert set(got) == set(ref)
     assert got["output"].dtype == torch.float32 and got["output"].shape == ref["output"].shape
     assert torch.isfinite(ref["output"]).all()
@@ -414,7 +416,11 @@ def test_supports_refuses_with_a_reason():
 
 
 def test_dispatch_selects_the_variant_on_cpu():
-    case = _case(seed=0, **DECODE)
+    """A plain node goes to torch_planned (first in priority); one with a feature torch_planned does not
+    serve (head_sink) comes here."""
+    plain, _ = _case(seed=0, **DECODE).node()
+    assert dispatch.select_variant(plain, None, torch.device("cpu")).name == "torch_planned"
+    case = _case(seed=0, head_sink=True, **DECODE)
     node, _ = case.node()
     variant = dispatch.select_variant(node, None, torch.device("cpu"))
     assert variant.name == torch_paged.NAME == "torch_sdpa"
