@@ -31,10 +31,13 @@ from ..kernels import dispatch
 from ..validators.checks import validate_node
 from ..validators.issues import Issue, ValidationError
 from .ops import OpContext, has_host_outputs, host_inputs, lookup, node_attributes, normalize_domain
+from .ops.packed import Packed
+from .ops.registry import prepacker
 from .ops.util import tensor_from_proto
 
 ATTENTION_OPS = {("com.microsoft", "PagedAttention"), ("com.microsoft", "GroupQueryAttention")}
 HOST = "::host"  # suffix of a constant's host copy
+PACKED = "::packed"  # infix of a prepacked constant's name
 _RANDOM_OPS = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
 
@@ -79,6 +82,7 @@ class CompiledModel:
     cache_inputs: frozenset[str]
     const_storages: frozenset[int]  # storage addresses of host constants (run() never hands them out)
     host_const_ids: frozenset[int]  # id() of host constants (their device copies are cached)
+    prepacked: dict[str, str] = field(default_factory=dict)  # step -> the layout its constants were given
 
 
 _SMALL_INT = 1 << 16  # integer initializers up to this many elements keep their values for shape inference
@@ -225,6 +229,35 @@ def _fold(g: Graph) -> None:
     g.steps = kept
 
 
+def _prepack(g: Graph, device: torch.device) -> dict[str, str]:
+    """Lay out constant inputs once for their kernels (registry.prepack), in this graph and its subgraphs:
+    each replacement becomes a constant of its own, and an original no step reads any more is dropped.
+    Returns {step name: what was prepacked} for the session's report."""
+    report: dict[str, str] = {}
+    made: dict[tuple, str] = {}  # (input, op, attrs) -> name of its replacement (a weight shared by two nodes)
+    for step in g.steps:
+        for value in step.attrs.values():
+            if isinstance(value, Graph):
+                report.update(_prepack(value, device))
+        fn = prepacker(step.domain, step.op_type) if step.impl is not None else None
+        if fn is None:
+            continue
+        ins = [g.consts.get(n) if n else None for n in step.inputs]
+        key_attrs = tuple(sorted((k, v) for k, v in step.attrs.items() if isinstance(v, (int, float, str))))
+        for i, new in fn(ins, step.attrs, replace(step.ctx, device=device)).items():
+            key = (step.inputs[i], step.op_type, key_attrs)
+            if key not in made:
+                made[key] = f"{step.inputs[i]}{PACKED}{len(made)}"
+                g.consts[made[key]] = new
+            step.inputs[i] = made[key]
+            report[step.name] = g.consts[made[key]].describe()
+    if made:
+        read = {n for s in g.steps for n in list(s.inputs) + list(s.free_vars)} | set(g.outputs)
+        for name in {k[0] for k in made} - read:
+            g.consts.pop(name, None)
+    return report
+
+
 def _host_graph_inputs(g: Graph) -> frozenset[str]:
     """Graph inputs that every user reads on the host (and that have a user)."""
     uses: dict[str, list[bool]] = {}
@@ -277,6 +310,9 @@ def _materialize(g: Graph, uses: dict, device: torch.device) -> None:
     """Keep each constant where it is read; drop the unread ones."""
     consts = {}
     for n, t in g.consts.items():
+        if isinstance(t, Packed):  # laid out for its kernel on the run device already
+            consts[n] = t
+            continue
         kinds = uses.get((id(g), n), set())
         if "device" in kinds:
             consts[n] = t.to(device)
@@ -333,14 +369,15 @@ def compile_model(model: onnx.ModelProto, device: torch.device, allow_reference_
     if comp.errors:
         raise ValueError("invalid model: " + "; ".join(comp.errors))
     _fold(g)
+    prepacked = _prepack(g, device)
     host_in = _host_graph_inputs(g)
     uses: dict = {}
     _place(g, [], set(host_in), uses, rewrite=device.type != "cpu")
     _materialize(g, uses, device)
     _liveness(g)
-    host_consts = [t for n, t in _all_consts(g) if t.device.type == "cpu"]
+    host_consts = [t for n, t in _all_consts(g) if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
     return CompiledModel(
-        graph=g, attention_variants=comp.variants, attention_calls=comp.calls, host_inputs=host_in,
+        graph=g, attention_variants=comp.variants, attention_calls=comp.calls, host_inputs=host_in, prepacked=prepacked,
         cache_inputs=_cache_graph_inputs(g),
         const_storages=frozenset(t.untyped_storage().data_ptr() for t in host_consts if t.numel()),
         host_const_ids=frozenset(id(t) for t in host_consts) if device.type != "cpu" else frozenset())

@@ -19,21 +19,31 @@ checks, so a bad input is still a ValidationError naming the node and every issu
 from __future__ import annotations
 
 import os
-from collections import ChainMap
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 import onnx
 import torch
 
+from ..kernels.scope import run_scope
 from ..kernels.variant import PLANS
 from ..validators.issues import ValidationError
+from . import plan as plan_mod
 from .graph import CompiledModel, Graph, Step, compile_model
 from .loading import load_model
 from .tensors import TORCH_TO_ONNX, to_numpy, to_torch, torch_type_name, type_name
 
 _PROVIDERS = ("CPUExecutionProvider", "CUDAExecutionProvider")
 VALIDATE_ENV = "PAGEDKIT_VALIDATE_INPUTS"
+
+
+def _node_error(step: Step, exc: Exception) -> Exception:
+    """The exception a failing op raises, naming the node."""
+    if isinstance(exc, ValidationError):
+        return ValidationError(exc.issues, f"node '{step.name}' ({step.op_type})")
+    if isinstance(exc, ValueError):
+        return ValueError(f"node '{step.name}' ({step.op_type}): {exc}")
+    return RuntimeError(f"node '{step.name}' ({step.op_type}) failed: {exc}")
 
 
 def _env_flag(name: str) -> bool:
@@ -153,6 +163,9 @@ class InferenceSession:
         self._compiled: CompiledModel = compile_model(self._model, self.device, allow_reference_fallback,
                                                       capturable=capturable)
         self._dev_copies: dict[int, torch.Tensor] = {}  # id(host const) -> its device copy (mixed ops)
+        self._programs: dict[int, plan_mod.Program] = {}  # id(subgraph) -> its plan
+        self._envs: list = []  # values of the graphs being run (subgraphs read their enclosing scopes)
+        self._main = self._bind(self._compiled.graph)
 
     # ---- what creation decided -------------------------------------------------------------------
     @property
@@ -243,8 +256,10 @@ class InferenceSession:
         if plan is not None and plan not in PLANS:
             raise ValueError(f"plan {plan!r}: expected one of {list(PLANS)} or None")
         self._plan, self._last_variants = plan, {}
-        env = self._execute(self._compiled.graph, env_feeds, None)
-        return {n: env[n] for n in names}
+        with run_scope():  # attention nodes share the step's host bookkeeping (kernels/scope.py)
+            vals = self._execute(self._main, env_feeds, None)
+        slot = self._main.slot
+        return {n: vals[slot[n]] for n in names}
 
     # ---- feeds ------------------------------------------------------------------------------------
     def _check_name(self, name: str) -> None:
@@ -281,45 +296,52 @@ class InferenceSession:
         return t
 
     # ---- execution ------------------------------------------------------------------------------
-    def _execute(self, graph: Graph, feeds: dict, outer: Mapping | None) -> ChainMap:
-        local: dict[str, torch.Tensor] = dict(feeds)
-        env = ChainMap(local, graph.consts) if outer is None else ChainMap(local, graph.consts, outer)
-        for step in graph.steps:
-            try:
-                inputs = [env[n] if n else None for n in step.inputs]
-            except KeyError as exc:
-                raise RuntimeError(f"node '{step.name}' ({step.op_type}): no value for input {exc}") from None
-            for n, t in zip(step.outputs, self._run_step(step, inputs, env)):
-                if n:
-                    local[n] = t
-            for n in step.release:
-                local.pop(n, None)
-        return env
+    def _bind(self, graph: Graph) -> plan_mod.Program:
+        """The graph's execution plan with every op's call bound (subgraphs get plans of their own)."""
+        prog = plan_mod.build(graph)
+        for op in prog.ops:
+            op.run = self._bind_op(op.step)
+            for value in op.step.attrs.values():
+                if isinstance(value, Graph):
+                    self._programs[id(value)] = self._bind(value)
+        return prog
+
+    def _bind_op(self, step: Step):
+        place = self.device.type != "cpu"
+        if step.call is not None:
+            call, name = step.call, step.name
+
+            def run_attention(ins):
+                outs = call.run(self._place(step, ins) if place else ins, plan=self._plan,
+                                validate=self.validate_inputs)
+                self._last_variants[name] = call.last_variant
+                return outs
+
+            return run_attention
+        impl, attrs, ctx = step.impl, step.attrs, step.ctx
+        if step.has_subgraph:
+            sub_ctx = replace(ctx, run_subgraph=lambda g, f: self._run_subgraph(g, f, outer=self._envs[-1]))
+            return lambda ins: list(impl(self._place(step, ins) if place else ins, attrs, sub_ctx))
+        if place:
+            return lambda ins: impl(self._place(step, ins), attrs, ctx)
+        return lambda ins: impl(ins, attrs, ctx)
+
+    def _execute(self, prog: plan_mod.Program, feeds: Mapping, outer: Mapping | None) -> list:
+        vals = plan_mod.start(prog, feeds, outer)
+        if not prog.has_subgraphs:
+            return plan_mod.execute(prog, vals, _node_error)
+        self._envs.append(prog.env(vals, outer))
+        try:
+            return plan_mod.execute(prog, vals, _node_error)
+        finally:
+            self._envs.pop()
 
     def _run_subgraph(self, graph: Graph, feeds, *, outer: Mapping) -> list[torch.Tensor]:
         if not isinstance(feeds, Mapping):
             feeds = dict(zip(graph.inputs, feeds))
-        env = self._execute(graph, dict(feeds), outer)
-        return [env[n] for n in graph.outputs]
-
-    def _run_step(self, step: Step, inputs: list, env: Mapping) -> list:
-        if self.device.type != "cpu":
-            inputs = self._place(step, inputs)
-        try:
-            if step.call is not None:
-                outs = step.call.run(inputs, plan=self._plan, validate=self.validate_inputs)
-                self._last_variants[step.name] = step.call.last_variant
-                return outs
-            ctx = step.ctx
-            if step.has_subgraph:
-                ctx = replace(ctx, run_subgraph=lambda g, f: self._run_subgraph(g, f, outer=env))
-            return list(step.impl(inputs, step.attrs, ctx))
-        except ValidationError as exc:
-            raise ValidationError(exc.issues, f"node '{step.name}' ({step.op_type})") from exc
-        except ValueError as exc:
-            raise ValueError(f"node '{step.name}' ({step.op_type}): {exc}") from exc
-        except Exception as exc:
-            raise RuntimeError(f"node '{step.name}' ({step.op_type}) failed: {exc}") from exc
+        prog = self._programs[id(graph)]
+        vals = self._execute(prog, feeds, outer)
+        return [vals[j] for j in prog.outputs]
 
     def _place(self, step: Step, inputs: list) -> list:
         """Device ops get their data operands on the device (a host value computed at run time is
