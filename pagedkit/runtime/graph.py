@@ -26,6 +26,7 @@ import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper
+from onnx.external_data_helper import uses_external_data
 
 from ..kernels import dispatch
 from ..validators.checks import validate_node
@@ -33,6 +34,7 @@ from ..validators.issues import Issue, ValidationError
 from .ops import OpContext, has_host_outputs, host_inputs, lookup, node_attributes, normalize_domain
 from .ops.packed import Packed
 from .ops.registry import prepacker
+from .loading import read_external, release_data
 from .ops.util import tensor_from_proto
 
 ATTENTION_OPS = {("com.microsoft", "PagedAttention"), ("com.microsoft", "GroupQueryAttention")}
@@ -130,8 +132,10 @@ def _has_attention(g: onnx.GraphProto) -> bool:
 
 class _Compiler:
     def __init__(self, model: onnx.ModelProto, device: torch.device, allow_fallback: bool,
-                 capturable: bool = False, validate: bool = True):
+                 capturable: bool = False, validate: bool = True, base_dir: str | None = None,
+                 release: bool = False):
         self.model, self.device, self.allow_fallback = model, device, allow_fallback
+        self.base_dir, self.release = base_dir, release
         self.capturable, self.validate = capturable, validate
         self.opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
         self.missing: list[str] = []
@@ -145,7 +149,14 @@ class _Compiler:
         """(compiled graph, its free variables)."""
         consts = {}
         for init in proto.initializer:
-            consts[init.name] = tensor_from_proto(init)
+            if uses_external_data(init):
+                if self.base_dir is None:
+                    raise ValueError(f"initializer '{init.name}': external data without the model's folder")
+                consts[init.name] = read_external(init, self.base_dir)
+            else:
+                consts[init.name] = tensor_from_proto(init)
+            if self.release:  # the session owns the proto: its copy of the weight goes now
+                release_data(init)
         if len(proto.sparse_initializer):
             self.errors.append(f"graph '{proto.name}': sparse initializers are not supported")
         local = {vi.name for vi in proto.input} | set(consts)
@@ -231,10 +242,16 @@ def _fold(g: Graph) -> None:
 
 def _prepack(g: Graph, device: torch.device) -> dict[str, str]:
     """Lay out constant inputs once for their kernels (registry.prepack), in this graph and its subgraphs:
-    each replacement becomes a constant of its own, and an original no step reads any more is dropped.
-    Returns {step name: what was prepacked} for the session's report."""
+    each replacement becomes a constant of its own, and an original is dropped as soon as no step reads it
+    any more (so at most one weight is held twice, briefly). Returns {step name: the layout given}."""
     report: dict[str, str] = {}
     made: dict[tuple, str] = {}  # (input, op, attrs) -> name of its replacement (a weight shared by two nodes)
+    readers: dict[str, int] = {}
+    for s in g.steps:
+        for n in list(s.inputs) + list(s.free_vars):
+            readers[n] = readers.get(n, 0) + 1
+    for n in g.outputs:
+        readers[n] = readers.get(n, 0) + 1
     for step in g.steps:
         for value in step.attrs.values():
             if isinstance(value, Graph):
@@ -245,16 +262,16 @@ def _prepack(g: Graph, device: torch.device) -> dict[str, str]:
         ins = [g.consts.get(n) if n else None for n in step.inputs]
         key_attrs = tuple(sorted((k, v) for k, v in step.attrs.items() if isinstance(v, (int, float, str))))
         for i, new in fn(ins, step.attrs, replace(step.ctx, device=device)).items():
-            key = (step.inputs[i], step.op_type, key_attrs)
+            name = step.inputs[i]
+            key = (name, step.op_type, key_attrs)
             if key not in made:
-                made[key] = f"{step.inputs[i]}{PACKED}{len(made)}"
+                made[key] = f"{name}{PACKED}{len(made)}"
                 g.consts[made[key]] = new
             step.inputs[i] = made[key]
             report[step.name] = g.consts[made[key]].describe()
-    if made:
-        read = {n for s in g.steps for n in list(s.inputs) + list(s.free_vars)} | set(g.outputs)
-        for name in {k[0] for k in made} - read:
-            g.consts.pop(name, None)
+            readers[name] -= 1
+            if readers[name] == 0:
+                g.consts.pop(name, None)
     return report
 
 
@@ -354,11 +371,15 @@ def _all_consts(g: Graph):
 
 
 def compile_model(model: onnx.ModelProto, device: torch.device, allow_reference_fallback: bool = True, *,
-                  capturable: bool = False, validate: bool = True) -> CompiledModel:
+                  capturable: bool = False, validate: bool = True, base_dir: str | None = None,
+                  release_initializers: bool = False) -> CompiledModel:
     """Compile the model's graph for `device`; raises NotImplementedError listing every op it cannot
     run (attention nodes no kernel variant serves included), ValidationError listing every contract
-    issue of every attention node (validate=True), ValueError for a malformed graph."""
-    comp = _Compiler(model, device, allow_reference_fallback, capturable, validate)
+    issue of every attention node (validate=True), ValueError for a malformed graph.
+    base_dir: where initializers left in external data are read from (load_model(lazy_weights=True));
+    release_initializers: clear each initializer's data from the proto once converted (a proto the caller
+    owns: the weights are then held once, as tensors)."""
+    comp = _Compiler(model, device, allow_reference_fallback, capturable, validate, base_dir, release_initializers)
     g, free = comp.graph(model.graph, set())
     if free:
         comp.errors.append(f"names read but never defined: {sorted(free)}")

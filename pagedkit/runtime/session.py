@@ -140,7 +140,8 @@ class InferenceSession:
         validate_inputs: bool | None = None,
     ):
         _apply_threads(sess_options)
-        self._model, self._base_dir = load_model(path_or_bytes)
+        owned = not isinstance(path_or_bytes, onnx.ModelProto)  # a proto of our own: its weights can go
+        self._model, self._base_dir = load_model(path_or_bytes, lazy_weights=owned)
         self.device, self._providers = _select_device(providers)
         self.allow_reference_fallback = allow_reference_fallback
         self.capturable = capturable
@@ -161,7 +162,8 @@ class InferenceSession:
         self._input_names = set(self._args)
         self._output_names = [a.name for a in self._outputs]
         self._compiled: CompiledModel = compile_model(self._model, self.device, allow_reference_fallback,
-                                                      capturable=capturable)
+                                                      capturable=capturable, base_dir=self._base_dir,
+                                                      release_initializers=owned)
         self._dev_copies: dict[int, torch.Tensor] = {}  # id(host const) -> its device copy (mixed ops)
         self._programs: dict[int, plan_mod.Program] = {}  # id(subgraph) -> its plan
         self._envs: list = []  # values of the graphs being run (subgraphs read their enclosing scopes)
