@@ -103,7 +103,7 @@ def prepare_ours(node: onnx.NodeProto, feeds: dict[str, np.ndarray], opset: int,
     inputs = [torch.from_numpy(feeds[n]).to("cpu" if i in on_host else device) if n else None
               for i, n in enumerate(node.input)]
     ctx = OpContext(opset=opset, node_name=node.name, num_outputs=len(node.output), device=device,
-                    run_subgraph=run_subgraph)
+                    run_subgraph=run_subgraph, requested=tuple(bool(o) for o in node.output))
     return fn, inputs, ctx
 
 

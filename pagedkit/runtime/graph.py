@@ -216,6 +216,7 @@ class _Compiler:
                                    "which the runtime does not run")
         step.free_vars = frozenset(free)
         step.ctx = OpContext(opset=self.opsets.get(domain, 1), node_name=name, num_outputs=len(node.output),
+                             requested=tuple(bool(o) for o in node.output),
                              device=self.device)
         return step
 

@@ -10,6 +10,7 @@ normalized dimensions kept as 1.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .registry import MS_DOMAIN, register
 from .util import norm_axis, opt
@@ -48,6 +49,9 @@ def rms_norm(inputs, attrs, ctx):
     x, scale = inputs[0], inputs[1]
     dtype = _stash_dtype(x, attrs)
     axis = norm_axis(attrs.get("axis", -1), x.dim(), "RMSNormalization axis")
+    if scale.shape == x.shape[axis:]:  # torch's fused norm over the trailing dims
+        y = F.rms_norm(x.to(dtype), tuple(x.shape[axis:]), scale.to(dtype), attrs.get("epsilon", 1e-5))
+        return [y.to(x.dtype)]
     y, _, _ = _normalize(x, axis, attrs.get("epsilon", 1e-5), dtype, center=False)
     return [(y * scale.to(dtype)).to(x.dtype)]
 
@@ -57,6 +61,9 @@ def simplified_layer_norm(inputs, attrs, ctx):
     x, scale = inputs[0], inputs[1]  # Y takes scale's type (V)
     dtype = _stash_dtype(x, attrs)
     axis = norm_axis(attrs.get("axis", -1), x.dim(), "SimplifiedLayerNormalization axis")
+    if not ctx.wants(1) and scale.shape == x.shape[axis:]:  # inv_std_var not asked for: torch's fused norm
+        y = F.rms_norm(x.to(dtype), tuple(x.shape[axis:]), scale.to(dtype), attrs.get("epsilon", 1e-5))
+        return [y.to(scale.dtype), None]
     y, _, inv = _normalize(x, axis, attrs.get("epsilon", 1e-5), dtype, center=False)
     return [(y * scale.to(dtype)).to(scale.dtype), inv]
 
@@ -71,6 +78,11 @@ def _skip_norm(center: bool):
         s = x.to(dtype) + skip.to(dtype)  # summed in float32, as onnxruntime's CPU kernel
         if bias is not None:
             s = s + bias.to(dtype)
+        if not (ctx.wants(1) or ctx.wants(2)):  # no statistics asked for: torch's fused norms
+            eps, shape = attrs.get("epsilon", 1e-12), (s.shape[-1],)
+            g, b = gamma.to(dtype), None if beta is None else beta.to(dtype)
+            y = F.layer_norm(s, shape, g, b, eps) if center else F.rms_norm(s, shape, g, eps)
+            return [y.to(x.dtype), None, None, s.to(x.dtype) if ctx.wants(3) else None]
         y, mean, inv = _normalize(s, s.dim() - 1, attrs.get("epsilon", 1e-12), dtype, center)
         y = y * gamma.to(dtype)
         if beta is not None:

@@ -53,6 +53,12 @@ class OpContext:
     # run_subgraph(graph, feeds) -> graph outputs in order. Supplied by the session; it resolves
     # names the subgraph takes from the enclosing scope itself (feeds only bind the subgraph's inputs).
     run_subgraph: Callable[[onnx.GraphProto, dict[str, torch.Tensor]], list[torch.Tensor]] | None = None
+    # which outputs the node names (an empty name: not produced for anyone); None = all. An op may skip
+    # work for the others and return None there (the statistics outputs of the normalizations).
+    requested: tuple[bool, ...] | None = None
+
+    def wants(self, i: int) -> bool:
+        return self.requested is None or (i < len(self.requested) and self.requested[i])
 
 
 OPS: dict[tuple[str, str], OpImpl] = {}
