@@ -184,9 +184,11 @@ def dequantized_matmul_model(model_dir: Path, out_dir: Path) -> dict[str, float]
         assert a["bits"] == 4 and (len(node.input) < 4 or not node.input[3]), "4-bit symmetric expected"
         K, N, bs = a["K"], a["N"], a["block_size"]
         packed = numpy_helper.to_array(inits[node.input[1]])  # [N, k_blocks, bs / 2]
-        scales = numpy_helper.to_array(inits[node.input[2]]).astype(np.float32).reshape(N, -1)
+        scales = numpy_helper.to_array(inits[node.input[2]])
+        act = scales.dtype  # T1: the activations' type (float16, or float32 for an fp32 export)
+        scales = scales.astype(np.float32).reshape(N, -1)
         codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(N, -1, bs).astype(np.float32) - 8
-        w = (codes * scales[:, :, None]).reshape(N, -1)[:, :K].T.astype(np.float16)  # [K, N]
+        w = (codes * scales[:, :, None]).reshape(N, -1)[:, :K].T.astype(act)  # [K, N]
         name = node.input[1] + ".dequantized"
         m.graph.initializer.append(numpy_helper.from_array(w, name))
         m.graph.node.remove(node)

@@ -3,6 +3,7 @@ ONNX model + genai_config.json, validated before success is declared.
 
     paged-export --model llama-3.1-8b --num-layers 2 --output /tmp/llama2l
     paged-export --model ./my-checkpoint --output out --kv-cache int8 --kv-quant PER_TOKEN
+    paged-export --model ./my-checkpoint --output out32 --dtype fp32        # CPU: float32, fp16 caches
 
 Exit status: 0 exported and validated, 1 the exported model failed the ONNX checker / pagedkit's validator,
 2 bad arguments or input (missing / malformed checkpoint, unsupported model, the `export` extra not
@@ -39,9 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", "-m", help="local checkpoint folder, .gguf file, built-in name, or a model "
                                          "fetched by paged-fetch (smollm2-135m)")
     p.add_argument("--output", "-o", help="output folder (model.onnx, genai_config.json, tokenizer files)")
-    p.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="activation / weight dtype (fp16)")
+    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16",
+                   help="activation / weight dtype (fp16). fp32: float32 everywhere except inside each "
+                        "PagedAttention node (its T is fp16 / bf16 only): Casts around the node, fp16 caches by "
+                        "default, float32 logits")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size written to the config: a power of two >= 16 (16)")
-    p.add_argument("--kv-cache", choices=tuple(CACHE_CHOICES), help="K and V cache dtype (default: --dtype)")
+    p.add_argument("--kv-cache", choices=tuple(CACHE_CHOICES),
+                   help="K and V cache dtype (default: --dtype; fp16 with --dtype fp32)")
     p.add_argument("--k-cache", choices=tuple(CACHE_CHOICES), help="K cache dtype (overrides --kv-cache)")
     p.add_argument("--v-cache", choices=tuple(CACHE_CHOICES), help="V cache dtype (overrides --kv-cache)")
     p.add_argument("--kv-quant", choices=QUANT_CHOICES, type=str.upper,
@@ -51,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rotate-kv", action="store_true",
                    help="Walsh-Hadamard rotation of Q/K and V per head (qk_rotation / v_rotation)")
     p.add_argument("--weights", choices=("fp16", "int4"), default="fp16",
-                   help="int4: MatMul weights to MatMulNBits with onnxruntime's quantizer")
+                   help="fp16: float weights of --dtype; int4: MatMul weights to MatMulNBits with onnxruntime's "
+                        "quantizer")
     p.add_argument("--calibration", metavar="TEXT_FILE",
                    help="text for PER_TENSOR / PER_CHANNEL scale calibration (default: a text shipped with pagedkit)")
     p.add_argument("--calibration-percentile", type=float, default=100.0,

@@ -16,7 +16,7 @@ from ..validators.contract import block_size_error
 from ..interface import dtypes
 from ..interface.genai_config import ModelSpec, genai_config, with_decoded_pagedkit, write_genai_config
 from ..validators.contract import cache_format, cache_width
-from .families.base import ExportContext, ExportOptions, KVOptions
+from .families.base import FLOAT_TYPES, ExportContext, ExportOptions, KVOptions
 from .registry import family_for
 from .weights import copy_tokenizer_files, load_model
 
@@ -84,6 +84,12 @@ def check_options(opts: ExportOptions) -> None:
     err = block_size_error(opts.block_size)
     if err:
         raise ValueError(err)
+    if opts.dtype not in FLOAT_TYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(FLOAT_TYPES)}, got {opts.dtype!r}")
+    floats = {d for d in (opts.kv.k_dtype, opts.kv.v_dtype) if d in ("float16", "bfloat16")}
+    if opts.dtype == "fp32" and len(floats) > 1:
+        raise ValueError(f"dtype fp32: K cache {opts.kv.k_dtype} and V cache {opts.kv.v_dtype} differ; each "
+                         "attention node runs in its caches' float type (one T): give both sides one dtype")
 
 
 def build_model(hf_model: torch.nn.Module, opts: ExportOptions | None = None, *, progress: bool = False
@@ -199,7 +205,7 @@ def export(model: str | os.PathLike, output_dir: str | os.PathLike, opts: Export
     check, summarize."""
     opts = opts or ExportOptions()
     check_options(opts)  # before any loading
-    dtype = torch.float16 if opts.dtype == "fp16" else torch.bfloat16
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[opts.dtype]
     loaded = load_model(model, num_layers=num_layers, num_experts=num_experts, seed=seed, dtype=dtype)
     source = {"model": str(model), "num_hidden_layers": loaded.config.num_hidden_layers}
     if loaded.checkpoint is not None:  # the local weights, for `paged-run --parity` without a second path

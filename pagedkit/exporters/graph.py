@@ -46,8 +46,11 @@ def tensor_proto(name: str, value: torch.Tensor | np.ndarray, elem_type: int) ->
 class GraphBuilder:
     """Collects one ONNX graph. `vi` maps every tensor name to (elem_type, shape) where known."""
 
-    def __init__(self, float_type: int):
-        self.float_type = float_type  # the activation type T (fp16 / bf16)
+    def __init__(self, float_type: int, attn_type: int | None = None):
+        self.float_type = float_type  # the activation / weight type of the graph (fp16 / bf16 / float32)
+        # PagedAttention's T (float16 / bfloat16 only, contract-decisions §6): the float_type itself, or for a
+        # float32 graph the type its attention nodes run in (Casts around each node, `paged_attention`)
+        self.attn_type = float_type if attn_type is None else attn_type
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -96,6 +99,20 @@ class GraphBuilder:
 
     def add(self, node: onnx.NodeProto) -> None:
         self.nodes.append(node)
+
+    def retyped(self, name: str, elem_type: int) -> str:
+        """Initializer `name` as `elem_type`: itself when it has that type, else a converted copy
+        (`{name}/{TYPE}`, made once)."""
+        if self.vi[name][0] == elem_type:
+            return name
+        new = f"{name}/{onnx.TensorProto.DataType.Name(elem_type)}"
+        if new not in self.vi:
+            src = next(t for t in self.initializers if t.name == name)
+            self.initializer(new, torch.from_numpy(onnx.numpy_helper.to_array(src).astype(np.float32)), elem_type)
+        return new
+
+    def is_initializer(self, name: str) -> bool:
+        return any(t.name == name for t in self.initializers)
 
     def shape_of(self, name: str) -> Shape:
         return self.vi[name][1]
@@ -262,10 +279,26 @@ def paged_attention(g: GraphBuilder, *, layer: int, io: GraphInputs, query: str,
 
     caches: contract names -> tensor names for key_cache / value_cache / k_scale_cache / v_scale_cache and
     the matching *_out outputs. extra_inputs: head_sink, q_norm_weight, k_norm_weight, k_scale, v_scale.
+
+    The node runs in `g.attn_type` (its T). When the graph's float type differs (a float32 export: T is
+    float16 / bfloat16 only, contract-decisions §6), every T-typed input is brought to T first: activations
+    (query / packed QKV, key, value) through a Cast `{node}/{input}/Cast`, constants (cos/sin caches,
+    head_sink, norm weights, attention_bias) as initializers of T (families create them so; any other is
+    converted once, `GraphBuilder.retyped`); output 0 is Cast back to the graph's float type. Returns the
+    attention output in the graph's float type.
     """
     from ..validators.builders import make_paged_attention_node
 
     name = f"/model/layers.{layer}/attn/PagedAttention"
+    t = g.attn_type
+    query, key, value = (_to_attention_type(g, x, f"{name}/{role}/Cast") for x, role in
+                         ((query, "query"), (key, "key"), (value, "value")))
+    t_inputs = _t_inputs()
+    extra_inputs = {k: _to_attention_type(g, v, f"{name}/{k}/Cast") if k in t_inputs else v
+                    for k, v in extra_inputs.items()}
+    if rope is not None:
+        rope = (_to_attention_type(g, rope[0], f"{name}/cos_cache/Cast"),
+                _to_attention_type(g, rope[1], f"{name}/sin_cache/Cast"))
     inputs = {
         "query": query, "key": key, "value": value,
         "cumulative_sequence_length": io.cumulative_sequence_lengths,
@@ -283,5 +316,22 @@ def paged_attention(g: GraphBuilder, *, layer: int, io: GraphInputs, query: str,
     outputs = {"output": out, **{k: v for k, v in caches.items() if k.endswith("_out")}}
     node = make_paged_attention_node(inputs, outputs, name=name, value_info=g.vi, **attrs)
     g.add(node)
-    g.vi[out] = (g.float_type, (g.shape_of(query)[0], out_width))
-    return out
+    g.vi[out] = (t, (g.shape_of(query)[0], out_width))
+    return cast(g, out, g.float_type, f"{name}/output/Cast")
+
+
+def _t_inputs() -> frozenset[str]:
+    """PagedAttention's inputs of type T (query, key, value, cos/sin, head_sink, norm weights, attention_bias),
+    from the contract."""
+    from ..validators.contract import PAGED_ATTENTION
+
+    return frozenset(p.name for p in PAGED_ATTENTION.inputs if p.type_param == "T")
+
+
+def _to_attention_type(g: GraphBuilder, x: str | None, cast_name: str) -> str | None:
+    """x as the attention nodes' T: an initializer converted (once), an activation through a Cast."""
+    if not x or g.vi[x][0] == g.attn_type:
+        return x
+    if g.is_initializer(x):
+        return g.retyped(x, g.attn_type)
+    return cast(g, x, g.attn_type, cast_name)

@@ -19,6 +19,7 @@ from pathlib import Path
 import onnx
 import torch
 
+from ..interface import dtypes
 from ..interface import names as N
 from ..interface.genai_config import LayerSpec, ModelSpec
 from ..kernels import quant as kq
@@ -63,8 +64,12 @@ def collect_kv(model: onnx.ModelProto, spec: ModelSpec, sequences: list[list[int
         from ..runtime.session import InferenceSession
 
     sess = InferenceSession(model)
-    names = {i.name for i in sess.get_inputs()}
-    dtype = torch.float16 if spec.dtype == "float16" else torch.bfloat16
+    args = {i.name: i for i in sess.get_inputs()}
+    names = set(args)
+
+    def cache_dtype(name: str) -> torch.dtype:  # the unquantized graph's own cache type (fp16 for fp32 exports)
+        return dtypes.torch_dtype(args[name].type)
+
     out: dict[int, list[list[torch.Tensor]]] = {l.layer: [[], []] for l in spec.layers}
     for seq in sequences:
         n = len(seq)
@@ -81,10 +86,11 @@ def collect_kv(model: onnx.ModelProto, spec: ModelSpec, sequences: list[list[int
             if extra in names:
                 feeds[extra] = torch.arange(n, dtype=torch.int32)
         for l in spec.layers:  # caches [nb, block_size, kv_heads, head_size], unquantized
-            feeds[N.past_name("key", l.layer)] = torch.zeros(nb, block_size, l.kv_num_heads, l.head_size, dtype=dtype)
+            key = N.past_name("key", l.layer)
+            feeds[key] = torch.zeros(nb, block_size, l.kv_num_heads, l.head_size, dtype=cache_dtype(key))
             if l.v_cache is not None:
-                feeds[N.past_name("value", l.layer)] = torch.zeros(nb, block_size, l.kv_num_heads, l.head_size,
-                                                                   dtype=dtype)
+                value = N.past_name("value", l.layer)
+                feeds[value] = torch.zeros(nb, block_size, l.kv_num_heads, l.head_size, dtype=cache_dtype(value))
         res = sess.run_torch(feeds)
         for l in spec.layers:
             k = res[N.present_name("key", l.layer)].reshape(nb * block_size, l.kv_num_heads, -1)[:n].float()

@@ -13,7 +13,12 @@ Graph interface (onnxruntime-genai's paged layout, contract-decisions §5 and §
   optional slot_mapping / query_positions [num_tokens] int32,
   past_key_values.{i}.key/value [num_blocks, block_size, kv_heads, head_size] -> present.{i}.key/value,
   PER_TOKEN: past_key_values.{i}.key_scale/value_scale [num_blocks, block_size, kv_heads] float16,
-  logits [num_tokens, vocab] (float32 for bf16 models, as onnxruntime-genai).
+  logits [num_tokens, vocab] (float32 for bf16 models, as onnxruntime-genai, and for float32 models).
+
+dtype fp32: float32 weights and activations everywhere; PagedAttention's T is float16 / bfloat16 only
+(contract-decisions §6), so each node runs in float16 (bfloat16 with bfloat16 caches) between Casts
+(`graph.paged_attention`), its T-typed constants (cos/sin, head_sink, q/k norm weights) are initializers of
+that type, and the caches default to float16.
 """
 
 from __future__ import annotations
@@ -30,7 +35,16 @@ from ...interface.genai_config import CacheSpec, LayerSpec, ModelSpec, genai_typ
 from ...validators.contract import cache_format, cache_width
 from ..graph import GraphBuilder, GraphInputs, Residual, cast, gated_mlp, linear, paged_attention, rotary_tables
 
-FLOAT_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
+FLOAT_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16, "fp32": TensorProto.FLOAT}
+DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}  # ModelSpec.dtype spellings
+
+
+def attention_type(opts: "ExportOptions") -> int:
+    """PagedAttention's T for these options: the export dtype, or for fp32 float16 (bfloat16 when the
+    caches are bfloat16: unquantized caches hold T)."""
+    if opts.dtype != "fp32":
+        return FLOAT_TYPES[opts.dtype]
+    return TensorProto.BFLOAT16 if "bfloat16" in (opts.kv.k_dtype, opts.kv.v_dtype) else TensorProto.FLOAT16
 
 
 def cache_elem_type(cache_dtype: str) -> int:
@@ -52,7 +66,7 @@ class KVOptions:
 
 @dataclass
 class ExportOptions:
-    dtype: str = "fp16"  # activation dtype: fp16 | bf16
+    dtype: str = "fp16"  # activation / weight dtype: fp16 | bf16 | fp32 (attention in fp16 between Casts)
     block_size: int = 16
     max_seq_len: int | None = None  # rotary table length / context_length; default max_position_embeddings
     kv: KVOptions = field(default_factory=KVOptions)
@@ -69,7 +83,7 @@ class ExportContext:
     def __init__(self, family: "DecoderFamily", model: torch.nn.Module, opts: ExportOptions):
         self.family, self.model, self.opts = family, model, opts
         self.config = model.config
-        self.g = GraphBuilder(FLOAT_TYPES[opts.dtype])
+        self.g = GraphBuilder(FLOAT_TYPES[opts.dtype], attention_type(opts))
         self.io = GraphInputs(slot_mapping=N.SLOT_MAPPING if opts.slot_mapping else None,
                               query_positions=N.QUERY_POSITIONS if opts.query_positions else None)
         self.spec = family.model_spec(model, opts)
@@ -121,12 +135,13 @@ class DecoderFamily:
     def model_spec(self, model, opts: ExportOptions) -> ModelSpec:
         config = model.config
         self.check(config)
-        act = "float16" if opts.dtype == "fp16" else "bfloat16"
+        act = DTYPE_NAMES[opts.dtype]
+        default_cache = dtypes.numpy_name(attention_type(opts))  # the attention type: fp16 for fp32 exports
         layers = []
         for i, layer in enumerate(self.layers(model)):
             attn = layer.self_attn
-            k = CacheSpec(opts.kv.k_dtype or act, opts.kv.k_quant, opts.kv.rotate)
-            v = CacheSpec(opts.kv.v_dtype or act, opts.kv.v_quant, opts.kv.rotate)
+            k = CacheSpec(opts.kv.k_dtype or default_cache, opts.kv.k_quant, opts.kv.rotate)
+            v = CacheSpec(opts.kv.v_dtype or default_cache, opts.kv.v_quant, opts.kv.rotate)
             for c in (k, v):
                 c.scale_dtype = "float16" if c.quant == "PER_TOKEN" else None
             layers.append(LayerSpec(layer=i, num_heads=config.num_attention_heads,
@@ -242,7 +257,8 @@ class DecoderFamily:
         for key in sorted(keys):
             cos, sin = tables[key]
             sin_name = key.replace("cos", "sin", 1)
-            ctx.rope[key] = (ctx.g.initializer(key, cos), ctx.g.initializer(sin_name, sin))
+            g = ctx.g  # T-typed node inputs: the attention type (fp16 in a float32 export)
+            ctx.rope[key] = (g.initializer(key, cos, g.attn_type), g.initializer(sin_name, sin, g.attn_type))
 
     def embed(self, ctx: ExportContext) -> str:
         g = ctx.g
@@ -280,12 +296,12 @@ class DecoderFamily:
             attrs.update(do_rotary=1, rotary_interleaved=self.rotary_interleaved(config))
         qk = self.qk_norm(attn)
         if qk is not None:
-            extra["q_norm_weight"] = g.initializer(f"{ip}.q_norm.weight", qk[0])
-            extra["k_norm_weight"] = g.initializer(f"{ip}.k_norm.weight", qk[1])
+            extra["q_norm_weight"] = g.initializer(f"{ip}.q_norm.weight", qk[0], g.attn_type)  # T, as the node
+            extra["k_norm_weight"] = g.initializer(f"{ip}.k_norm.weight", qk[1], g.attn_type)
             attrs["qk_norm_epsilon"] = qk[2]
         sink = self.head_sink(attn)
         if sink is not None:
-            extra["head_sink"] = g.initializer(f"{ip}.sinks", sink.detach())
+            extra["head_sink"] = g.initializer(f"{ip}.sinks", sink.detach(), g.attn_type)
         caches = self.cache_io(ctx, l, extra, attrs)
         out = paged_attention(g, layer=i, io=ctx.io, query=qkv, key=None, value=None, caches=caches,
                               windowed_table=l.windowed_table, rope=ctx.rope.get(l.rope) if l.rope else None,
