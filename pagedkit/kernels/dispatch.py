@@ -310,6 +310,7 @@ class AttentionCall:
     device: torch.device
     info: NodeInfo | None = None
     last_variant: str | None = None  # the variant that ran the last call
+    _picks: dict = field(default_factory=dict, repr=False)  # plan hint -> the variant it picks
 
     @property
     def variant(self) -> KernelVariant:
@@ -326,6 +327,13 @@ class AttentionCall:
 
     def pick(self, plan: str | None = None) -> KernelVariant:
         """The first serving variant that serves this plan (host-side information only)."""
+        picked = self._picks.get(plan)
+        if picked is not None:
+            return picked
+        self._picks[plan] = picked = self._pick(plan)
+        return picked
+
+    def _pick(self, plan: str | None) -> KernelVariant:
         if plan is not None and plan not in PLANS:
             raise ValueError(f"plan {plan!r}: expected one of {list(PLANS)} or None")
         for v in self.serving:
@@ -340,7 +348,7 @@ class AttentionCall:
         with validate=False (the node was validated at creation) a failing call is diagnosed afterwards."""
         variant = self.pick(plan)
         feed = {n: t for n, t in zip(self.in_names, inputs) if n is not None and t is not None}
-        requested = [n for n in self.out_names if n is not None]
+        requested = self.requested
         staged = feed
         if variant.stages_on_cpu and self.device.type != "cpu":
             staged = {n: t.cpu() for n, t in feed.items()}
@@ -375,6 +383,11 @@ class AttentionCall:
                 t = t.to(self.device)
             outs.append(t)
         return outs
+
+    @property
+    def requested(self) -> list[str]:
+        """The contract names of the outputs the node asks for."""
+        return [n for n in self.out_names if n is not None]
 
     def report(self) -> dict[str, Any]:
         """What creation decided: the serving variants (priority order) and why the others refused."""

@@ -71,6 +71,11 @@ def _tokenizer(model_dir: Path):
         raise ValueError(f"{path}: not a tokenizer file ({one_line(str(exc))})") from None
 
 
+def _precision(gen) -> str:
+    act, att = (str(t).replace("torch.", "") for t in (gen.activation_dtype, gen.dtype))
+    return act if act == att else f"{act}, attention caches {att}"
+
+
 @cli_main("paged-run")
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         return report_error("paged-run", exc)
     cfg = gen.config
     print(f"model: {model_dir} ({'paged' if cfg.paged else 'GQA'} layout, {cfg.num_layers} layers, "
-          f"{str(gen.dtype).replace('torch.', '')}) on {args.device}, session ready in {setup:.2f} s")
+          f"{_precision(gen)}) on {args.device}, session ready in {setup:.2f} s")
     print(f"prompt: {len(prompt)} tokens {prompt}")
     tokens, shown = [], ""
     try:

@@ -366,11 +366,18 @@ class Generator:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The model's activation precision (its first cache input's element type, or float32)."""
+        """The precision the model's attention keeps its caches in (its first cache input's element type, or
+        float32); parity tolerances follow it (TOLERANCES). An fp32 export with fp16 caches is float16 here."""
         name = self.config.name(N.past_names_key("key"), 0)
         arg = next((a for a in self.session.get_inputs() if a.name == name), None)
         dt = _torch_type(arg.type) if arg is not None else torch.float32
         return dt if dt in TOLERANCES else torch.float16
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The model's activation precision: its logits' element type (float32 for an fp32 export)."""
+        arg = next((a for a in self.session.get_outputs() if a.name == self.logits_name), None)
+        return _torch_type(arg.type) if arg is not None else self.dtype
 
     def run(self, prompt: Sequence[int], max_new_tokens: int, forced: Sequence[int] | None = None,
             stop_at_eos: bool = True) -> Iterator[StepResult]:

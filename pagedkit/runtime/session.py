@@ -189,6 +189,12 @@ class InferenceSession:
         return dict(self._last_variants)
 
     @property
+    def prepacked(self) -> dict[str, str]:
+        """Node name -> the layout its constant weight was given at creation (ops/packed.py), e.g.
+        "oneDNN packed float32 (1.3 MiB)"; the stored tensor was replaced, not duplicated."""
+        return dict(self._compiled.prepacked)
+
+    @property
     def host_inputs(self) -> frozenset[str]:
         """Graph inputs kept in host memory (read on the host: attention_metadata, shape operands)."""
         return self._compiled.host_inputs

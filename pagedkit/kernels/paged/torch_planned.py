@@ -30,12 +30,12 @@ from ..attention_math import default_scale, rms_norm_heads
 from ..scope import memo
 from ..variant import KernelVariant
 from . import prologue
-from .extents import check_extents
 from .prologue import as_torch, need
 
 NAME = "torch_planned"
 SMALL_STEP = 16  # sequences with at most this many tokens are batched by token count
 BUDGET = 1 << 24  # query rows x context per attention call (bounds the mask and the score workspace)
+_DEFAULTS = PAGED_ATTENTION.defaults()
 _FEATURES = ("packed_qkv", "rotary", "qk_norm", "local_window", "non_causal", "attention_metadata")
 
 def _cache_ok(info: Any) -> str | None:
@@ -86,6 +86,7 @@ class _Plan:
     w_rows: torch.Tensor  # [W] long token rows written (the last of tokens sharing a slot)
     w_slots: torch.Tensor  # [W] long flat slots
     items: list[_Item]
+    w_all: bool = False  # w_rows == arange(N): no row gather before the write
 
 
 def supports(info: Any) -> str | None:
@@ -142,7 +143,8 @@ def _plan(csl_t: torch.Tensor, past_t: torch.Tensor, table_t: torch.Tensor, n_to
             if t is not None:
                 setattr(it, name, t.to(dev))
     top = max((p + n - 1 for p, n in zip(past, lens) if n), default=0)
-    return _Plan(pos.to(dev), top, keep.to(dev), slots[keep].to(dev), items)
+    w_all = bool(keep.numel() == n_tok and torch.equal(keep, torch.arange(n_tok)))
+    return _Plan(pos.to(dev), top, keep.to(dev), slots[keep].to(dev), items, w_all)
 
 
 def _item(seqs, j0, j1, csl, past, lens, table, valid_blk, bs, causal, window) -> _Item:
@@ -204,7 +206,7 @@ def paged_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] | None 
     if validate:
         prologue.require_valid_inputs(inputs, attributes, op_type="PagedAttention", outputs=outputs)
     x = {k: as_torch(v) for k, v in inputs.items() if v is not None}
-    a = PAGED_ATTENTION.defaults() | dict(attributes)
+    a = _DEFAULTS | attributes
     cdt = compute_dtype
     nh, hkv = int(a["num_heads"]), int(a["kv_num_heads"])
     query = x["query"]
@@ -214,8 +216,7 @@ def paged_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] | None 
     kc, vc = x["key_cache"], x["value_cache"]  # [NB, BS, Hkv, D]
     causal, window = bool(int(a["is_causal"])), int(a["local_window_size"])
     csl, past, table = x["cumulative_sequence_length"], x["past_seqlens"], x["block_table"]
-    if not validate:
-        check_extents(x)
+    # unvalidated, the plan checks every sequence's extent against the block table before any write
     key = ("paged_plan", id(csl), id(past), id(table), kc.shape[0], kc.shape[1], causal, window, str(dev))
     plan: _Plan = memo(key, lambda: _plan(csl, past, table, n_tok, kc.shape[0], kc.shape[1], causal, window, dev))
 
@@ -240,8 +241,12 @@ def paged_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] | None 
          "should be contiguous (they are updated in place)")
     kflat, vflat = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
     if plan.w_rows.numel():
-        kflat.index_copy_(0, plan.w_slots, k.index_select(0, plan.w_rows).to(kc.dtype))
-        vflat.index_copy_(0, plan.w_slots, v.index_select(0, plan.w_rows).to(vc.dtype))
+        if plan.w_all:  # every token writes its own slot, in token order
+            kflat.index_copy_(0, plan.w_slots, k.to(kc.dtype))
+            vflat.index_copy_(0, plan.w_slots, v.to(vc.dtype))
+        else:
+            kflat.index_copy_(0, plan.w_slots, k.index_select(0, plan.w_rows).to(kc.dtype))
+            vflat.index_copy_(0, plan.w_slots, v.index_select(0, plan.w_rows).to(vc.dtype))
 
     scale = default_scale(float(a["scale"]), d)
     out = None if len(plan.items) == 1 and plan.items[0].tok is None else \
