@@ -99,10 +99,28 @@ def shrink_config(config, num_layers: int | None = None, num_experts: int | None
                 setattr(config, key, num_experts)
                 if getattr(config, topk, 0) > num_experts:
                     setattr(config, topk, num_experts)
+                _shrink_groups(config, num_experts, topk)
                 break
         else:
             raise ValueError("--num-experts: this model has no routed experts")
     return config
+
+
+def _shrink_groups(config, num_experts: int, topk_key: str) -> None:
+    """Group-limited routing (DeepSeek V2 / V3: n_group groups, topk_group kept) on fewer experts: groups keep
+    at least 2 experts each (V3 ranks a group by its top-2 scores) and divide the experts, topk_group shrinks
+    in proportion, and top-k stays within the experts of the kept groups."""
+    n_group = int(getattr(config, "n_group", 0) or 0)
+    if n_group <= 1:
+        return
+    new = n_group
+    while new > 1 and (num_experts % new or num_experts // new < 2):
+        new -= 1
+    kept = max(1, int(getattr(config, "topk_group", new) or new) * new // n_group)
+    config.n_group, config.topk_group = new, min(kept, new)
+    cap = config.topk_group * (num_experts // new)
+    if getattr(config, topk_key, 0) > cap:
+        setattr(config, topk_key, cap)
 
 
 def _config_from_dict(cfg: dict, where: str):
