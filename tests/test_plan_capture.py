@@ -29,11 +29,12 @@ def _decode_step_under_sync_debug(gen, prompt):
             inner = op.run
 
             def relaxed(ins, inner=inner):
+                mode = torch.cuda.get_sync_debug_mode()
                 torch.cuda.set_sync_debug_mode(0)
                 try:
                     return inner(ins)
                 finally:
-                    torch.cuda.set_sync_debug_mode("error")
+                    torch.cuda.set_sync_debug_mode(mode)
 
             op.run = relaxed
     it = gen.greedy(prompt, 2, stop_at_eos=False)
