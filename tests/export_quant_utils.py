@@ -166,36 +166,106 @@ def check_quantized_parity(hf_model, model_dir: Path, *, prompt_lens=(11, 37), s
     return stats
 
 
+def decode_int4(packed: np.ndarray, scales: np.ndarray, k: int) -> np.ndarray:
+    """MatMulNBits' symmetric 4-bit B (no zero points: the default 8) decoded here from the nibbles:
+    packed [N, k_blocks, block / 2] uint8 (element 2i in the low nibble) or its [N, k_blocks * block / 2]
+    reshape, scales [N, k_blocks] or [N * k_blocks] -> float32 [N, k] (the padding of the last block cut)."""
+    n = packed.shape[0]
+    scales = scales.astype(np.float32).reshape(n, -1)
+    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, scales.shape[1], -1).astype(np.float32) - 8
+    return (codes * scales[:, :, None]).reshape(n, -1)[:, :k]
+
+
 def dequantized_matmul_model(model_dir: Path, out_dir: Path) -> dict[str, float]:
     """A copy of an int4-weight export with every com.microsoft MatMulNBits (4 bits, no zero points: the
     default 8) replaced by a MatMul over its weights decoded here from the packed nibbles
-    (B [N, k_blocks, block_size / 2] uint8, element 2i in the low nibble, scales [N * k_blocks]).
-    Returns {weight name: max over blocks of max|W - W_q| / scale} (<= 0.5 for round-to-nearest)."""
+    (B [N, k_blocks, block_size / 2] uint8, element 2i in the low nibble, scales [N, k_blocks]), and a
+    GatherBlockQuantized (the tied embedding: Reshape of the LM head's B) by a Gather over the same table
+    decoded (rows padded to whole blocks, as the node's output; the export's Slice, if any, stays).
+    Returns {weight name: max over blocks of max|code|} (<= 8)."""
     import onnx
     from onnx import numpy_helper
 
     m = onnx.load(str(Path(model_dir) / "model.onnx"))
     inits = {i.name: i for i in m.graph.initializer}
+    producers = {o: n for n in m.graph.node for o in n.output}
     errors = {}
     for idx, node in enumerate(list(m.graph.node)):
-        if node.op_type != "MatMulNBits":
-            continue
         a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
-        assert a["bits"] == 4 and (len(node.input) < 4 or not node.input[3]), "4-bit symmetric expected"
-        K, N, bs = a["K"], a["N"], a["block_size"]
-        packed = numpy_helper.to_array(inits[node.input[1]])  # [N, k_blocks, bs / 2]
-        scales = numpy_helper.to_array(inits[node.input[2]])
-        act = scales.dtype  # T1: the activations' type (float16, or float32 for an fp32 export)
-        scales = scales.astype(np.float32).reshape(N, -1)
-        codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(N, -1, bs).astype(np.float32) - 8
-        w = (codes * scales[:, :, None]).reshape(N, -1)[:, :K].T.astype(act)  # [K, N]
-        name = node.input[1] + ".dequantized"
-        m.graph.initializer.append(numpy_helper.from_array(w, name))
+        if node.op_type == "GatherBlockQuantized":
+            assert a["bits"] == 4 and a.get("gather_axis", 0) == 0 and a.get("quantize_axis", 1) == 1
+            assert len(node.input) < 4 or not node.input[3], "no zero points expected"
+            reshape = producers[node.input[0]]
+            assert reshape.op_type == "Reshape", "the packed table comes from a Reshape of an initializer"
+            packed = numpy_helper.to_array(inits[reshape.input[0]])
+            scales = numpy_helper.to_array(inits[node.input[2]])
+            table = decode_int4(packed.reshape(packed.shape[0], -1), scales, 2 * packed[0].size)
+            name = node.input[2] + ".table_dequantized"
+            m.graph.initializer.append(numpy_helper.from_array(table.astype(scales.dtype), name))
+            new = onnx.helper.make_node("Gather", [name, node.input[1]], [node.output[0]],
+                                        name=node.name + "/dequantized", axis=0)
+        elif node.op_type == "MatMulNBits":
+            assert a["bits"] == 4 and (len(node.input) < 4 or not node.input[3]), "4-bit symmetric expected"
+            K, N = a["K"], a["N"]
+            packed = numpy_helper.to_array(inits[node.input[1]])  # [N, k_blocks, bs / 2]
+            scales = numpy_helper.to_array(inits[node.input[2]])
+            act = scales.dtype  # T1: the activations' type (float16, or float32 for an fp32 export)
+            w = decode_int4(packed, scales, K).T.astype(act)  # [K, N]
+            name = node.input[1] + ".dequantized"
+            m.graph.initializer.append(numpy_helper.from_array(w, name))
+            new = onnx.helper.make_node("MatMul", [node.input[0], name], [node.output[0]],
+                                        name=node.name + "/dequantized")
+            codes = np.stack([packed & 15, packed >> 4], axis=-1).astype(np.float32) - 8
+            errors[node.input[1]] = float(np.abs(codes).max())
+        else:
+            continue
         m.graph.node.remove(node)
-        m.graph.node.insert(idx, onnx.helper.make_node("MatMul", [node.input[0], name], [node.output[0]],
-                                                       name=node.name + "/dequantized"))
-        errors[node.input[1]] = float(np.abs(codes).max())
+        m.graph.node.insert(idx, new)
+    used = {i for n in m.graph.node for i in n.input}
+    for node in [n for n in m.graph.node if n.op_type == "Reshape" and n.output[0] not in used]:
+        m.graph.node.remove(node)  # the Reshape that fed the GatherBlockQuantized
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     onnx.save(m, str(Path(out_dir) / "model.onnx"))
     (Path(out_dir) / "genai_config.json").write_text((Path(model_dir) / "genai_config.json").read_text())
     return errors
+
+
+def int4_decoded_hf(hf_model, model_dir: Path):
+    """A copy of the (Llama-shaped) HF model whose Linear weights are the export's int4 weights decoded
+    (packed QKV split back into q / k / v), the LM head included when it is MatMulNBits (tied: the
+    embedding too, one parameter): the float32 reference an int4 export computes, quantization aside.
+    Returns (model, names of the decoded weights)."""
+    import copy
+
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.load(str(Path(model_dir) / "model.onnx"))
+    inits = {i.name: i for i in m.graph.initializer}
+    ref = copy.deepcopy(hf_model).float()
+    done = []
+    with torch.no_grad():
+        for node in m.graph.node:
+            if node.op_type != "MatMulNBits":
+                continue
+            a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
+            w = torch.from_numpy(decode_int4(numpy_helper.to_array(inits[node.input[1]]),
+                                             numpy_helper.to_array(inits[node.input[2]]), a["K"]))
+            path = node.input[1].removesuffix(".MatMul.weight_Q4")  # model.layers.0.attn.qkv_proj, lm_head
+            if path == "lm_head":
+                targets = [ref.lm_head]
+            else:
+                parts = path.replace(".attn.", ".self_attn.").split(".")
+                mod = ref
+                for part in parts[:-1]:
+                    mod = getattr(mod, part)
+                targets = ([mod.q_proj, mod.k_proj, mod.v_proj] if parts[-1] == "qkv_proj"
+                           else [getattr(mod, parts[-1])])
+            row = 0
+            for lin in targets:
+                n = lin.weight.shape[0]
+                lin.weight.copy_(w[row:row + n])  # tied: the embedding table is this same parameter
+                row += n
+            assert row == w.shape[0], (path, row, w.shape)
+            done.append(path)
+    return ref, done

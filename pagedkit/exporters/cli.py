@@ -57,7 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Walsh-Hadamard rotation of Q/K and V per head (qk_rotation / v_rotation)")
     p.add_argument("--weights", choices=("fp16", "int4"), default="fp16",
                    help="fp16: float weights of --dtype; int4: MatMul weights to MatMulNBits with onnxruntime's "
-                        "quantizer")
+                        "quantizer (block 32, symmetric), the LM head included (a tied embedding then reads its "
+                        "int4 weight through GatherBlockQuantized), as onnxruntime-genai's int4 models")
+    p.add_argument("--int4-lm-head", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --weights int4: quantize the LM head (default) or keep it (and a tied embedding "
+                        "table) float (--no-int4-lm-head)")
+    p.add_argument("--int4-accuracy-level", type=int, choices=range(5), default=None, metavar="{0..4}",
+                   help="with --weights int4: MatMulNBits accuracy_level (4, onnxruntime-genai's CPU default: "
+                        "activations may be computed in lower precision; 0 = the activations' own type)")
     p.add_argument("--calibration", metavar="TEXT_FILE",
                    help="text for PER_TENSOR / PER_CHANNEL scale calibration (default: a text shipped with pagedkit)")
     p.add_argument("--calibration-percentile", type=float, default=100.0,
@@ -136,8 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error("--model and --output are required")
     from .export import ExportError, export
     from .families.base import ExportOptions
+    from .quantize import INT4_ACCURACY_LEVEL
     from .weights import RandomWeightsWarning
 
+    if args.weights != "int4" and (args.int4_lm_head is not None or args.int4_accuracy_level is not None):
+        build_parser().error("--int4-lm-head / --no-int4-lm-head / --int4-accuracy-level need --weights int4")
     extras = {e.strip() for e in args.extra_inputs.split(",") if e.strip()}
     unknown = extras - {"slot_mapping", "query_positions"}
     if unknown:
@@ -150,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             warnings.simplefilter("ignore", RandomWeightsWarning)
             result = export(args.model, args.output, opts, num_layers=args.num_layers, num_experts=args.num_experts,
                             seed=args.seed, weights=args.weights, calibration=args.calibration,
-                            percentile=args.calibration_percentile)
+                            percentile=args.calibration_percentile,
+                            int4_lm_head=args.int4_lm_head is not False,
+                            int4_accuracy_level=(INT4_ACCURACY_LEVEL if args.int4_accuracy_level is None
+                                                 else args.int4_accuracy_level))
     except ExportError as exc:  # the export ran, its result failed the checker / validator
         print(f"paged-export: error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_FAILED

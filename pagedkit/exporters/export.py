@@ -17,6 +17,7 @@ from ..interface import dtypes
 from ..interface.genai_config import ModelSpec, genai_config, with_decoded_pagedkit, write_genai_config
 from ..validators.contract import cache_format, cache_width
 from .families.base import FLOAT_TYPES, ExportContext, ExportOptions, KVOptions
+from .quantize import INT4_ACCURACY_LEVEL, INT4_BLOCK_SIZE
 from .registry import family_for
 from .weights import copy_tokenizer_files, load_model
 
@@ -140,18 +141,22 @@ def check_exported(path: Path, config: dict) -> None:
 def export_hf_model(hf_model: torch.nn.Module, output_dir: str | os.PathLike, opts: ExportOptions | None = None, *,
                     weights: str = "in-memory", source: dict | None = None, tokenizer_dir: Path | None = None,
                     weight_format: str = "fp16", calibration: str | os.PathLike | None = None,
-                    percentile: float = 100.0, validate: bool = True) -> ExportResult:
+                    percentile: float = 100.0, validate: bool = True, int4_lm_head: bool = True,
+                    int4_accuracy_level: int = INT4_ACCURACY_LEVEL) -> ExportResult:
     """Export an in-memory HF model to output_dir (model.onnx, genai_config.json, tokenizer files).
 
     Quantized caches: the unquantized graph is built first and run over the calibration text (default:
     the text shipped with pagedkit) for PER_TENSOR / PER_CHANNEL scales and the per-layer SNR report.
-    weight_format "int4": MatMul weights to MatMulNBits (onnxruntime's quantizer)."""
+    weight_format "int4": MatMul weights to MatMulNBits (onnxruntime's quantizer, block 32, accuracy_level
+    `int4_accuracy_level`), the LM head included unless int4_lm_head=False; a tied embedding then reads the
+    LM head's int4 weight through GatherBlockQuantized (quantize.quantize_weights_int4)."""
     return _export([hf_model], output_dir, opts, weights=weights, source=source, tokenizer_dir=tokenizer_dir,
-                   weight_format=weight_format, calibration=calibration, percentile=percentile, validate=validate)
+                   weight_format=weight_format, calibration=calibration, percentile=percentile, validate=validate,
+                   int4_lm_head=int4_lm_head, int4_accuracy_level=int4_accuracy_level)
 
 
 def _export(holder: list, output_dir, opts, *, weights, source, tokenizer_dir, weight_format, calibration,
-            percentile, validate) -> ExportResult:
+            percentile, validate, int4_lm_head=True, int4_accuracy_level=INT4_ACCURACY_LEVEL) -> ExportResult:
     """export_hf_model's work; the model is taken out of `holder` and dropped once the graph is built (the
     caller that owns it, `export`, then no longer keeps a float copy of every weight alive)."""
     from .quantize import calibrate, calibration_sequences, needs_calibration, quantize_weights_int4
@@ -161,6 +166,8 @@ def _export(holder: list, output_dir, opts, *, weights, source, tokenizer_dir, w
     check_options(opts)
     if weight_format not in ("fp16", "int4"):
         raise ValueError(f"weights: expected fp16 or int4, got {weight_format!r}")
+    if int4_accuracy_level not in range(5):
+        raise ValueError(f"int4 accuracy_level: expected 0..4, got {int4_accuracy_level!r}")
     out = Path(output_dir)
     notes = []
     calib = None
@@ -182,9 +189,15 @@ def _export(holder: list, output_dir, opts, *, weights, source, tokenizer_dir, w
     spec.calibration = calib
     spec.source = dict(source or {}) | {"weights": weights, "weight_format": weight_format}
     if weight_format == "int4":
-        proto = quantize_weights_int4(proto)
+        spec.source |= {"int4_lm_head": bool(int4_lm_head), "int4_accuracy_level": int(int4_accuracy_level)}
+        proto = quantize_weights_int4(proto, accuracy_level=int4_accuracy_level, lm_head=int4_lm_head)
         n = sum(1 for node in proto.graph.node if node.op_type == "MatMulNBits")
-        notes.append(f"int4 weights: {n} MatMul nodes -> MatMulNBits (block 32, symmetric)")
+        head = next((node.op_type for node in proto.graph.node if node.name.startswith("/lm_head/")
+                     and node.op_type in ("MatMul", "MatMulNBits", "Gemm")), "?")
+        embed = next((node.op_type for node in proto.graph.node if node.name.startswith("/model/embed_tokens/")
+                      and node.op_type in ("Gather", "GatherBlockQuantized")), "?")
+        notes.append(f"int4 weights: {n} MatMul nodes -> MatMulNBits (block {INT4_BLOCK_SIZE}, symmetric, "
+                     f"accuracy_level {int4_accuracy_level}); lm_head {head}, embedding {embed}")
     path = save_model(proto, out, spec.filename)
     del proto
     write_genai_config(out, spec)
@@ -200,7 +213,8 @@ def _export(holder: list, output_dir, opts, *, weights, source, tokenizer_dir, w
 def export(model: str | os.PathLike, output_dir: str | os.PathLike, opts: ExportOptions | None = None, *,
            num_layers: int | None = None, num_experts: int | None = None, seed: int = 0, weights: str = "fp16",
            calibration: str | os.PathLike | None = None, percentile: float = 100.0,
-           validate: bool = True) -> ExportResult:
+           validate: bool = True, int4_lm_head: bool = True, int4_accuracy_level: int = INT4_ACCURACY_LEVEL
+           ) -> ExportResult:
     """`paged-export`'s work: load (local safetensors / GGUF / built-in config) in the export dtype, export,
     check, summarize."""
     opts = opts or ExportOptions()
@@ -213,4 +227,5 @@ def export(model: str | os.PathLike, output_dir: str | os.PathLike, opts: Export
     holder, tokenizer_dir, kind = [loaded.model], loaded.source_dir, loaded.weights
     del loaded
     return _export(holder, output_dir, opts, weights=kind, source=source, tokenizer_dir=tokenizer_dir,
-                   weight_format=weights, calibration=calibration, percentile=percentile, validate=validate)
+                   weight_format=weights, calibration=calibration, percentile=percentile, validate=validate,
+                   int4_lm_head=int4_lm_head, int4_accuracy_level=int4_accuracy_level)

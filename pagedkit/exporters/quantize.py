@@ -8,7 +8,14 @@ and RoPE, V — exactly the values a quantized cache stores (rotated first when 
 - per-layer K and V quantization SNR (dB) of the chosen format and granularity (PER_TOKEN included),
   10 log10(sum x^2 / sum (x - dequant(quant(x)))^2), using pagedkit.kernels.quant (the kernels' code).
 
-`--weights int4` runs onnxruntime's own MatMulNBitsQuantizer (4 bits, symmetric, block 32) on the graph.
+`--weights int4` runs onnxruntime's own MatMulNBitsQuantizer (4 bits, symmetric, block 32, accuracy_level 4:
+onnxruntime-genai's builder defaults for `-p int4 -e cpu`) on the graph, the LM head included (as the builder
+does; `lm_head=False` keeps it float). A tied LM head (`Gemm(x, model.embed_tokens.weight, transB=1)`) becomes
+a MatMul over the transposed table first, so that it is quantized like any other; the embedding Gather then
+reads the same int4 weight: `Reshape` of `lm_head.MatMul.weight_Q4` to [vocab, packed row] and
+com.microsoft GatherBlockQuantized (bits 4, gather_axis 0, quantize_axis 1) with the LM head's scales
+(`Slice` of the padding when hidden_size is not a multiple of the block size), exactly the builder's layout;
+the float table is dropped. An untied embedding stays a float Gather.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import onnx
 import torch
 
@@ -168,11 +176,135 @@ def needs_calibration(layers: list[LayerSpec]) -> bool:
     return any(c is not None and cache_format(c.dtype).quantized for l in layers for c in (l.k_cache, l.v_cache))
 
 
-def quantize_weights_int4(model: onnx.ModelProto, block_size: int = 32) -> onnx.ModelProto:
-    """MatMul weights -> com.microsoft MatMulNBits (4 bits, symmetric) with onnxruntime's quantizer."""
+INT4_BLOCK_SIZE = 32  # onnxruntime-genai's builder default (int4_block_size)
+# the builder's default for -e cpu / webgpu (0 for other EPs): onnxruntime's CPU kernel may quantize the
+# activations to int8 blocks; pagedkit's runtime takes it as "bfloat16 activations allowed" (runtime/ops/nbits.py)
+INT4_ACCURACY_LEVEL = 4
+LM_HEAD_MATMUL = "/lm_head/MatMul"  # graph.linear's node name of the LM head (untied), onnxruntime-genai's too
+EMBED_GATHER = "/model/embed_tokens/Gather"
+EMBED_TABLE = "model.embed_tokens.weight"
+TIED_HEAD_WEIGHT = "lm_head.MatMul.weight"
+
+
+def quantize_weights_int4(model: onnx.ModelProto, block_size: int = INT4_BLOCK_SIZE,
+                          accuracy_level: int = INT4_ACCURACY_LEVEL, lm_head: bool = True) -> onnx.ModelProto:
+    """MatMul weights -> com.microsoft MatMulNBits (4 bits, symmetric) with onnxruntime's quantizer.
+
+    lm_head: quantize the LM head too (onnxruntime-genai's int4 models do); with tied embeddings the
+    embedding Gather becomes GatherBlockQuantized over the LM head's int4 weight and scales. False: the LM
+    head (and a tied embedding table) stays float."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+    if accuracy_level not in range(5):
+        raise ValueError(f"accuracy_level: expected 0..4, got {accuracy_level!r}")
+    tied = _tied_head(model) if lm_head else None
+    if tied is not None:
+        _untie_head(model, tied)
+    exclude = [] if lm_head else [n.name for n in model.graph.node if n.name == LM_HEAD_MATMUL]
     q = MatMulNBitsQuantizer(model, bits=4, block_size=block_size, is_symmetric=True,
+                             accuracy_level=accuracy_level or None, nodes_to_exclude=exclude,
                              op_types_to_quantize=("MatMul",))
     q.process()
-    return q.model.model
+    model = q.model.model
+    if tied is not None:
+        _quantized_embedding(model, tied.output[0])
+    return model
+
+
+def _consumers(model: onnx.ModelProto, name: str) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if name in n.input]
+
+
+def _init(model: onnx.ModelProto, name: str) -> onnx.TensorProto | None:
+    return next((t for t in model.graph.initializer if t.name == name), None)
+
+
+def _tied_head(model: onnx.ModelProto) -> onnx.NodeProto | None:
+    """The tied LM head `Gemm(x, model.embed_tokens.weight, transB=1)` when the table also feeds the
+    embedding Gather (and nothing else), else None."""
+    users = _consumers(model, EMBED_TABLE)
+    gemm = [n for n in users if n.op_type == "Gemm" and list(n.input) == [n.input[0], EMBED_TABLE]]
+    gather = [n for n in users if n.op_type == "Gather" and n.input[0] == EMBED_TABLE]
+    if len(gemm) != 1 or len(gather) != 1 or len(users) != 2 or _init(model, EMBED_TABLE) is None:
+        return None
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gemm[0].attribute}
+    if attrs != {"transB": 1}:
+        return None
+    return gemm[0]
+
+
+def _untie_head(model: onnx.ModelProto, gemm: onnx.NodeProto) -> None:
+    """Gemm(x, E [V, H], transB=1) -> MatMul(x, lm_head.MatMul.weight = E^T [H, V]) named /lm_head/MatMul,
+    in place (the quantizer takes MatMuls; the float table still feeds the Gather until it is replaced)."""
+    from onnx import numpy_helper
+
+    table = _init(model, EMBED_TABLE)
+    v, h = table.dims
+    if table.HasField("raw_data") and table.raw_data:  # any 2/4-byte float type, bfloat16 included
+        width = onnx.helper.tensor_dtype_to_np_dtype(table.data_type).itemsize
+        flat = np.frombuffer(table.raw_data, dtype=f"u{width}").reshape(v, h)
+        t = onnx.TensorProto(name=TIED_HEAD_WEIGHT, data_type=table.data_type, dims=[h, v],
+                             raw_data=flat.T.copy().tobytes())
+    else:
+        t = numpy_helper.from_array(numpy_helper.to_array(table).T.copy(), TIED_HEAD_WEIGHT)
+    model.graph.initializer.append(t)
+    idx = list(model.graph.node).index(gemm)
+    matmul = onnx.helper.make_node("MatMul", [gemm.input[0], TIED_HEAD_WEIGHT], list(gemm.output), name=LM_HEAD_MATMUL)
+    model.graph.node.remove(gemm)
+    model.graph.node.insert(idx, matmul)
+
+
+def _const_i64(model: onnx.ModelProto, values: list[int]) -> str:
+    name = f"/model/constants/INT64/{values}"
+    if _init(model, name) is None:
+        model.graph.initializer.append(onnx.numpy_helper.from_array(np.asarray(values, "int64"), name))
+    return name
+
+
+def _quantized_embedding(model: onnx.ModelProto, logits_src: str) -> None:
+    """The embedding Gather over the float table -> GatherBlockQuantized over the int4 LM head (the
+    MatMulNBits producing `logits_src`): Reshape B [V, k_blocks, block / 2] to [V, k_blocks * block / 2],
+    the head's scales [V, k_blocks] (and zero points if any), Slice of the padding when K is not whole
+    blocks. Consumers of the Gather's output read the new output; the float table is removed."""
+    head = next(n for n in model.graph.node if n.op_type == "MatMulNBits" and n.output[0] == logits_src)
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in head.attribute}
+    k, n_out, block, bits = attrs["K"], attrs["N"], attrs["block_size"], attrs["bits"]
+    packed, scales = head.input[1], head.input[2]
+    zp = head.input[3] if len(head.input) > 3 and head.input[3] else ""
+    b = _init(model, packed)
+    k_blocks = -(-k // block)
+    assert list(b.dims) == [n_out, k_blocks, block * bits // 8], (list(b.dims), n_out, k_blocks, block)
+    s = _init(model, scales)
+    if len(s.dims) == 1:  # [N * k_blocks] -> [N, k_blocks]: GatherBlockQuantized wants the data's rank
+        s.dims[:] = [n_out, k_blocks]
+    gather = next(n for n in model.graph.node if n.op_type == "Gather" and n.input[0] == EMBED_TABLE)
+    base = EMBED_GATHER.rsplit("/", 1)[0]  # /model/embed_tokens
+    row = k_blocks * block * bits // 8
+    nodes = [onnx.helper.make_node("Reshape", [packed, _const_i64(model, [n_out, row])], [f"{base}/Reshape/output_0"],
+                                   name=f"{base}/Reshape")]
+    gbq_in = [f"{base}/Reshape/output_0", gather.input[1], scales] + ([zp] if zp else [])
+    out = f"{base}/GatherBlockQuantized/output_0"
+    nodes.append(onnx.helper.make_node("GatherBlockQuantized", gbq_in, [out], name=f"{base}/GatherBlockQuantized",
+                                       domain="com.microsoft", bits=bits, block_size=block, gather_axis=0,
+                                       quantize_axis=1))
+    if k_blocks * block != k:  # rows padded to whole blocks: drop the padding
+        sl = [out, _const_i64(model, [0]), _const_i64(model, [k]), _const_i64(model, [-1])]
+        out = f"{base}/Slice/output_0"
+        nodes.append(onnx.helper.make_node("Slice", sl, [out], name=f"{base}/Slice"))
+    old = gather.output[0]
+    idx = list(model.graph.node).index(gather)
+    model.graph.node.remove(gather)
+    for j, node in enumerate(nodes):
+        model.graph.node.insert(idx + j, node)
+    for node in model.graph.node:
+        for j, name in enumerate(node.input):
+            if name == old:
+                node.input[j] = out
+    for vi in model.graph.output:
+        if vi.name == old:  # not in pagedkit's graphs; kept correct anyway
+            vi.name = out
+    for vi in list(model.graph.value_info):
+        if vi.name == old:
+            model.graph.value_info.remove(vi)
+    if not _consumers(model, EMBED_TABLE):
+        model.graph.initializer.remove(_init(model, EMBED_TABLE))
