@@ -5,8 +5,12 @@ from `FAMILIES`, plus a tiny local word-level tokenizer: the builder loads one w
 then runs `python -m onnxruntime_genai.models.builder` on it, offline:
 - layout "paged": `-p fp16 -e cuda --extra_options use_paged_attention=true` (PagedAttention nodes,
   caches `past_key_values.{i}.key/value [num_blocks, block_size, kv_heads, head_size]`);
-- layout "gqa": `-p fp32 -e cpu` (GroupQueryAttention nodes, BNSH caches).
-Both run on a CPU-only machine. Results are cached under `root` (one pytest session's temp dir), so
+- layout "gqa": `-p fp32 -e cpu` (GroupQueryAttention nodes, BNSH caches);
+- layout "int4": `-p int4 -e cpu` (the same with MatMulNBits weights, accuracy_level 4; tied embeddings
+  become GatherBlockQuantized over the lm_head's weights, GPT-OSS experts QMoE);
+- layout "int4-asym-b64": `-p int4 -e cpu` with asymmetric blocks of 64 (zero points, K = 96 not a multiple of
+  the block) and the embedding quantized too (GatherBlockQuantized over uint4 data with zero points).
+All run on a CPU-only machine. Results are cached under `root` (one pytest session's temp dir), so
 each checkpoint and each model is built once. A builder failure raises `BuilderFailed` with the tail
 of its output; the tests turn that into a skip that states the reason.
 
@@ -37,6 +41,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 LAYOUTS = {
     "paged": ["-p", "fp16", "-e", "cuda", "--extra_options", "use_paged_attention=true"],
     "gqa": ["-p", "fp32", "-e", "cpu"],
+    "int4": ["-p", "int4", "-e", "cpu"],
+    "int4-asym-b64": ["-p", "int4", "-e", "cpu", "--extra_options", "is_symmetric=false", "block_size=64",
+                      "op_types_to_quantize=MatMul/Gather"],
 }
 _OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 

@@ -1,5 +1,5 @@
-"""pagedkit.runtime.ops vs onnxruntime CPU, part 2: the LLM ops (norms, rotary, MatMulNBits,
-Quantize/DequantizeLinear, MoE, If), plus lookup errors, coverage of the whole table and the doc.
+"""pagedkit.runtime.ops vs onnxruntime CPU, part 2: the LLM ops (norms, rotary, MatMulNBits, GatherBlockQuantized,
+Quantize/DequantizeLinear, MoE, QMoE, If), plus lookup errors, coverage of the whole table and the doc.
 """
 
 from __future__ import annotations
@@ -91,6 +91,9 @@ QUANT = [
     nbits_case(8, 64, zp="packed"),
     nbits_case(2, 64, zp="packed", m=(5,)),
     nbits_case(4, 64, zp="packed", dtype=np.float16),
+    case("GatherBlockQuantized", ints(0, 256, 20, 16, dtype=np.uint8), ints(-20, 20, 2, 3), uniform(0.01, 0.2, 20, 1),
+         ints(0, 256, 20, 1, dtype=np.uint8), attrs=dict(bits=4, block_size=32), id="GatherBlockQuantized-u8-zp",
+         **MS),  # the other forms (int4 / uint4 / float8 data, axes): tests/test_gather_block_quantized.py
     case("DequantizeLinear", ints(-128, 128, 3, 4, dtype=np.int8), np.array(0.05, np.float32), np.array(3, np.int8),
          id="Dequantize-tensor"),
     case("DequantizeLinear", ints(0, 256, 3, 4, dtype=np.uint8), uniform(0.01, 0.1, 4), ints(0, 256, 4, dtype=np.uint8),
@@ -131,9 +134,56 @@ MOE = [
 ]
 
 
-@pytest.mark.parametrize("c", NORMS + ROTARY + QUANT + MOE)
+def qmoe_case(tokens: int, bits: int = 4, block: int = 32, zp: bool = False, experts: int = 4, hidden: int = 64,
+              inter: int = 32, id=None):
+    """QMoE as genai's CPU builder writes it for GPT-OSS (interleaved swiglu, quant_type int, raw [E, N, K/pack]
+    weights), with the other integer forms: 8 bits, zero points, per-row scales (block 0 = no block_size)."""
+    def weights(n, k):
+        q = ints(0, 256, experts, n, k * bits // 8, dtype=np.uint8)
+        g = [k // block] if block else []
+        sc = uniform(0.01, 0.05, experts, n, *g) * np.sign(randn(experts, n, *g))
+        z = None
+        if zp:
+            z = ints(0, 256, experts, *([n, math.ceil(g[0] * bits / 8)] if block else [math.ceil(n * bits / 8)]),
+                     dtype=np.uint8)
+        return q, sc.astype(np.float32), z
+    q1, s1, z1 = weights(2 * inter, hidden)
+    q2, s2, z2 = weights(hidden, inter)
+    ins = [randn(tokens, hidden), randn(tokens, experts) * 2, q1, s1, randn(experts, 2 * inter), q2, s2,
+           randn(experts, hidden), None, None, None, z1, z2]
+    a = dict(k=2, activation_type="swiglu", normalize_routing_weights=1, expert_weight_bits=bits, swiglu_fusion=1,
+             **GPT_OSS) | (dict(block_size=block) if block else {})
+    return case("QMoE", *ins, attrs=a, id=id, **MS)
+
+
+QMOE = [
+    qmoe_case(7, id="QMoE-4b-b32-prefill"),
+    qmoe_case(1, id="QMoE-4b-b32-decode"),
+    qmoe_case(5, zp=True, block=64, inter=64, id="QMoE-4b-b64-zp"),
+    qmoe_case(6, bits=8, id="QMoE-8b-b32"),
+    qmoe_case(6, block=0, id="QMoE-4b-per-row"),
+    qmoe_case(6, bits=8, block=0, zp=True, id="QMoE-8b-per-row-zp"),
+]
+
+
+@pytest.mark.parametrize("c", NORMS + ROTARY + QUANT + MOE + QMOE)
 def test_llm_op_matches_onnxruntime(c):
     check_case(c)
+
+
+@pytest.mark.parametrize("c", QMOE[:3])
+def test_qmoe_prepacked_matches_unpacked(c):
+    """The prepack step's dequantized experts (scales / zero points absorbed) give the per-call result."""
+    from pagedkit.runtime.ops.moe import prepack_qmoe, qmoe
+
+    node = c.node()
+    ins = [torch.from_numpy(a) if a is not None else None for a in c.inputs]
+    attrs, ctx = node_attributes(node), OpContext(node_name="q")
+    rep = prepack_qmoe([None, None, *ins[2:]], attrs, ctx)
+    assert rep[2].dtype == torch.float32 and rep[5].shape == (4, 64, c.inputs[5].shape[2] * 2) and 3 in rep and 6 in rep
+    assert "dequantized" in rep[2].describe()
+    packed = [rep.get(i, x) for i, x in enumerate(ins)]
+    torch.testing.assert_close(qmoe(packed, attrs, ctx)[0], qmoe(ins, attrs, ctx)[0], rtol=0, atol=0)
 
 
 def test_moe_3d_input_matches_2d():
@@ -197,7 +247,7 @@ def test_lookup_domains_and_opset_versions():
 
 def _tested_ops() -> set[tuple[str, str]]:
     params = (part1.ELEMENTWISE + part1.ACTIVATIONS + part1.SHAPE + part1.INDEXING + part1.REDUCE + part1.MATH
-              + NORMS + ROTARY + QUANT + MOE)
+              + NORMS + ROTARY + QUANT + MOE + QMOE)
     tested = {(p.values[0].domain, p.values[0].op) for p in params}
     return tested | {("", "If")}
 

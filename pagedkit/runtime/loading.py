@@ -64,12 +64,18 @@ def _eager(kind: str, t: onnx.TensorProto) -> bool:
 def read_external(t: onnx.TensorProto, base_dir: str | os.PathLike) -> torch.Tensor:
     """An initializer's external data as a torch tensor, read straight from its file (one copy in memory;
     load_model checked the location and range). Raises ValueError when the length does not match the dims."""
-    from .ops.util import torch_dtype
+    from .ops.util import INT4_TYPES, int4_from_bytes, torch_dtype
 
     info = ExternalDataInfo(t)
     path = Path(base_dir) / info.location
     offset = int(info.offset or 0)
     length = int(info.length) if info.length is not None else path.stat().st_size - offset
+    if t.data_type in INT4_TYPES:  # two values per byte on disk, one per byte in the runtime (ops/util.py)
+        want = -(-int(np.prod(t.dims)) // 2)
+        if length != want:
+            raise ValueError(f"initializer '{t.name}': external data holds {length} bytes, dims {list(t.dims)} of "
+                             f"4-bit values need {want}")
+        return int4_from_bytes(np.fromfile(path, dtype=np.uint8, count=length, offset=offset), t.data_type, t.dims)
     dtype = torch_dtype(t.data_type, f"initializer '{t.name}'")
     want = int(np.prod(t.dims)) * torch.empty((), dtype=dtype).element_size()
     if length != want:

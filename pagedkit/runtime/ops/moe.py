@@ -13,6 +13,11 @@ with fc3 gate it: act(fc1 x) * (fc3 x).
 Matmuls run in the input dtype; activations and the weighted sum of expert outputs in float32.
 Small batches (tokens * k <= experts, i.e. decode) gather the chosen experts' weights and stay on
 the device; larger ones group tokens by expert, which reads the per-expert counts on the host.
+
+com.microsoft QMoE (quant_type 'int': 2/4/8-bit expert weights [E, N, K * bits / 8] packed along K, low
+bits first, scales [E, N, K / block_size] or per row [E, N], zero points packed like the weights, default
+2^(bits-1)) dequantizes the experts ((q - zp) * scale in float32, then the scales' dtype) and runs MoE. The
+prepack step dequantizes them once, within nbits' dequantized-cache budget; otherwise on every call.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .registry import MS_DOMAIN, register
+from . import nbits
+from .quant import unpack_bits
+from .registry import MS_DOMAIN, prepack, register
 from .util import opt
 
 
@@ -117,3 +124,102 @@ def moe(inputs, attrs, ctx):
     out = torch.zeros(n_tok, xs.shape[-1], dtype=torch.float32, device=x.device)
     out.index_add_(0, dest, contrib)
     return [out.to(x.dtype).reshape(x.shape)]
+
+
+_QMOE_FC = {"fc1": (2, 3, 4, 11), "fc2": (5, 6, 7, 12), "fc3": (8, 9, 10, 13)}  # weights, scales, bias, zero points
+
+
+def _qmoe_check(inputs, attrs, where: str) -> None:
+    if attrs.get("quant_type", "int") != "int":
+        raise NotImplementedError(f"{where}: quant_type {attrs['quant_type']!r} is not supported (only 'int')")
+    if attrs.get("weights_prepacked", -1) not in (-1, 0):
+        raise NotImplementedError(f"{where}: weights_prepacked={attrs['weights_prepacked']} (EP-specific layout)")
+    extra = [i for i in range(14, 21) if opt(inputs, i) is not None]
+    if extra:
+        raise NotImplementedError(f"{where}: inputs {extra} (router_weights, global / activation scales) are not "
+                                  "supported")
+    for fc, (w, s, _, _) in _QMOE_FC.items():
+        bits = attrs.get(f"{fc}_expert_weight_bits", attrs.get("expert_weight_bits", 4))
+        if opt(inputs, w) is not None and bits not in (2, 4, 8):
+            raise NotImplementedError(f"{where}: {fc} expert_weight_bits={bits} is not supported (2, 4 or 8)")
+        if opt(inputs, w) is not None and opt(inputs, w).dtype == torch.uint8 and opt(inputs, s) is None:
+            raise ValueError(f"{where}: {fc}_scales is required for integer expert weights")
+
+
+def dequantize_experts(q: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None, bits: int,
+                       block_size: int, where: str) -> torch.Tensor:
+    """QMoE expert weights uint8 [E, N, K * bits / 8] -> [E, N, K] in the scales' dtype."""
+    e, n = q.shape[:2]
+    v = unpack_bits(q, bits).to(torch.float32)  # [E, N, K]
+    k = v.shape[-1]
+    groups = k // block_size if block_size else 1
+    if block_size and k % block_size:
+        raise ValueError(f"{where}: K={k} is not a multiple of block_size {block_size}")
+    s = scales.reshape(e, n, groups).to(torch.float32)
+    if zero_points is None:
+        z = torch.full((), float(1 << (bits - 1)))
+    else:
+        z = unpack_bits(zero_points.reshape(e, -1) if not block_size else zero_points, bits)
+        z = (z[:, :n] if not block_size else z[..., :groups]).reshape(e, n, groups).to(torch.float32)
+    w = (v.reshape(e, n, groups, -1) - (z.unsqueeze(-1) if z.dim() else z)) * s.unsqueeze(-1)
+    return w.reshape(e, n, k).to(scales.dtype)
+
+
+def _qmoe_weights(inputs, attrs, where: str) -> list[torch.Tensor | None]:
+    """[fc1_w, fc1_b, fc2_w, fc2_b, fc3_w, fc3_b] with the weights dequantized (or already, by the prepack)."""
+    out = []
+    for fc, (w, s, b, z) in _QMOE_FC.items():
+        q = opt(inputs, w)
+        q = q.weight if isinstance(q, DequantizedExperts) else q
+        if q is not None and q.dtype != torch.uint8 and isinstance(opt(inputs, z), torch.Tensor):
+            raise ValueError(f"{where}: {fc} weights were dequantized at creation without zero points, but the "
+                             f"node got a zero-point tensor (a run-time value the prepack step could not see)")
+        if q is not None and q.dtype == torch.uint8:
+            bits = attrs.get(f"{fc}_expert_weight_bits", attrs.get("expert_weight_bits", 4))
+            zp = opt(inputs, z)
+            q = dequantize_experts(q, inputs[s], zp if isinstance(zp, torch.Tensor) else None, bits,
+                                   attrs.get("block_size", 0), where)
+        out += [q, opt(inputs, b)]
+    return out
+
+
+class DequantizedExperts(nbits.Packed):
+    """QMoE expert weights dequantized once at creation: `weight` [E, N, K] in the scales' dtype."""
+
+    def __init__(self, w: torch.Tensor, fc: str):
+        self.weight, self.shape, self.dtype = w, tuple(w.shape), w.dtype
+        self.nbytes = w.numel() * w.element_size()
+        self.layout = f"{fc} experts dequantized {str(w.dtype).removeprefix('torch.')}"
+        nbits.reserve(self, self.nbytes)
+
+
+@register("QMoE", domain=MS_DOMAIN)
+def qmoe(inputs, attrs, ctx):
+    where = f"QMoE node {ctx.node_name!r}"
+    _qmoe_check(inputs, attrs, where)
+    w = _qmoe_weights(inputs, attrs, where)
+    return moe([inputs[0], inputs[1], *w], attrs, ctx)
+
+
+@prepack("QMoE", domain=MS_DOMAIN)
+def prepack_qmoe(inputs, attrs, ctx):
+    """Expert weights dequantized once (scales / zero points absorbed), if constants, on the CPU and within
+    the dequantized-cache budget; {} otherwise."""
+    where = f"QMoE node {ctx.node_name!r}"
+    _qmoe_check(inputs, attrs, where)
+    if nbits.mode() == "off" or torch.device(ctx.device).type != "cpu":
+        return {}
+    fcs = [(fc, idx) for fc, idx in _QMOE_FC.items() if isinstance(opt(inputs, idx[0]), torch.Tensor)]
+    if not fcs or any(not isinstance(opt(inputs, s), torch.Tensor) for _, (_, s, _, _) in fcs):
+        return {}
+    deq = _qmoe_weights(inputs, attrs, where)
+    nbytes = sum(t.numel() * t.element_size() for t in deq[0::2] if t is not None)
+    if not nbits.fits_budget(nbytes):
+        return {}
+    out = {}
+    for fc, (w, s, _, z) in fcs:
+        out[s] = nbits.Absorbed(w, f"{fc}_scales")
+        if opt(inputs, z) is not None:
+            out[z] = nbits.Absorbed(w, f"{fc}_zero_points")
+        out[w] = DequantizedExperts(deq[2 * list(_QMOE_FC).index(fc)], fc)  # last: the session reports it
+    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import onnx
 import torch
 from onnx import TensorProto
@@ -28,9 +29,33 @@ def torch_dtype(onnx_type: int, what: str = "element type") -> torch.dtype:
         raise NotImplementedError(f"{what} {name} has no torch equivalent in the pagedkit runtime") from None
 
 
+# 4-bit integer tensors (GatherBlockQuantized data / zero points): torch's int4 / uint4 dtypes hold no
+# arithmetic, so they are storage only, one value per byte (ml_dtypes' layout); ops read them through a
+# view as int8 / uint8 (`t.view(torch.int8)`)
+INT4_TYPES: dict[int, tuple[torch.dtype, torch.dtype]] = {
+    TensorProto.INT4: (torch.int4, torch.int8), TensorProto.UINT4: (torch.uint4, torch.uint8)}
+
+
+def int4_from_bytes(raw: np.ndarray, data_type: int, dims) -> torch.Tensor:
+    """ONNX INT4 / UINT4 raw data (two values per byte, the first in the low nibble) as the runtime's
+    torch.int4 / torch.uint4 tensor (one value per byte, INT4 sign-extended)."""
+    four, byte = INT4_TYPES[data_type]
+    n = int(np.prod(dims))
+    v = np.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(-1)[:n]
+    if data_type == TensorProto.INT4:
+        v = ((v.astype(np.int16) ^ 8) - 8).astype(np.int8)
+    return torch.from_numpy(np.ascontiguousarray(v)).reshape(tuple(dims)).view(four)
+
+
 def tensor_from_proto(proto: onnx.TensorProto, device: torch.device | str = "cpu") -> torch.Tensor:
-    """An ONNX TensorProto (Constant value, ConstantOfShape value, initializer) as a torch tensor."""
+    """An ONNX TensorProto (Constant value, ConstantOfShape value, initializer) as a torch tensor
+    (INT4 / UINT4: a torch.int4 / torch.uint4 tensor, one value per byte, see INT4_TYPES)."""
     what = f"tensor {proto.name or '(attribute)'}"
+    if proto.data_type in INT4_TYPES:
+        four, byte = INT4_TYPES[proto.data_type]
+        arr = onnx.numpy_helper.to_array(proto)
+        values = np.ascontiguousarray(arr.astype(str(byte).removeprefix("torch.")))  # sign-extended (int4)
+        return torch.from_numpy(values).view(four).to(device)
     dtype = torch_dtype(proto.data_type, what)  # NotImplementedError: no torch type (UNDEFINED, STRING, ...)
     try:
         arr = onnx.numpy_helper.to_array(proto)
