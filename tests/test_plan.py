@@ -143,3 +143,44 @@ def test_paged_run_threads(capsys):
     assert main([str(tiny), "--prompt-ids", "1,2,3", "--threads", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["paged-run: --threads should be >= 1, got 0"]
+
+
+def test_prepack_leaves_a_node_with_run_time_zero_points_unpacked():
+    """Prepack sees run-time inputs as RUNTIME, not as absent: a MatMulNBits whose zero points are a graph
+    input keeps its raw weight (exact path); with constant zero points it is packed. Oracle: the weight
+    dequantized by hand in numpy (onnxruntime CPU 1.32 agrees at accuracy_level 0; at level 4 with run-time
+    zero points it is off by ~0.69 of max|ref| on this case, so it is not the oracle here)."""
+    n, k, bs = 64, 96, 32
+    kb = k // bs
+    b = RNG.integers(0, 256, (n, kb, bs // 2), dtype=np.uint8)
+    scales = (RNG.random(n * kb) * 0.1 + 0.01).astype(np.float32)
+    zp = RNG.integers(0, 256, (n * ((kb + 1) // 2),), dtype=np.uint8)
+    attrs = dict(K=k, N=n, bits=4, block_size=bs, accuracy_level=4, domain="com.microsoft")
+    a = RNG.standard_normal((3, k)).astype(np.float32)
+
+    def model(zp_input: bool):
+        node = helper.make_node("MatMulNBits", ["a", "b", "s", "zp"], ["y"], **attrs)
+        inits = [numpy_helper.from_array(b, "b"), numpy_helper.from_array(scales, "s")]
+        inputs = [helper.make_tensor_value_info("a", TensorProto.FLOAT, [3, k])]
+        if zp_input:
+            inputs.append(helper.make_tensor_value_info("zp", TensorProto.UINT8, list(zp.shape)))
+        else:
+            inits.append(numpy_helper.from_array(zp, "zp"))
+        graph = helper.make_graph([node], "q", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, n])],
+                                  initializer=inits)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+
+    feeds = {"a": a, "zp": zp}
+    q = np.stack([b & 15, b >> 4], -1).reshape(n, kb, bs).astype(np.float64)
+    z = np.stack([zp & 15, zp >> 4], -1).reshape(n, -1)[:, :kb].astype(np.float64)
+    ref = a.astype(np.float64) @ ((q - z[..., None]) * scales.reshape(n, kb)[..., None]).reshape(n, k).T
+    attrs["accuracy_level"] = 0
+    exact = ort.InferenceSession(model(True).SerializeToString(), providers=["CPUExecutionProvider"])
+    assert _rel(exact.run(None, feeds)[0], ref) <= 1e-5
+    attrs["accuracy_level"] = 4
+    run_time = InferenceSession(model(True))
+    assert run_time.prepacked == {}
+    assert _rel(run_time.run(None, feeds)[0], ref) <= 1e-5
+    const = InferenceSession(model(False))
+    assert len(const.prepacked) == 1
+    assert _rel(const.run(None, {"a": a})[0], ref) <= 3e-2  # bf16 activations at accuracy_level 4

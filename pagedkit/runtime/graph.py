@@ -33,7 +33,7 @@ from ..validators.checks import validate_node
 from ..validators.issues import Issue, ValidationError
 from .ops import OpContext, has_host_outputs, host_inputs, lookup, node_attributes, normalize_domain
 from .ops.packed import Packed
-from .ops.registry import prepacker
+from .ops.registry import RUNTIME, prepacker
 from .loading import read_external, release_data
 from .ops.util import tensor_from_proto
 
@@ -260,7 +260,7 @@ def _prepack(g: Graph, device: torch.device) -> dict[str, str]:
         fn = prepacker(step.domain, step.op_type) if step.impl is not None else None
         if fn is None:
             continue
-        ins = [g.consts.get(n) if n else None for n in step.inputs]
+        ins = [(g.consts[n] if n in g.consts else RUNTIME) if n else None for n in step.inputs]
         key_attrs = tuple(sorted((k, v) for k, v in step.attrs.items() if isinstance(v, (int, float, str))))
         for i, new in fn(ins, step.attrs, replace(step.ctx, device=device)).items():
             name = step.inputs[i]
@@ -269,7 +269,9 @@ def _prepack(g: Graph, device: torch.device) -> dict[str, str]:
                 made[key] = f"{name}{PACKED}{len(made)}"
                 g.consts[made[key]] = new
             step.inputs[i] = made[key]
-            report[step.name] = g.consts[made[key]].describe()
+            done = g.consts[made[key]]
+            desc = done.describe() if isinstance(done, Packed) else f"{type(done).__name__} {getattr(done, 'dtype', '')}"
+            report[step.name] = f"{report[step.name]}; {desc}" if step.name in report else desc
             readers[name] -= 1
             if readers[name] == 0:
                 g.consts.pop(name, None)

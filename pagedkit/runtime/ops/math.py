@@ -26,6 +26,7 @@ from .registry import prepack, register
 from .util import HALF_TYPES, opt
 
 HALF_ROWS = 8  # float16 products with fewer rows than this run in float16 (see the module docstring)
+CONVERT_ELEMENTS = 1 << 22  # larger float16 products convert B to float32 this many elements at a time
 
 _F32: dict[int, tuple[weakref.ref, torch.Tensor, int]] = {}  # id(tensor) -> (ref, float32 copy, version)
 
@@ -72,7 +73,10 @@ class _Linear(PackedLinear):
             y = torch.ops.mkldnn._linear_pointwise(a.reshape(-1, self.in_features), self.packed, None, "none", [], "")
             return y.reshape(*lead, self.out_features)
         if self.dtype == torch.float16 and a.numel() >= HALF_ROWS * self.in_features:
-            return F.linear(a.float(), self.weight.float()).to(self.dtype)
+            af = a.float()  # float32 in slices of B's rows, so the float32 copy of B stays small
+            step = max(1, CONVERT_ELEMENTS // self.in_features)
+            parts = [F.linear(af, self.weight[n0:n0 + step].float()) for n0 in range(0, self.out_features, step)]
+            return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(self.dtype)
         return F.linear(a, self.weight)
 
 
@@ -84,7 +88,7 @@ def _packable(b) -> bool:
 @prepack("MatMul")
 def _prepack_matmul(inputs, attrs, ctx):
     """A constant 2-D B [K, N] on the CPU -> _Linear."""
-    if str(ctx.device) != "cpu" or inputs[0] is not None or not _packable(inputs[1]):
+    if str(ctx.device) != "cpu" or not _packable(inputs[1]):
         return {}
     return {1: _Linear(inputs[1])}
 
@@ -92,7 +96,7 @@ def _prepack_matmul(inputs, attrs, ctx):
 @prepack("Gemm")
 def _prepack_gemm(inputs, attrs, ctx):
     """A constant B of a Gemm without transA / alpha / beta on the CPU -> _Linear (C stays an input)."""
-    if (str(ctx.device) != "cpu" or inputs[0] is not None or not _packable(inputs[1]) or attrs.get("transA", 0)
+    if (str(ctx.device) != "cpu" or not _packable(inputs[1]) or attrs.get("transA", 0)
             or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0):
         return {}
     b = inputs[1]

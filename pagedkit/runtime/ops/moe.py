@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from . import nbits
 from .quant import unpack_bits
-from .registry import MS_DOMAIN, prepack, register
+from .registry import MS_DOMAIN, RUNTIME, prepack, register
 from .util import opt
 
 
@@ -211,6 +211,8 @@ def prepack_qmoe(inputs, attrs, ctx):
         return {}
     fcs = [(fc, idx) for fc, idx in _QMOE_FC.items() if isinstance(opt(inputs, idx[0]), torch.Tensor)]
     if not fcs or any(not isinstance(opt(inputs, s), torch.Tensor) for _, (_, s, _, _) in fcs):
+        return {}
+    if any(opt(inputs, z) is RUNTIME for _, (_, _, _, z) in fcs):  # absorbed zero points must be constants
         return {}
     deq = _qmoe_weights(inputs, attrs, where)
     nbytes = sum(t.numel() * t.element_size() for t in deq[0::2] if t is not None)

@@ -13,7 +13,7 @@ import torch
 
 from . import nbits
 from .packed import PackedLinear
-from .registry import MS_DOMAIN, prepack, register
+from .registry import MS_DOMAIN, RUNTIME, prepack, register
 from .util import norm_axis, opt, torch_dtype
 
 
@@ -62,6 +62,8 @@ def prepack_matmul_nbits(inputs, attrs, ctx):
     {} when B or the scales are not constants, B is empty (omitted projection) or no layout applies."""
     b, scales, zero_points, g_idx = (opt(inputs, i) for i in (1, 2, 3, 4))
     if not isinstance(b, torch.Tensor) or not isinstance(scales, torch.Tensor) or b.numel() == 0:
+        return {}
+    if zero_points is RUNTIME or g_idx is RUNTIME:  # absorbed inputs must be constants too
         return {}
     _nbits_refusals(attrs, g_idx, f"MatMulNBits node {ctx.node_name!r}")
     bits, block_size, n, k = attrs.get("bits", 4), attrs["block_size"], attrs["N"], attrs["K"]

@@ -73,7 +73,8 @@ _HOST_OUTPUTS: set[tuple[str, str]] = set()
 _PREPACK: dict[tuple[str, str], "PrepackFn"] = {}
 
 # prepack(inputs, attrs, ctx) -> {input index: replacement}. `inputs` holds the node's constant inputs
-# (initializers and folded values, on the host) and None for run-time values; each replacement (a
+# (initializers and folded values, on the host), RUNTIME for inputs computed or fed at run time and None
+# for absent ones; each replacement (a
 # tensor in another dtype / layout, or a Packed object, see packed.py) takes the place of that input for
 # this node only, and the original is dropped once no other node reads it (one copy in memory).
 # The op's implementation must accept both the original and the replacement in that slot.
@@ -108,6 +109,16 @@ def register(*op_types: str, domain: str = ONNX_DOMAIN, max_since: int = MAX_ONN
         return fn
 
     return deco
+
+
+class _RunTime:
+    """The prepack placeholder of an input that only exists at run time."""
+
+    def __repr__(self) -> str:
+        return "<run-time value>"
+
+
+RUNTIME = _RunTime()
 
 
 def prepack(*op_types: str, domain: str = ONNX_DOMAIN):
