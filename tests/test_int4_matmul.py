@@ -173,6 +173,7 @@ def test_int4_layout_keeps_int4_memory():
 def test_dequantized_cache_respects_the_budget(monkeypatch):
     feeds, attrs = make_case(n=64, k=256, block=32, level=0)
     consts = [None, *[torch.from_numpy(a) if a is not None else None for a in feeds[1:]]]
+    monkeypatch.setattr(nbits, "_used", [0])  # caches other tests' sessions still hold do not count here
     monkeypatch.setenv(nbits.ENV_BUDGET, "0")
     assert prepack_matmul_nbits(consts, attrs, OpContext()) == {}  # over budget: dequantized per call
     monkeypatch.setenv(nbits.ENV_BUDGET, str(64 * 256 * 4 * 1.5 / 2**20))  # room for one
