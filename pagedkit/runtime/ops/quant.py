@@ -199,6 +199,19 @@ def gather_block_quantized(inputs, attrs, ctx):
     if data.dtype == torch.uint8 and (gaxis != 0 or qaxis != r - 1 or r < 2):
         raise ValueError(f"{where}: uint8 data needs gather_axis 0 and quantize_axis the last of >= 2 axes "
                          f"(got {gaxis}, {qaxis} of rank {r})")
+    pre = None  # uint8 data (gather_axis 0, packed along the last axis): gather the packed rows first, then
+    if data.dtype == torch.uint8:  # unpack only those (not the whole table every call)
+        dim0 = data.shape[0]
+        raw = indices.to(torch.int64).reshape(-1)
+        ok = (raw >= -dim0) & (raw < dim0)
+        rows = torch.where(ok, torch.where(raw < 0, raw + dim0, raw), 0)
+        if scales.shape[0] != dim0 or (isinstance(zero_points, torch.Tensor) and zero_points.shape[0] != dim0):
+            raise ValueError(f"{where}: scales / zero_points should have {dim0} rows like data, got "
+                             f"{list(scales.shape)}" + (f" / {list(zero_points.shape)}" if zero_points is not None else ""))
+        data, scales = data.index_select(0, rows), scales.index_select(0, rows)
+        if isinstance(zero_points, torch.Tensor):
+            zero_points = zero_points.index_select(0, rows)
+        pre = ok
     values, zp = _gbq_values(data, zero_points, bits, where)
     kq = values.shape[qaxis]
     block = block or kq
@@ -214,9 +227,12 @@ def gather_block_quantized(inputs, attrs, ctx):
             raise ValueError(f"{where}: zero_points shape {list(zero_points.shape)} does not match scales "
                              f"{list(scales.shape)}")
     dim = values.shape[gaxis]
-    idx = indices.to(torch.int64).reshape(-1)
-    valid = (idx >= -dim) & (idx < dim)
-    idx = torch.where(valid, torch.where(idx < 0, idx + dim, idx), 0)
+    if pre is not None:  # rows gathered already, in index order
+        valid, idx = pre, torch.arange(dim, device=values.device)
+    else:
+        idx = indices.to(torch.int64).reshape(-1)
+        valid = (idx >= -dim) & (idx < dim)
+        idx = torch.where(valid, torch.where(idx < 0, idx + dim, idx), 0)
     v = values.index_select(gaxis, idx)
 
     def params(p):  # scales / zero points of the gathered elements, broadcastable against v
