@@ -136,3 +136,15 @@ def check_case(c: Case, run_subgraph=None) -> None:
         assert_matches(o, r, c.tol, f"{c.op} output {i}")
     for k, v in feeds.items():
         assert np.array_equal(v, before[k], equal_nan=True), f"{c.op}: input {k} was modified"
+
+
+def nbits_inputs(n: int, k: int, block: int, zp: str = "none", bias: bool = False, dtype=np.float32,
+                 bits: int = 4, m: tuple = (2, 3)) -> list:
+    """Random MatMulNBits inputs [A, B, scales, zero_points (none / packed uint8 / float), g_idx None, bias]."""
+    kb = -(-k // block)
+    b = ints(0, 256, n, kb, block * bits // 8, dtype=np.uint8)
+    scales = (uniform(0.02, 0.1, n, kb) * np.sign(randn(n, kb))).astype(dtype)
+    zero_points = {"none": None,
+                   "packed": ints(0, 256, n, -(-kb * bits // 8), dtype=np.uint8),
+                   "float": uniform(0, 2 ** bits - 1, n, kb).round().astype(dtype)}[zp]
+    return [randn(*m, k, dtype=dtype), b, scales, zero_points, None, randn(n, dtype=dtype) if bias else None]

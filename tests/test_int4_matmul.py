@@ -14,14 +14,13 @@ of the output, benchmarks/int4_matmul.py). Teeth: a 2% scale error or a zero poi
 from __future__ import annotations
 
 import gc
-import math
 
 import numpy as np
 import pytest
 import torch
 from onnx import helper
 
-from ops_single_node import assert_matches, ints, randn, run_ort, uniform
+from ops_single_node import assert_matches, nbits_inputs, run_ort
 from pagedkit.runtime.ops import OpContext, node_attributes, nbits
 from pagedkit.runtime.ops.quant import dequantize_nbits, matmul_nbits, prepack_matmul_nbits
 
@@ -30,13 +29,7 @@ pytestmark = pytest.mark.skipif(not nbits.kernel_available(), reason="torch lack
 
 
 def make_case(n, k, block, zp="none", bias=False, dtype=np.float32, level=4, bits=4, m=(2, 3)):
-    kb = math.ceil(k / block)
-    b = ints(0, 256, n, kb, block * bits // 8, dtype=np.uint8)
-    scales = (uniform(0.02, 0.1, n, kb) * np.sign(randn(n, kb))).astype(dtype)
-    zero_points = {"none": None,
-                   "packed": ints(0, 256, n, math.ceil(kb * bits / 8), dtype=np.uint8),
-                   "float": uniform(0, 2 ** bits - 1, n, kb).round().astype(dtype)}[zp]
-    feeds = [randn(*m, k, dtype=dtype), b, scales, zero_points, None, randn(n, dtype=dtype) if bias else None]
+    feeds = nbits_inputs(n, k, block, zp, bias, dtype, bits, m)
     attrs = dict(K=k, N=n, bits=bits, block_size=block, accuracy_level=level)
     return feeds, attrs
 

@@ -14,7 +14,8 @@ import torch
 from onnx import TensorProto, helper
 
 import test_ops_vs_ort as part1
-from ops_single_node import assert_matches, case, check_case, i64, ints, randn, run_ort, run_ours, uniform
+from ops_single_node import (assert_matches, case, check_case, i64, ints, nbits_inputs, randn, run_ort, run_ours,
+                             uniform)
 from pagedkit.runtime.ops import OPS, OpContext, lookup, node_attributes, supported_ops_markdown
 
 MS = dict(domain="com.microsoft")
@@ -72,13 +73,7 @@ ROTARY = [
 
 def nbits_case(bits: int, k: int, n: int = 12, block: int = 32, zp: str = "none", bias: bool = False,
                dtype=np.float32, m: tuple = (2, 3)):
-    kb = math.ceil(k / block)
-    b = ints(0, 256, n, kb, block * bits // 8, dtype=np.uint8)
-    scales = (uniform(0.02, 0.1, n, kb) * np.sign(randn(n, kb))).astype(dtype)
-    zero_points = {"none": None,
-                   "packed": ints(0, 256, n, math.ceil(kb * bits / 8), dtype=np.uint8),
-                   "float": uniform(0, 2 ** bits - 1, n, kb).round().astype(dtype)}[zp]
-    ins = [randn(*m, k, dtype=dtype), b, scales, zero_points, None, randn(n, dtype=dtype) if bias else None]
+    ins = nbits_inputs(n, k, block, zp, bias, dtype, bits, m)
     name = f"MatMulNBits-{bits}b-K{k}-{zp}" + ("-bias" if bias else "") + ("-f16" if dtype == np.float16 else "")
     return case("MatMulNBits", *ins, attrs=dict(K=k, N=n, bits=bits, block_size=block), id=name,
                 tol=1e-3 if dtype == np.float16 else 1e-5, **MS)
