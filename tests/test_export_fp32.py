@@ -107,14 +107,9 @@ class node_boundary_fp16:
 # ---- tiny models of every family (the configs of tests/test_export_<family>.py) --------------------------
 
 def _gemma2():
-    from test_export_gemma2 import Q_GAIN, SOFTCAP
+    from test_export_gemma2 import tiny_gemma2
 
-    hf = tiny_model("Gemma2Config", seed=6, num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=24,
-                    attn_logit_softcapping=SOFTCAP, final_logit_softcapping=10.0)
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            layer.self_attn.q_proj.weight.mul_(Q_GAIN)
-    return hf
+    return tiny_gemma2()
 
 
 def _gemma3():

@@ -24,14 +24,19 @@ Q_GAIN = 3.0  # q_proj x 3: max |score| about 1.5 x SOFTCAP on the test sequence
 KW = dict(prompt_lens=(11, 37), chunk=16)  # 37 + 16 > 3 ring blocks: the ring wraps
 
 
-@pytest.fixture(scope="module")
-def gemma2():
+def tiny_gemma2():
+    """The tiny Gemma 2 of these tests (window 8, softcaps, Q scaled so scores exceed the softcap)."""
     hf = tiny_model("Gemma2Config", seed=6, num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=24,
                     attn_logit_softcapping=SOFTCAP, final_logit_softcapping=10.0)
     with torch.no_grad():
         for layer in hf.model.layers:
             layer.self_attn.q_proj.weight.mul_(Q_GAIN)
     return hf
+
+
+@pytest.fixture(scope="module")
+def gemma2():
+    return tiny_gemma2()
 
 
 @pytest.fixture(scope="module")
