@@ -1,6 +1,9 @@
+"""Test-session setup. Without CUDA the Triton kernels run through Triton's interpreter: TRITON_INTERPRET=1 is
+set here, before any test imports a kernel module (triton reads it when a kernel is decorated)."""
+
+import os
 
 import pytest
-
 
 
 def _has_cuda() -> bool:
@@ -12,6 +15,8 @@ def _has_cuda() -> bool:
         return False
 
 
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 def pytest_collection_modifyitems(config, items):
     if _has_cuda():
         return

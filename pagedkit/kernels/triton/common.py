@@ -1,0 +1,96 @@
+"""Facts every Triton kernel family shares: whether Triton is usable here, interpreter mode, and the
+compile-time codes of a cache side's storage and scale (passed to kernels as tl.constexpr ints).
+
+One cache side (K or V) is described by a `SideFormat`: its storage code (`FMT_*`) and scale mode
+(`SCALE_*`), derived once from the cache tensor's dtype and the node's `{k,v}_cache_dtype` /
+`{k,v}_quant_type` attributes (contract-decisions §2, §3, §7). Storage:
+- FMT_FLOAT: float16 / bfloat16 / float32 cache, stored by a cast (scale mode SCALE_NONE);
+- FMT_INT8:  int8 codes, clamp(rint(x / s), -128, 127);
+- FMT_FP8:   float8e4m3fn codes, clamp(x / s, -448, 448) rounded to nearest even;
+- FMT_INT4:  uint8 bytes [.., (D + 1) // 2], nibble = code + 8, channel 2i in the low nibble of byte i.
+Scales: SCALE_TENSOR / SCALE_CHANNEL come as one float32 vector [Hkv * D] (PER_TENSOR broadcast), the
+launchers build it (`static_scale_vector`); SCALE_TOKEN reads the scale cache [NB, BS, Hkv] at the slot.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:  # triton is optional: the CPU runtime never needs it (the interpreter tests do)
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+# Read once at import, like triton itself: set TRITON_INTERPRET=1 before importing a kernel module.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+FMT_FLOAT, FMT_INT8, FMT_FP8, FMT_INT4 = 0, 1, 2, 3
+SCALE_NONE, SCALE_TENSOR, SCALE_CHANNEL, SCALE_TOKEN = 0, 1, 2, 3
+
+_FMT_OF_DTYPE = {torch.float16: FMT_FLOAT, torch.bfloat16: FMT_FLOAT, torch.float32: FMT_FLOAT,
+                 torch.int8: FMT_INT8, torch.float8_e4m3fn: FMT_FP8}
+_SCALE_OF_QUANT = {"NONE": SCALE_NONE, "PER_TENSOR": SCALE_TENSOR, "PER_CHANNEL": SCALE_CHANNEL,
+                   "PER_TOKEN": SCALE_TOKEN}
+QMAX = {FMT_INT8: 127.0, FMT_FP8: 448.0, FMT_INT4: 7.0}
+QMIN = {FMT_INT8: -128.0, FMT_FP8: -448.0, FMT_INT4: -8.0}
+
+
+@dataclass(frozen=True)
+class SideFormat:
+    fmt: int  # FMT_*
+    scale: int  # SCALE_*
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt != FMT_FLOAT
+
+
+def side_format(cache: torch.Tensor, cache_dtype_attr: str, quant_type: str, name: str) -> SideFormat:
+    """The storage / scale codes of one cache side; a ValueError naming the input otherwise."""
+    if cache_dtype_attr == "int4":
+        if cache.dtype != torch.uint8:
+            raise ValueError(f"input '{name}': cache dtype 'int4' needs a uint8 cache, got {cache.dtype}")
+        fmt = FMT_INT4
+    elif cache.dtype in _FMT_OF_DTYPE:
+        fmt = _FMT_OF_DTYPE[cache.dtype]
+    else:
+        raise ValueError(f"input '{name}': unsupported cache element type {cache.dtype}")
+    scale = _SCALE_OF_QUANT.get(str(quant_type))
+    if scale is None:
+        raise ValueError(f"quant type of '{name}': expected one of {sorted(_SCALE_OF_QUANT)}, got {quant_type!r}")
+    if (fmt == FMT_FLOAT) != (scale == SCALE_NONE):
+        raise ValueError(f"input '{name}': a {'quantized' if fmt != FMT_FLOAT else cache.dtype} cache with "
+                         f"quant type {quant_type}")
+    return SideFormat(fmt, scale)
+
+
+def static_scale_vector(scale: torch.Tensor | None, kv_heads: int, head_size: int) -> torch.Tensor | None:
+    """k_scale / v_scale (PER_TENSOR [1] or PER_CHANNEL [Hkv * D] in any layout) -> float32 [Hkv * D]
+    contiguous on the scale's device (an expand + copy: capture-safe, no host read)."""
+    if scale is None:
+        return None
+    flat = scale.reshape(-1).to(torch.float32)
+    if flat.numel() == 1:
+        return flat.expand(kv_heads * head_size).contiguous()
+    if flat.numel() != kv_heads * head_size:
+        raise ValueError(f"scale of {flat.numel()} elements: expected 1 or kv_num_heads * head_size = "
+                         f"{kv_heads * head_size}")
+    return flat.contiguous()
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def require_triton() -> None:
+    if not HAVE_TRITON:
+        raise RuntimeError("the Triton kernels need triton (pip install 'pagedkit[gpu]' on a CUDA machine, "
+                           "or 'pagedkit[triton-cpu]' for the interpreter)")
