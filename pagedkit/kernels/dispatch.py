@@ -16,7 +16,8 @@ listed here as lazy "module:VARIANT" strings in priority order (`VARIANTS`), lik
    serving variant: NotImplementedError naming the node and every variant's reason.
 2. Run (`AttentionCall.run(inputs, plan=None)`): the first serving variant whose `plans` include the
    run's plan hint ("decode", "prefill", "chunked_prefill"; None = "mixed") runs it; its name is
-   `AttentionCall.last_variant`. Today's variants all serve "mixed", so the pick is the first serving one.
+   `AttentionCall.last_variant`; with PAGEDKIT_KERNEL_DEBUG=1 the first call of each node on each
+   variant prints `pagedkit: PagedAttention node 'n': kernel=triton_paged plan=mixed capturable`. Today's variants all serve "mixed", so the pick is the first serving one.
 
 `AttentionCall` also holds the node's inputs / outputs by contract name, computed once, and the cache
 aliasing the runtime promises: a cache output IS its cache input (same tensor, updated in place), as
@@ -28,6 +29,8 @@ validated the node at creation); a call that fails unvalidated is diagnosed by t
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -47,6 +50,7 @@ CACHE_ALIASES = {op: c.cache_aliases for op, c in CONTRACTS.items()}
 # every variant, in priority order ("module:VARIANT"; "." modules are relative to pagedkit.kernels).
 # A new variant is one new file plus one line here. The loop-based reference of each op comes last.
 VARIANTS: list[str] = [
+    ".triton.paged:VARIANT",
     ".paged.torch_planned:VARIANT",
     ".paged.torch_sdpa:VARIANT",
     ".paged.reference:VARIANT",
@@ -262,6 +266,19 @@ def serving_variants(info: NodeInfo, *, allow_reference_fallback: bool = True, c
 
 _warned: set[str] = set()
 
+DEBUG_ENV = "PAGEDKIT_KERNEL_DEBUG"  # =1: print each node's pick (like onnxruntime's SdpaKernel= debug info)
+_reported: set[tuple[str, str, str | None]] = set()
+
+
+def _debug(node_name: str, op_type: str, variant: KernelVariant, plan: str | None) -> None:
+    """With PAGEDKIT_KERNEL_DEBUG=1, one stderr line the first time a node runs on a variant for a plan."""
+    key = (node_name, variant.name, plan)
+    if key in _reported or os.environ.get(DEBUG_ENV, "").strip().lower() in ("", "0", "false", "no"):
+        return
+    _reported.add(key)
+    print(f"pagedkit: {op_type} node '{node_name}': kernel={variant.name} plan={plan or 'mixed'}"
+          f"{' capturable' if variant.capturable else ''}", file=sys.stderr, flush=True)
+
 
 def _warn_fallback(node_name: str, variant: KernelVariant, device: torch.device, refused: dict[str, str]) -> None:
     """The one-time warning of the reference fallback on a non-CPU device (contract-decisions §9)."""
@@ -354,6 +371,7 @@ class AttentionCall:
             staged = {n: t.cpu() for n, t in feed.items()}
             _warn_fallback(self.node_name, variant, self.device, self.refused)
         self.last_variant = variant.name
+        _debug(self.node_name, variant.op, variant, plan)
         try:
             result = variant.load()(staged, outputs=requested, validate=validate, **self.attrs)
         except ValidationError:

@@ -345,11 +345,13 @@ class Generator:
 
     block_size / num_blocks / shuffle_seed (paged layout): cache geometry (defaults from the model and
     genai_config.json, pools sized for one sequence of max_seq_len) and a shuffled block pool.
-    threads: CPU threads (SessionOptions.intra_op_num_threads; None = torch's default)."""
+    threads: CPU threads (SessionOptions.intra_op_num_threads; None = torch's default).
+    allow_reference_fallback: InferenceSession's (None: refused on CUDA, allowed on the CPU)."""
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", *, block_size: int | None = None,
                  num_blocks: int | None = None, max_seq_len: int | None = None, shuffle_seed: int | None = None,
-                 session: InferenceSession | None = None, threads: int | None = None):
+                 session: InferenceSession | None = None, threads: int | None = None,
+                 allow_reference_fallback: bool | None = None):
         if block_size is not None and block_size_error(block_size):
             raise ValueError(block_size_error(block_size))
         self.config = read_config(model_dir)
@@ -357,7 +359,8 @@ class Generator:
         model_path = inside_folder(model_dir, self.config.filename, "model.decoder.filename",
                                    str(Path(model_dir) / "genai_config.json"))
         options = SessionOptions(intra_op_num_threads=threads) if threads else None
-        self.session = session or InferenceSession(str(model_path), options, providers=providers)
+        self.session = session or InferenceSession(str(model_path), options, providers=providers,
+                                                   allow_reference_fallback=allow_reference_fallback)
         self.max_seq_len = min(max_seq_len or self.config.context_length, self.config.context_length)
         self.logits_name = self.config.outputs.get(N.LOGITS) or N.LOGITS
         self.state = (_PagedState(self, block_size, num_blocks, shuffle_seed) if self.config.paged

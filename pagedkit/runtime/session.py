@@ -121,7 +121,8 @@ class InferenceSession:
     providers: ["CPUExecutionProvider"] (default) or ["CUDAExecutionProvider", ...].
     sess_options: a SessionOptions (or onnxruntime.SessionOptions): intra_op_num_threads sets the CPU threads.
     allow_reference_fallback: on CUDA, run attention combinations no GPU variant serves on the
-    loop-based reference (one-time warning) instead of refusing at creation.
+    loop-based reference (one-time warning) instead of refusing at creation. Default (None): refused
+    on CUDA (the error names the node, the feature and each variant's limit), allowed on the CPU.
     capturable: require CUDA-graph capturable attention kernels; a node whose serving variants are all
     non-capturable is refused at creation, naming the node and each variant (today no variant is
     capturable: torch_sdpa reads sequence lengths on the host, the reference runs on the host).
@@ -135,7 +136,7 @@ class InferenceSession:
         sess_options: Any = None,
         providers: Sequence[str | tuple] | None = None,
         *,
-        allow_reference_fallback: bool = True,
+        allow_reference_fallback: bool | None = None,
         capturable: bool = False,
         validate_inputs: bool | None = None,
     ):
@@ -143,7 +144,9 @@ class InferenceSession:
         owned = not isinstance(path_or_bytes, onnx.ModelProto)  # a proto of our own: its weights can go
         self._model, self._base_dir = load_model(path_or_bytes, lazy_weights=owned)
         self.device, self._providers = _select_device(providers)
-        self.allow_reference_fallback = allow_reference_fallback
+        if allow_reference_fallback is None:
+            allow_reference_fallback = self.device.type == "cpu"
+        self.allow_reference_fallback = bool(allow_reference_fallback)
         self.capturable = capturable
         self.validate_inputs = _env_flag(VALIDATE_ENV) if validate_inputs is None else bool(validate_inputs)
         self._plan: str | None = None  # the plan hint of the run in progress

@@ -1,0 +1,113 @@
+"""The Triton PagedAttention kernels as `torch.library` custom ops, with fake (meta) implementations, so
+torch.compile / export see them as opaque ops with known output shapes and the cache mutation declared:
+
+- `pagedkit::write_kv`     -> q [N, H, D] (T); mutates key_cache, value_cache, k/v_scale_cache in place;
+- `pagedkit::paged_decode` -> (output [N, H*Dv] (T), output_qk [H, N, C] float32, or [0] when qk_output 0).
+
+Cache side formats travel as ints (common.FMT_* / SCALE_*; -1 = no V side, LATENT).
+`torch.library.opcheck` runs over both (tests/test_triton_paged.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import common
+
+
+def _side(fmt: int, scale: int) -> common.SideFormat | None:
+    return None if fmt < 0 else common.SideFormat(fmt, scale)
+
+
+@torch.library.custom_op("pagedkit::write_kv", mutates_args=("key_cache", "value_cache", "k_scale_cache",
+                                                              "v_scale_cache"))
+def _write_kv(query: Tensor, key: Optional[Tensor], value: Optional[Tensor], cumulative_sequence_length: Tensor,
+              past_seqlens: Tensor, block_table: Tensor, key_cache: Tensor, value_cache: Optional[Tensor],
+              slot_mapping: Optional[Tensor], query_positions: Optional[Tensor], cos_cache: Optional[Tensor],
+              sin_cache: Optional[Tensor], q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor],
+              k_scale: Optional[Tensor], v_scale: Optional[Tensor], k_scale_cache: Optional[Tensor],
+              v_scale_cache: Optional[Tensor], num_heads: int, kv_num_heads: int, head_size: int, k_fmt: int,
+              k_scale_mode: int, v_fmt: int, v_scale_mode: int, rotary: bool, rotary_interleaved: bool,
+              rotary_offset: int, qk_norm_epsilon: float, qk_rotation: bool, v_rotation: bool,
+              latent: bool) -> Tensor:
+    from .cache_write import write_kv
+
+    return write_kv(
+        query, key, value, num_heads=num_heads, kv_num_heads=kv_num_heads, head_size=head_size,
+        cumulative_sequence_length=cumulative_sequence_length, past_seqlens=past_seqlens, block_table=block_table,
+        key_cache=key_cache, value_cache=value_cache, k_format=_side(k_fmt, k_scale_mode),
+        v_format=_side(v_fmt, v_scale_mode), slot_mapping=slot_mapping, query_positions=query_positions,
+        cos_cache=cos_cache if rotary else None, sin_cache=sin_cache if rotary else None,
+        rotary_interleaved=rotary_interleaved, rotary_offset=rotary_offset, q_norm_weight=q_norm_weight,
+        k_norm_weight=k_norm_weight, qk_norm_epsilon=qk_norm_epsilon, qk_rotation=qk_rotation,
+        v_rotation=v_rotation, k_scale=k_scale, v_scale=v_scale, k_scale_cache=k_scale_cache,
+        v_scale_cache=v_scale_cache, latent=latent)
+
+
+@_write_kv.register_fake
+def _write_kv_fake(query, key, value, cumulative_sequence_length, past_seqlens, block_table, key_cache, value_cache,
+                   slot_mapping, query_positions, cos_cache, sin_cache, q_norm_weight, k_norm_weight, k_scale,
+                   v_scale, k_scale_cache, v_scale_cache, num_heads, kv_num_heads, head_size, k_fmt, k_scale_mode,
+                   v_fmt, v_scale_mode, rotary, rotary_interleaved, rotary_offset, qk_norm_epsilon, qk_rotation,
+                   v_rotation, latent):
+    return query.new_empty((query.shape[0], num_heads, head_size))
+
+
+@torch.library.custom_op("pagedkit::paged_decode", mutates_args=())
+def _paged_decode(q: Tensor, key_cache: Tensor, value_cache: Optional[Tensor], cumulative_sequence_length: Tensor,
+                  past_seqlens: Tensor, block_table: Tensor, k_scale: Optional[Tensor], v_scale: Optional[Tensor],
+                  k_scale_cache: Optional[Tensor], v_scale_cache: Optional[Tensor],
+                  query_positions: Optional[Tensor], head_sink: Optional[Tensor],
+                  attention_bias: Optional[Tensor], k_fmt: int, k_scale_mode: int, v_fmt: int, v_scale_mode: int,
+                  num_heads: int, kv_num_heads: int, head_size: int, v_head_size: int, scale: float,
+                  softcap: float, local_window_size: int, is_causal: bool, qk_output: int, v_rotation: bool,
+                  max_query_len: int, max_kv_len: int) -> tuple[Tensor, Tensor]:
+    from .decode import paged_decode
+
+    out, qk = paged_decode(
+        q, key_cache=key_cache, value_cache=value_cache, k_format=_side(k_fmt, k_scale_mode),
+        v_format=_side(v_fmt, v_scale_mode), cumulative_sequence_length=cumulative_sequence_length,
+        past_seqlens=past_seqlens, block_table=block_table, num_heads=num_heads, kv_num_heads=kv_num_heads,
+        head_size=head_size, v_head_size=v_head_size, scale=scale, k_scale=k_scale, v_scale=v_scale,
+        k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache, query_positions=query_positions,
+        softcap=softcap, local_window_size=local_window_size, is_causal=is_causal, head_sink=head_sink,
+        attention_bias=attention_bias, qk_output=qk_output, v_rotation=v_rotation, max_query_len=max_query_len,
+        max_kv_len=max_kv_len)
+    if qk is None:
+        qk = torch.empty(0, dtype=torch.float32, device=q.device)
+    return out, qk
+
+
+@_paged_decode.register_fake
+def _paged_decode_fake(q, key_cache, value_cache, cumulative_sequence_length, past_seqlens, block_table, k_scale,
+                       v_scale, k_scale_cache, v_scale_cache, query_positions, head_sink, attention_bias, k_fmt,
+                       k_scale_mode, v_fmt, v_scale_mode, num_heads, kv_num_heads, head_size, v_head_size, scale,
+                       softcap, local_window_size, is_causal, qk_output, v_rotation, max_query_len, max_kv_len):
+    n = q.shape[0]
+    out = q.new_empty((n, num_heads * v_head_size))
+    if qk_output:
+        qk = q.new_empty((num_heads, n, block_table.shape[1] * key_cache.shape[1]), dtype=torch.float32)
+    else:
+        qk = q.new_empty((0,), dtype=torch.float32)
+    return out, qk
+
+
+def write_kv(query, key, value, csl, past, block_table, key_cache, value_cache, slot_mapping, query_positions,
+             cos_cache, sin_cache, q_norm_weight, k_norm_weight, k_scale, v_scale, k_scale_cache, v_scale_cache,
+             **kw) -> Tensor:
+    """pagedkit::write_kv (positional tensors in the op's order, attributes by keyword)."""
+    return torch.ops.pagedkit.write_kv(query, key, value, csl, past, block_table, key_cache, value_cache,
+                                       slot_mapping, query_positions, cos_cache, sin_cache, q_norm_weight,
+                                       k_norm_weight, k_scale, v_scale, k_scale_cache, v_scale_cache, **kw)
+
+
+def paged_decode(q, key_cache, value_cache, csl, past, block_table, k_scale, v_scale, k_scale_cache,
+                 v_scale_cache, query_positions, head_sink, attention_bias, **kw) -> tuple[Tensor, Tensor | None]:
+    """pagedkit::paged_decode; output_qk None when qk_output is 0."""
+    out, qk = torch.ops.pagedkit.paged_decode(q, key_cache, value_cache, csl, past, block_table, k_scale, v_scale,
+                                              k_scale_cache, v_scale_cache, query_positions, head_sink,
+                                              attention_bias, **kw)
+    return out, (qk if kw.get("qk_output") else None)
