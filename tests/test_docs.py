@@ -60,7 +60,7 @@ def test_check_mode_reports_stale_files(tmp_path, capsys):
 README_COMMANDS = [
     'pip install torch==2.13.0 -e ".[export]" && paged-fetch smollm2-135m && paged-export --model smollm2-135m '
     '--output smollm2-fp16 && paged-run smollm2-fp16 --prompt "The history of the printing press begins" --parity',
-    'pip install torch==2.13.0 -e ".[test,export]" onnxruntime-genai && python -m pytest -q',
+    'pip install torch==2.13.0 -e ".[test,export,triton-cpu]" onnxruntime-genai && python -m pytest -q',
 ]
 
 
