@@ -1,0 +1,340 @@
+"""The @triton.jit kernels of the split-KV paged attention (launcher, layouts and heuristics: decode.py).
+
+- `_attn_kernel`   grid (B, Hkv * N_SUB, S): one program per (sequence, KV head [, head sub-group], split);
+                   rows = query tokens x heads of the group; partials (m, l, acc) or, with S == 1, the output.
+- `_reduce_kernel` grid (N, H): merges the S partials of one (token, head), head_sink, V output scale,
+                   V un-rotation; writes the output (T) and, for qk_output 2, the final (M, L).
+- `_probs_kernel`  grid (H * N, cdiv(C, BLOCK)): raw scores -> probabilities exp(s - M) / L (-inf -> 0).
+
+Scores run in the log2 domain (exp2, the softmax scale times log2(e) folded in); m is kept in that domain.
+Storage codes (common.FMT_*): 0 float, 1 int8, 2 fp8 e4m3, 3 int4; scale modes 0 none, 1 tensor, 2 channel,
+3 token. Only Triton APIs that 3.6 and 3.8 both have.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tanh(x):
+    e = tl.exp2(x * 2.8853900817779268)  # exp(2x)
+    return 1.0 - 2.0 / (e + 1.0)
+
+
+@triton.jit
+def _to_dot(x, FMT: tl.constexpr, DT: tl.constexpr, HIGH: tl.constexpr):
+    """Loaded cache values -> the dot operand dtype DT (codes are exact in fp16 / bf16). int4: the low
+    (HIGH False) or high nibble of each byte, minus 8."""
+    if FMT == 3:
+        xi = x.to(tl.int32)
+        if HIGH:
+            y = ((xi >> 4) & 15) - 8
+        else:
+            y = (xi & 15) - 8
+        return y.to(tl.float32).to(DT)
+    elif FMT == 2:  # fp8 e4m3 cache loaded through a uint8 view (defined zero fill for masked lanes)
+        return x.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DT)
+    elif FMT == 1:
+        return x.to(tl.float32).to(DT)
+    else:
+        return x.to(DT)
+
+
+@triton.jit
+def _dot(a, b, acc, INTERP: tl.constexpr):
+    """tl.dot(a, b, acc) with fp32 accumulation; the interpreter's dot cannot take bfloat16 (it multiplies the
+    raw bits), so there the operands go to float32 first (same products: fp16 / bf16 values are exact)."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _load_q(q_ptr, q_off, row_ok, ch, ch_ok, ks_ptr, ks_off, DT: tl.constexpr, HILO: tl.constexpr):
+    """Q rows [BLOCK_M, W] at channels ch; HILO: q * per-channel K scale split as hi + lo in DT."""
+    q = tl.load(q_ptr + q_off[:, None] + ch[None, :], mask=row_ok[:, None] & ch_ok[None, :], other=0.0)
+    if HILO:
+        s = tl.load(ks_ptr + ks_off + ch, mask=ch_ok, other=0.0)
+        x = q.to(tl.float32) * s[None, :]
+        hi = x.to(DT)
+        lo = (x - hi.to(tl.float32)).to(DT)
+        return hi, lo
+    else:
+        return q.to(DT), q.to(DT)
+
+
+@triton.jit
+def _attn_kernel(
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ksc_ptr, vsc_ptr,
+        csl_ptr, past_ptr, bt_ptr, qpos_ptr, sink_ptr, bias_ptr,
+        out_ptr, wacc_ptr, wml_ptr, qk_ptr,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        stride_kscb, stride_kscs, stride_ksch, stride_vscb, stride_vscs, stride_vsch, stride_btb,
+        stride_bb, stride_bh, stride_bq, stride_bk, bias_qcap, bias_kcap,
+        N, NB, MB, num_splits, sm_scale, softcap, window,
+        H: tl.constexpr, G: tl.constexpr, G_TILE: tl.constexpr, N_SUB: tl.constexpr,
+        Q_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+        D: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr,
+        DV: tl.constexpr, VW: tl.constexpr, VW_PAD: tl.constexpr,
+        K_FMT: tl.constexpr, K_SCALE: tl.constexpr, V_FMT: tl.constexpr, V_SCALE: tl.constexpr,
+        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_SINK: tl.constexpr, QK_MODE: tl.constexpr, HAS_QPOS: tl.constexpr, DIRECT: tl.constexpr,
+        NEED_NAT: tl.constexpr, INTERP: tl.constexpr):
+    DT: tl.constexpr = q_ptr.dtype.element_ty
+    b = tl.program_id(0)
+    kvh = tl.program_id(1) // N_SUB
+    sub = tl.program_id(1) % N_SUB
+    s = tl.program_id(2)
+    C = MB * BS
+
+    q_start = tl.load(csl_ptr + b).to(tl.int32)
+    n_q = tl.load(csl_ptr + b + 1).to(tl.int32) - q_start
+    past = tl.load(past_ptr + b).to(tl.int32)
+    kv_len = tl.minimum(tl.maximum(past + n_q, 0), C)  # clamped to the block table's capacity
+
+    r = tl.arange(0, BLOCK_M)
+    g = sub * G_TILE + r % G_TILE
+    h = kvh * G + g
+    head_ok = g < G
+    jr = r // G_TILE
+    h64 = h.to(tl.int64)
+
+    kw = tl.arange(0, KW_PAD)
+    kw_ok = kw < KW
+    vw = tl.arange(0, VW_PAD)
+    vw_ok = vw < VW
+    if K_FMT == 3:
+        kch = kw * 2
+    else:
+        kch = kw
+    if V_FMT == 3:
+        vch = vw * 2
+    else:
+        vch = vw
+    qk_scale = sm_scale
+    if K_SCALE == 1:
+        qk_scale = sm_scale * tl.load(ks_ptr + kvh * D)
+    if HAS_SINK:
+        sink2 = tl.load(sink_ptr + h, mask=head_ok, other=0.0).to(tl.float32) * LOG2E
+    if DIRECT:
+        if V_SCALE == 1 or V_SCALE == 2:
+            vsa = tl.load(vs_ptr + kvh * D + vch, mask=vw_ok, other=0.0)
+            vsb = tl.load(vs_ptr + kvh * D + vch + 1, mask=vw_ok, other=0.0)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    k_head = kvh.to(tl.int64) * stride_kh
+    v_head = kvh.to(tl.int64) * stride_vh
+
+    for c in range(0, tl.cdiv(n_q, Q_CHUNK)):
+        j = c * Q_CHUNK + jr
+        t = q_start + j
+        row_ok = head_ok & (j < n_q) & (t < N) & (t >= 0)
+        t64 = t.to(tl.int64)
+        if HAS_QPOS:
+            pos = tl.load(qpos_ptr + t64, mask=row_ok, other=0).to(tl.int32)
+        else:
+            pos = past + j
+        # this chunk's key range [lo, hi), then split s's share of its tiles
+        if CAUSAL:
+            hi = tl.minimum(kv_len, tl.max(tl.where(row_ok, pos, -1), 0) + 1)
+        else:
+            hi = kv_len
+        lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(tl.min(tl.where(row_ok, pos, 2147483647 - window), 0) - window + 1, 0)
+        t_lo = lo // BLOCK_N
+        t_hi = tl.cdiv(hi, BLOCK_N)
+        per = tl.cdiv(tl.maximum(t_hi - t_lo, 0), num_splits)
+        it0 = t_lo + s * per
+        it1 = tl.minimum(it0 + per, t_hi)
+
+        q_off = t64 * stride_qt + h64 * stride_qh
+        qa, qa_lo = _load_q(q_ptr, q_off, row_ok, kch, kw_ok, ks_ptr, kvh * D, DT, K_SCALE == 2)
+        if K_FMT == 3:
+            qb, qb_lo = _load_q(q_ptr, q_off, row_ok, kch + 1, kw_ok, ks_ptr, kvh * D, DT, K_SCALE == 2)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc_a = tl.zeros([BLOCK_M, VW_PAD], tl.float32)
+        acc_b = tl.zeros([BLOCK_M, VW_PAD], tl.float32)
+        for it in range(it0, it1):
+            kp = it * BLOCK_N + tl.arange(0, BLOCK_N)
+            pos_ok = kp < kv_len
+            if BLOCK_N <= BS:  # the tile lies in one block
+                blk = tl.load(bt_row + (it * BLOCK_N) // BS)
+            else:  # a per-token block vector
+                blk = tl.load(bt_row + kp // BS, mask=pos_ok, other=-1)
+            mapped = (blk >= 0) & (blk < NB)
+            kvalid = pos_ok & mapped
+            blk = tl.where(mapped, blk, 0).to(tl.int64)
+            off = (kp % BS).to(tl.int64)
+
+            k_off = blk * stride_kb + off * stride_ks + k_head
+            kt = tl.load(k_ptr + k_off[None, :] + kw[:, None], mask=kvalid[None, :] & kw_ok[:, None], other=0)
+            kta = _to_dot(kt, K_FMT, DT, False)
+            raw = _dot(qa, kta, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
+            if K_SCALE == 2:
+                raw = _dot(qa_lo, kta, raw, INTERP)
+            if K_FMT == 3:
+                ktb = _to_dot(kt, K_FMT, DT, True)
+                raw = _dot(qb, ktb, raw, INTERP)
+                if K_SCALE == 2:
+                    raw = _dot(qb_lo, ktb, raw, INTERP)
+            if K_SCALE == 3:
+                ksc = tl.load(ksc_ptr + blk * stride_kscb + off * stride_kscs + kvh * stride_ksch,
+                              mask=kvalid, other=0.0).to(tl.float32)
+                raw = raw * ksc[None, :]
+            allowed = row_ok[:, None] & kvalid[None, :]
+            if CAUSAL:
+                allowed = allowed & (kp[None, :] <= pos[:, None])
+            if HAS_WINDOW:
+                allowed = allowed & (kp[None, :] >= pos[:, None] - window + 1)
+            if NEED_NAT:
+                sc = raw * qk_scale
+                if HAS_BIAS:
+                    b_ptr = (bias_ptr + b.to(tl.int64) * stride_bb + h64[:, None] * stride_bh
+                             + j.to(tl.int64)[:, None] * stride_bq + kp.to(tl.int64)[None, :] * stride_bk)
+                    b_ok = (row_ok & (j < bias_qcap))[:, None] & (kp < bias_kcap)[None, :]
+                    sc += tl.load(b_ptr, mask=b_ok, other=0.0).to(tl.float32)
+                if HAS_SOFTCAP:
+                    sc = softcap * _tanh(sc / softcap)
+                if QK_MODE != 0:
+                    if QK_MODE == 1:
+                        qv = tl.where(allowed, sc, 0.0)
+                    else:
+                        qv = tl.where(allowed, sc, float("-inf"))
+                    qk_p = qk_ptr + (h64[:, None] * N + t64[:, None]) * C + kp[None, :]
+                    tl.store(qk_p, qv, mask=row_ok[:, None] & (kp < C)[None, :])
+                s2 = sc * LOG2E
+            else:
+                s2 = raw * (qk_scale * LOG2E)
+            s2 = tl.where(allowed, s2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s2, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s2 - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+
+            v_off = blk * stride_vb + off * stride_vs + v_head
+            vt = tl.load(v_ptr + v_off[:, None] + vw[None, :], mask=kvalid[:, None] & vw_ok[None, :], other=0)
+            vta = _to_dot(vt, V_FMT, DT, False)
+            if V_SCALE == 3:  # per-key V scales into p, normalized by the tile's largest (fp16 range)
+                vsc = tl.load(vsc_ptr + blk * stride_vscb + off * stride_vscs + kvh * stride_vsch,
+                              mask=kvalid, other=0.0).to(tl.float32)
+                vmax = tl.max(tl.abs(vsc), 0)
+                pv = (p * (vsc / tl.where(vmax > 0, vmax, 1.0))[None, :]).to(DT)
+                acc_a = acc_a * alpha[:, None] + _dot(pv, vta, tl.zeros([BLOCK_M, VW_PAD], tl.float32), INTERP) * vmax
+                if V_FMT == 3:
+                    acc_b = acc_b * alpha[:, None] + _dot(pv, _to_dot(vt, V_FMT, DT, True), tl.zeros([BLOCK_M, VW_PAD], tl.float32), INTERP) * vmax
+            else:
+                pv = p.to(DT)
+                acc_a = _dot(pv, vta, acc_a * alpha[:, None], INTERP)
+                if V_FMT == 3:
+                    acc_b = _dot(pv, _to_dot(vt, V_FMT, DT, True), acc_b * alpha[:, None], INTERP)
+
+        if DIRECT:  # S == 1: normalize here and write T
+            l_f = l_i
+            if HAS_SINK:
+                m_f = tl.maximum(m_i, sink2)
+                m_f = tl.where(m_f == float("-inf"), 0.0, m_f)
+                f = tl.exp2(m_i - m_f)
+                l_f = l_i * f + tl.exp2(sink2 - m_f)
+                inv = tl.where(l_f > 0, f / tl.where(l_f > 0, l_f, 1.0), 0.0)
+            else:
+                inv = tl.where(l_f > 0, 1.0 / tl.where(l_f > 0, l_f, 1.0), 0.0)
+            o_a = acc_a * inv[:, None]
+            if V_SCALE == 1 or V_SCALE == 2:
+                o_a = o_a * vsa[None, :]
+            o_ptr = out_ptr + t64[:, None] * (H * DV) + h64[:, None] * DV + vch[None, :]
+            o_ok = row_ok[:, None] & vw_ok[None, :]
+            tl.store(o_ptr, o_a.to(DT), mask=o_ok)
+            if V_FMT == 3:
+                o_b = acc_b * inv[:, None]
+                if V_SCALE == 1 or V_SCALE == 2:
+                    o_b = o_b * vsb[None, :]
+                tl.store(o_ptr + 1, o_b.to(DT), mask=o_ok)
+        else:  # partials to the workspace [N, H, S, DV] / [N, H, S, 2]
+            base = (t64 * H + h64) * num_splits + s
+            w_ptr = wacc_ptr + base[:, None] * DV + vch[None, :]
+            w_ok = row_ok[:, None] & vw_ok[None, :]
+            tl.store(w_ptr, acc_a, mask=w_ok)
+            if V_FMT == 3:
+                tl.store(w_ptr + 1, acc_b, mask=w_ok)
+            tl.store(wml_ptr + base * 2, m_i, mask=row_ok)
+            tl.store(wml_ptr + base * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _reduce_kernel(wacc_ptr, wml_ptr, sink_ptr, vs_ptr, out_ptr, mlf_ptr, num_splits, inv_sqrt_dv,
+                   H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+                   S_BLOCK: tl.constexpr, ROT_J: tl.constexpr, HAS_SINK: tl.constexpr, V_SCALE: tl.constexpr,
+                   ROTATE: tl.constexpr, STORE_ML: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    base = (t * H + h) * num_splits
+    so = tl.arange(0, S_BLOCK)
+    d = tl.arange(0, DV_PAD)
+    d_ok = d < DV
+    m_vec = tl.full([S_BLOCK], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, S_BLOCK):
+        m = tl.load(wml_ptr + (base + s0 + so) * 2, mask=s0 + so < num_splits, other=float("-inf"))
+        m_vec = tl.maximum(m_vec, m)
+    mx = tl.max(m_vec, 0)
+    if HAS_SINK:
+        sink2 = tl.load(sink_ptr + h).to(tl.float32) * LOG2E
+        mx = tl.maximum(mx, sink2)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    l_vec = tl.zeros([S_BLOCK], tl.float32)
+    acc = tl.zeros([S_BLOCK, DV_PAD], tl.float32)
+    for s0 in range(0, num_splits, S_BLOCK):
+        s_ok = s0 + so < num_splits
+        m = tl.load(wml_ptr + (base + s0 + so) * 2, mask=s_ok, other=float("-inf"))
+        l = tl.load(wml_ptr + (base + s0 + so) * 2 + 1, mask=s_ok, other=0.0)
+        w = tl.exp2(m - mx)
+        l_vec += l * w
+        a = tl.load(wacc_ptr + (base + s0 + so)[:, None] * DV + d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        acc += a * w[:, None]
+    den = tl.sum(l_vec, 0)
+    if HAS_SINK:
+        den += tl.exp2(sink2 - mx)
+    o = tl.sum(acc, 0) * tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)
+    if V_SCALE == 1 or V_SCALE == 2:
+        o = o * tl.load(vs_ptr + (h // G) * D + d, mask=d_ok, other=0.0)
+    o_ptr = out_ptr + t * (H * DV) + h * DV
+    if ROTATE:  # o @ H_n / sqrt(n), H_n[i, j] = (-1)^popcount(i & j) (Sylvester), built in registers
+        for j0 in tl.static_range(0, DV_PAD, ROT_J):
+            jj = j0 + tl.arange(0, ROT_J)
+            x = d[:, None] & jj[None, :]
+            x = x ^ (x >> 8)
+            x = x ^ (x >> 4)
+            x = x ^ (x >> 2)
+            x = x ^ (x >> 1)
+            sign = 1.0 - 2.0 * (x & 1).to(tl.float32)
+            oj = tl.sum(o[:, None] * sign, 0) * inv_sqrt_dv
+            tl.store(o_ptr + jj, oj.to(out_ptr.dtype.element_ty), mask=jj < DV)
+    else:
+        tl.store(o_ptr + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+    if STORE_ML:
+        tl.store(mlf_ptr + (t * H + h) * 2, mx)
+        tl.store(mlf_ptr + (t * H + h) * 2 + 1, den)
+
+
+@triton.jit
+def _probs_kernel(qk_ptr, mlf_ptr, N, C, H: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # h * N + t
+    h = row // N
+    t = row % N
+    mx = tl.load(mlf_ptr + (t * H + h) * 2)
+    den = tl.load(mlf_ptr + (t * H + h) * 2 + 1)
+    c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < C
+    sc = tl.load(qk_ptr + row * C + c, mask=ok, other=float("-inf"))
+    keep = sc != float("-inf")
+    inv = tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)
+    p = tl.exp2(tl.where(keep, sc * LOG2E - mx, 0.0)) * inv
+    tl.store(qk_ptr + row * C + c, tl.where(keep, p, 0.0), mask=ok)

@@ -1,0 +1,241 @@
+"""Split-KV paged attention on Triton: the attention part of PagedAttention after the cache write
+(contract-decisions §2, §3, §7; same results as `attention_math.attend` after `paged.prologue.prepare`).
+
+Layouts (the last dim of every tensor contiguous):
+- q [N, H, D] in T (float16 / bfloat16), already normed / roped / rotated (a [N, H * D] view is accepted);
+- key_cache / value_cache [NB, BS, Hkv, Dc], Dc = D (float / int8 / fp8) or D / 2 (int4 bytes); LATENT:
+  value_cache None, V = the leading Dv channels of key_cache (same format and scales as K);
+- k_scale / v_scale float32 [Hkv * D] (common.static_scale_vector), scale caches [NB, BS, Hkv];
+- sequence b owns tokens [csl[b], csl[b+1]), its KV extent is past[b] + n_b, read through block_table[b];
+- output [N, H * Dv] in T; output_qk [H, N, C] float32, C = block_table.shape[1] * BS.
+
+Split layout: the attention kernel runs on a static grid (B, Hkv * N_SUB, S). A program holds every query
+head of its KV-head group (N_SUB sub-groups only for groups > 64 heads) as rows (query tokens x heads,
+>= 16 for tl.dot) and loops over its sequence's query tokens in row chunks; for each chunk it takes the
+tiles [lo, hi) the chunk can see (the window's first tile .. the chunk's last causal position, from the
+run-time extent), and split s of S takes tiles [s * ceil(T / S), (s + 1) * ceil(T / S)) of those T tiles.
+With S > 1 (or v_rotation, or qk_output 2) it writes partials (m in the log2 domain, l, unnormalized acc)
+to an fp32 workspace [N, H, S, Dv] (+ [N, H, S, 2]); the reduce kernel (grid N x H) merges them, adds
+head_sink, applies the PER_TENSOR / PER_CHANNEL V scale and the V un-rotation and writes T. With S == 1
+the attention kernel normalizes and writes the output itself.
+
+S comes from static shapes and the host-side bound max_kv_len (0 = unknown: the capacity C) to fill the
+SMs, capped so the workspace stays <= 256 MB; num_splits overrides it. Bounds only size the launch: a
+max_kv_len (or max_query_len) smaller than the real extent still gives the exact result, since every
+program computes its key range from the sequence's real extent (clamped to C) in the kernel; it only
+costs speed (fewer splits). An extent beyond C reads only the first C positions (the reference rejects it).
+
+Capture-safety: no host reads of device tensors (no .item() / .tolist() / bool(tensor)), static grids and
+workspace sizes (torch.empty / zeros / full), so a call is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from . import common
+from .common import FMT_INT4, SCALE_CHANNEL, SCALE_TENSOR, SCALE_TOKEN, SideFormat, next_pow2
+
+__all__ = ["paged_decode"]
+
+WORKSPACE_BYTES = 256 << 20  # cap on the split workspace N x H x S x Dv x 4
+MIN_TILES_PER_SPLIT = 2  # a split reads at least this many KV tiles
+WAVES = 2  # aim for this many programs per SM
+MAX_SPLITS = 1024
+_POISON = False  # tests: fill outputs and workspaces with NaN instead of leaving them uninitialized
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    if _POISON:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # an H200's SM count: the interpreter runs the GPU heuristics
+
+
+def _pick_splits(programs: int, tiles: int, rows_bytes: int, num_sms: int) -> int:
+    """Splits to fill ~WAVES programs per SM, >= MIN_TILES_PER_SPLIT tiles each, workspace capped."""
+    want = -(-WAVES * num_sms // max(programs, 1))
+    s = max(1, min(want, tiles // MIN_TILES_PER_SPLIT))
+    return max(1, min(s, WORKSPACE_BYTES // max(rows_bytes, 1), MAX_SPLITS))
+
+
+def paged_decode(q, *, key_cache, value_cache, k_format: SideFormat, v_format: SideFormat | None,
+                 cumulative_sequence_length, past_seqlens, block_table,
+                 num_heads: int, kv_num_heads: int, head_size: int, v_head_size: int, scale: float,
+                 k_scale=None, v_scale=None,
+                 k_scale_cache=None, v_scale_cache=None,
+                 query_positions=None, softcap: float = 0.0, local_window_size: int = 0, is_causal: bool = True,
+                 head_sink=None, attention_bias=None, qk_output: int = 0, v_rotation: bool = False,
+                 max_query_len: int = 0, max_kv_len: int = 0, num_splits: int | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Paged attention over the (already written) caches -> (output [N, H*Dv] in q's dtype, output_qk
+    [H, N, C] float32 or None). See the module docstring for layouts, splits and bounds."""
+    return _paged_decode(
+        q, key_cache=key_cache, value_cache=value_cache, k_format=k_format, v_format=v_format,
+        cumulative_sequence_length=cumulative_sequence_length, past_seqlens=past_seqlens,
+        block_table=block_table, num_heads=num_heads, kv_num_heads=kv_num_heads, head_size=head_size,
+        v_head_size=v_head_size, scale=scale, k_scale=k_scale, v_scale=v_scale, k_scale_cache=k_scale_cache,
+        v_scale_cache=v_scale_cache, query_positions=query_positions, softcap=softcap,
+        local_window_size=local_window_size, is_causal=is_causal, head_sink=head_sink,
+        attention_bias=attention_bias, qk_output=qk_output, v_rotation=v_rotation, max_query_len=max_query_len,
+        max_kv_len=max_kv_len, num_splits=num_splits)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"paged_decode: {msg}")
+
+
+def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_sequence_length, past_seqlens,
+                  block_table, num_heads, kv_num_heads, head_size, v_head_size, scale, k_scale, v_scale,
+                  k_scale_cache, v_scale_cache, query_positions, softcap, local_window_size, is_causal, head_sink,
+                  attention_bias, qk_output, v_rotation, max_query_len, max_kv_len, num_splits,
+                  block_n: int | None = None, block_m: int | None = None, num_warps: int | None = None):
+    """paged_decode with tile overrides (block_n / block_m / num_warps: tests and tuning)."""
+    common.require_triton()
+    from . import _decode_kernels as K
+
+    H, Hkv, D = int(num_heads), int(kv_num_heads), int(head_size)
+    n_tok = q.shape[0]
+    q = q.reshape(n_tok, H, D)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    dev, T = q.device, q.dtype
+    _check(T in (torch.float16, torch.bfloat16), f"query should be float16 or bfloat16, got {T}")
+    _check(H % Hkv == 0, f"num_heads {H} should be a multiple of kv_num_heads {Hkv}")
+    latent = value_cache is None
+    DV = int(v_head_size) or D
+    if latent:
+        value_cache, v_format, v_scale, v_scale_cache = key_cache, k_format, k_scale, k_scale_cache
+        _check(DV <= D, f"v_head_size {DV} should be <= head_size {D} with LATENT")
+    else:
+        _check(DV == D, f"v_head_size {DV} should equal head_size {D} (LATENT only differs)")
+    NB, BS, hkv_c, dc = key_cache.shape
+    _check(hkv_c == Hkv, f"key_cache dimension 2 should be kv_num_heads {Hkv}, got {hkv_c}")
+    k_int4, v_int4 = k_format.fmt == FMT_INT4, v_format.fmt == FMT_INT4
+    _check(dc == (D // 2 if k_int4 else D), f"key_cache dimension 3 should be {D // 2 if k_int4 else D}, got {dc}")
+    _check(value_cache.shape[:3] == key_cache.shape[:3], "value_cache should match key_cache's first 3 dims")
+    _check(key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, "caches need a contiguous last dim")
+    _check(BS >= 16 and BS & (BS - 1) == 0, f"block_size should be a power of two >= 16, got {BS}")
+    _check(not (v_rotation and (latent or DV & (DV - 1))), "v_rotation needs a non-LATENT power-of-two head")
+    B, MB = past_seqlens.shape[0], block_table.shape[1]
+    C = MB * BS
+    qk_output, window = int(qk_output), int(local_window_size)
+    scale = float(scale) or 1.0 / math.sqrt(D)
+
+    out = _empty((n_tok, H * DV), T, dev)
+    qk = None
+    if qk_output:
+        qk = (torch.zeros if qk_output == 1 else functools.partial(torch.full, fill_value=float("-inf")))(
+            (H, n_tok, C), dtype=torch.float32, device=dev)
+    if n_tok == 0 or B == 0:
+        if B == 0:
+            out.zero_()
+        return out, qk
+
+    # tiles
+    G = H // Hkv
+    g_pad = next_pow2(G)
+    g_tile = min(g_pad, 64)
+    n_sub = g_pad // g_tile
+    KW = D // 2 if k_int4 else D
+    VW = DV // 2 if v_int4 else DV
+    kw_pad, vw_pad = max(16, next_pow2(KW)), max(16, next_pow2(VW))
+    wide = max(kw_pad, vw_pad)
+    q_bound = min(int(max_query_len) or n_tok, n_tok)
+    if block_m is None:
+        block_m = min(max(16, g_tile * next_pow2(q_bound)), 64 if wide <= 128 else 32)
+    block_m = max(int(block_m), g_tile, 16)
+    q_chunk = block_m // g_tile
+    if block_n is None:
+        block_n = 64 if wide <= 128 else (32 if wide <= 256 else 16)
+    _check(block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n should be a power of two >= 16, got {block_n}")
+    if num_warps is None:
+        num_warps = 4 if wide <= 256 else 8
+
+    # splits (static: shapes and host bounds only)
+    kv_bound = min(int(max_kv_len), C) if int(max_kv_len) > 0 else C
+    span = kv_bound
+    if window > 0 and is_causal:
+        span = min(kv_bound, window + min(q_bound, q_chunk) - 1)
+    tiles = -(-span // block_n) + (1 if window > 0 else 0)
+    if num_splits is not None:
+        S = max(1, min(int(num_splits), MAX_SPLITS))
+    else:
+        S = _pick_splits(B * Hkv * n_sub, tiles, n_tok * H * (DV + 2) * 4, _num_sms(dev))
+    direct = S == 1 and not v_rotation and qk_output != 2
+
+    if direct:
+        wacc = wml = out
+    else:
+        wacc = _empty((n_tok, H, S, DV), torch.float32, dev)
+        wml = _empty((n_tok, H, S, 2), torch.float32, dev)
+
+    dummy = q
+    kc_arg = key_cache.view(torch.uint8) if key_cache.dtype == torch.float8_e4m3fn else key_cache
+    vc_arg = value_cache.view(torch.uint8) if value_cache.dtype == torch.float8_e4m3fn else value_cache
+    ks = k_scale if k_format.scale in (SCALE_TENSOR, SCALE_CHANNEL) else None
+    vs = v_scale if v_format.scale in (SCALE_TENSOR, SCALE_CHANNEL) else None
+    for name, sc, fmt in (("k_scale", ks, k_format), ("v_scale", vs, v_format)):
+        if fmt.scale in (SCALE_TENSOR, SCALE_CHANNEL):
+            _check(sc is not None and sc.numel() == Hkv * D and sc.dtype == torch.float32,
+                   f"{name} should be a float32 vector of kv_num_heads * head_size = {Hkv * D}")
+    ksc = k_scale_cache if k_format.scale == SCALE_TOKEN else None
+    vsc = v_scale_cache if v_format.scale == SCALE_TOKEN else None
+    for name, sc in (("k_scale_cache", ksc), ("v_scale_cache", vsc)):
+        if sc is not None or (name[0] == "k" and k_format.scale == SCALE_TOKEN) or (
+                name[0] == "v" and v_format.scale == SCALE_TOKEN):
+            _check(sc is not None and tuple(sc.shape) == (NB, BS, Hkv), f"{name} should be [{NB}, {BS}, {Hkv}]")
+    ksc_st = ksc.stride() if ksc is not None else (0, 0, 0)
+    vsc_st = vsc.stride() if vsc is not None else (0, 0, 0)
+    bias = attention_bias
+    if bias is not None:
+        _check(bias.dim() == 4 and bias.shape[0] in (1, B) and bias.shape[1] in (1, H),
+               f"attention_bias should be [B or 1, H or 1, Qc, Kc], got {tuple(bias.shape)}")
+        b_st = (bias.stride(0) if bias.shape[0] > 1 else 0, bias.stride(1) if bias.shape[1] > 1 else 0,
+                bias.stride(2), bias.stride(3))
+        b_cap = (bias.shape[2], bias.shape[3])
+    else:
+        b_st, b_cap = (0, 0, 0, 0), (0, 0)
+    need_nat = softcap > 0 or bias is not None or qk_output != 0
+
+    K._attn_kernel[(B, Hkv * n_sub, S)](
+        q, kc_arg, vc_arg, ks if ks is not None else dummy, vs if vs is not None else dummy,
+        ksc if ksc is not None else dummy, vsc if vsc is not None else dummy,
+        cumulative_sequence_length, past_seqlens, block_table,
+        query_positions if query_positions is not None else dummy,
+        head_sink if head_sink is not None else dummy, bias if bias is not None else dummy,
+        out, wacc, wml, qk if qk is not None else dummy,
+        q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), *ksc_st, *vsc_st,
+        block_table.stride(0), *b_st, *b_cap,
+        n_tok, NB, MB, S, scale, float(softcap), window,
+        H=H, G=G, G_TILE=g_tile, N_SUB=n_sub, Q_CHUNK=q_chunk, BLOCK_M=block_m, BLOCK_N=block_n, BS=BS,
+        D=D, KW=KW, KW_PAD=kw_pad, DV=DV, VW=VW, VW_PAD=vw_pad,
+        K_FMT=k_format.fmt, K_SCALE=k_format.scale, V_FMT=v_format.fmt, V_SCALE=v_format.scale,
+        CAUSAL=bool(is_causal), HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_BIAS=bias is not None,
+        HAS_SINK=head_sink is not None, QK_MODE=qk_output, HAS_QPOS=query_positions is not None,
+        DIRECT=direct, NEED_NAT=need_nat, INTERP=common.INTERPRET, num_warps=num_warps)
+    if direct:
+        return out, qk
+
+    dv_pad = next_pow2(DV)
+    mlf = _empty((n_tok, H, 2), torch.float32, dev) if qk_output == 2 else wml
+    K._reduce_kernel[(n_tok, H)](
+        wacc, wml, head_sink if head_sink is not None else dummy, vs if vs is not None else dummy, out, mlf, S,
+        1.0 / math.sqrt(DV), H=H, G=G, D=D, DV=DV, DV_PAD=dv_pad, S_BLOCK=min(next_pow2(S), 16),
+        ROT_J=min(dv_pad, 32), HAS_SINK=head_sink is not None, V_SCALE=v_format.scale, ROTATE=bool(v_rotation),
+        STORE_ML=qk_output == 2, num_warps=4)
+    if qk_output == 2:
+        blk = min(1024, next_pow2(C))
+        K._probs_kernel[(H * n_tok, -(-C // blk))](qk, mlf, n_tok, C, H=H, BLOCK=blk, num_warps=4)
+    return out, qk
