@@ -1,0 +1,95 @@
+"""benchmarks/attention.py without a GPU: the byte arithmetic of the floor, and the --dry-run plumbing (CPU, tiny
+shapes, torch_sdpa and reference arms, the Triton arm through the interpreter if it imports, onnxruntime's
+refusal recorded as skipped) writing the JSON and the roofline plot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "attention.py"
+
+
+@pytest.fixture(scope="module")
+def cases():
+    spec = importlib.util.spec_from_file_location("_attention_cases", REPO / "benchmarks" / "_attention_cases.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["_attention_cases"] = mod  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop("_attention_cases", None)
+
+
+def test_traffic_and_floor(cases):
+    c = cases.CASES["fp16-b16-ctx4k-bs256"]
+    t = cases.traffic(c)
+    assert t["kv"] == 16 * 4096 * 8 * (128 + 128) * 2
+    assert t["q_kv_out"] == 16 * (32 * 128 * 2 * 2 + 8 * 256 * 2)  # Q + output, new K + V
+    assert cases.floor_ms(t["total"]) == pytest.approx(t["total"] / 4.4e12 * 1e3)
+    assert cases.effective_tb_s(t["total"], cases.floor_ms(t["total"])) == pytest.approx(4.4)
+    # int4: half a byte per element; PER_TOKEN adds a float16 K and V scale per token and KV head
+    int4 = cases.traffic(cases.CASES["int4-channel-b64-ctx8k-bs16"])
+    assert int4["kv_bytes_per_token"] == 8 * 2 * 64
+    tok = cases.traffic(cases.CASES["int4-token-rot-b64-ctx8k-bs16"])
+    assert tok["kv_bytes_per_token"] == 8 * 2 * 64 + 8 * 2 * 2
+    assert cases.traffic(cases.CASES["int8-b16-ctx4k-bs16"])["kv"] * 2 == t["kv"]
+    # a window reads only its last local_window_size keys: the same KV bytes as the plain context-1024 row
+    assert (cases.traffic(cases.CASES["window1k-b16-ctx8k-bs16"])["kv"]
+            == cases.traffic(cases.CASES["fp16-b16-ctx1k-bs16"])["kv"])
+    assert cases.traffic(cases.CASES["ragged-b16-bs16"])["tokens_read"] == sum(cases.RAGGED)
+
+
+def test_inputs_are_valid_and_seeded(cases):
+    import torch
+
+    from pagedkit.validators import check_inputs
+
+    for case in cases.DRY_CASES.values():
+        x, attrs, outputs = cases.build_inputs(case, torch.device("cpu"), seed=3)
+        assert check_inputs(x, attrs, outputs=outputs) == []
+        assert x["attention_metadata"].tolist() == [1, max(case.contexts), 0]
+        table = x["block_table"]
+        assert sorted(table[table >= 0].tolist()) != table[table >= 0].tolist()  # shuffled
+        y, _, _ = cases.build_inputs(case, torch.device("cpu"), seed=3)
+        assert all(torch.equal(x[k], y[k]) for k in x)  # same seed, same inputs
+        copy = cases.arm_copy(x)
+        assert copy["key_cache"].data_ptr() != x["key_cache"].data_ptr() and copy["query"] is x["query"]
+        assert "attention_metadata" not in cases.build_inputs(case, torch.device("cpu"), metadata=False)[0]
+
+
+def test_dry_run_writes_json_and_plot(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "attention.json").read_text())
+    assert data["dry_run"] is True and data["bandwidth_tb_s"] == 4.4
+    assert {"command", "date", "device", "versions", "settings", "rows"} <= set(data)
+    assert {"torch", "triton", "onnxruntime"} <= set(data["versions"])
+    assert [r["name"] for r in data["rows"]] == ["dry-fp16", "dry-int8-features"]
+    for row in data["rows"]:
+        assert "error" not in row, row.get("error")
+        assert row["floor_ms"] == pytest.approx(row["bytes"]["total"] / 4.4e12 * 1e3)
+        for arm in ("torch_sdpa", "reference"):
+            res = row["arms"][arm]
+            assert res["ms"] > 0 and res["tb_s"] > 0
+            assert res["fraction_of_floor"] == pytest.approx(row["floor_ms"] / res["ms"])
+        assert row["parity"]["torch_sdpa_vs_reference"] < 2e-2
+        assert row["ratios"]["torch_sdpa_speedup_vs_reference"] > 0
+        triton = row["arms"]["triton"]
+        assert ("ms" in triton) or set(triton) & {"skipped", "error"}
+        if "ms" in triton:
+            assert row["parity"]["triton_vs_reference"] < 2e-2
+        assert set(row["arms"]["ort"]) & {"skipped", "ms"}  # onnxruntime's CPU build has no PagedAttention
+    png = tmp_path / "attention_roofline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
