@@ -1,0 +1,394 @@
+"""The Triton cache-write prologue (pagedkit.kernels.triton.cache_write.write_kv) against the reference
+prologue (pagedkit.kernels.paged.prologue.prepare), through Triton's interpreter without CUDA.
+
+Every call runs on caches poisoned with a sentinel; the reference runs on its own copies. Checked: Q
+(max|diff| <= 1e-3 x max|ref| fp16, 1e-2 bf16), written float cache rows within 1 ulp (float32: 1e-5 of
+max), quantized codes within 1 step (int8 / int4 codes, fp8 by ordinal), PER_TOKEN scales within relative
+1e-3, and every slot the reference does not write still holds the sentinel bit for bit. Also: every
+PagedAttention case file's expected caches (compare_case), the float8 / bfloat16 / rint encoders bit-exact
+against torch, the winner workspace clean after a call, no host reads in the launcher, bad inputs, and
+teeth (a 2% wrong RoPE base, a skipped QK-norm, a 3% wrong scale, first-wins dedup fail the checks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from cases import Expected, compare_case, load_cases  # noqa: E402
+from nodes import make_paged_case  # noqa: E402
+from pagedkit.kernels.paged import prologue  # noqa: E402
+from pagedkit.kernels.quant import unpack_int4  # noqa: E402
+from pagedkit.kernels.triton import cache_write  # noqa: E402
+from pagedkit.kernels.triton._rope_quant import bf16_bits, fp8_bits, rint  # noqa: E402
+from pagedkit.kernels.triton.common import (FMT_FLOAT, FMT_INT8, INTERPRET, SCALE_CHANNEL, SCALE_NONE,  # noqa: E402
+                                            SCALE_TENSOR, SideFormat, side_format, tl, triton)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs on CPU tensors
+
+CACHES = ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache")
+_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_SENTINEL = {torch.int8: -77, torch.uint8: 0xA5}  # float caches (and fp8 through its bits: 0x7F) hold NaN
+
+
+def kernel_kwargs(x: dict, a: dict) -> dict:
+    """write_kv's keyword arguments for a PagedAttention call (inputs x by ONNX name, attributes a)."""
+    latent = a.get("kv_cache_layout") == "LATENT"
+    packed = not latent and "key" not in x
+    heads = a["num_heads"] + (2 * a["kv_num_heads"] if packed else 0)
+    rope = bool(a.get("do_rotary", 0))
+    fmt = {s: side_format(x[c], a.get(f"{s}_cache_dtype", ""), a.get(f"{s}_quant_type", "NONE"), c)
+           for s, c in (("k", "key_cache"), ("v", "value_cache")) if c in x}
+    return dict(num_heads=a["num_heads"], kv_num_heads=a["kv_num_heads"], head_size=x["query"].shape[1] // heads,
+                cumulative_sequence_length=x["cumulative_sequence_length"], past_seqlens=x["past_seqlens"],
+                block_table=x["block_table"], key_cache=x["key_cache"], value_cache=x.get("value_cache"),
+                k_format=fmt["k"], v_format=fmt.get("v"), slot_mapping=x.get("slot_mapping"),
+                query_positions=x.get("query_positions"), cos_cache=x.get("cos_cache") if rope else None,
+                sin_cache=x.get("sin_cache") if rope else None, rotary_interleaved=bool(a.get("rotary_interleaved", 0)),
+                rotary_offset=a.get("rotary_offset", 0), q_norm_weight=x.get("q_norm_weight"),
+                k_norm_weight=x.get("k_norm_weight"), qk_norm_epsilon=a.get("qk_norm_epsilon", 1e-6),
+                qk_rotation=bool(a.get("qk_rotation", 0)), v_rotation=bool(a.get("v_rotation", 0)),
+                k_scale=x.get("k_scale"), v_scale=x.get("v_scale"), k_scale_cache=x.get("k_scale_cache"),
+                v_scale_cache=x.get("v_scale_cache"), latent=latent)
+
+
+def run_kernel(x: dict, a: dict, **override) -> tuple[torch.Tensor, dict]:
+    x = {k: v.clone().to(DEVICE) for k, v in x.items()}
+    override = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in override.items()}
+    q = cache_write.write_kv(x["query"], x.get("key"), x.get("value"), **(kernel_kwargs(x, a) | override))
+    return q.cpu(), {k: x[k].cpu() for k in CACHES if k in x}
+
+
+def run_reference(x: dict, a: dict):
+    x = {k: v.clone() for k, v in x.items()}
+    step = prologue.prepare(x, a, None, validate=False)
+    return step.q.to(x["query"].dtype), {k: x[k] for k in CACHES if k in x}, step.slots
+
+
+def poison(x: dict) -> dict:
+    x = dict(x)
+    for k in CACHES:
+        if k in x:
+            c = x[k].clone()
+            c.view(torch.uint8).fill_(0x7F) if c.dtype == torch.float8_e4m3fn else c.fill_(
+                _SENTINEL.get(c.dtype, float("nan")))
+            x[k] = c
+    return x
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(_RAW[t.element_size()])
+
+
+def _steps(t: torch.Tensor, head_size: int) -> torch.Tensor:
+    """Quantized storage as integer code ordinals (neighbouring codes differ by 1)."""
+    if t.dtype == torch.uint8:
+        return unpack_int4(t, head_size).long()
+    if t.dtype == torch.float8_e4m3fn:
+        b = t.view(torch.uint8).long()
+        return torch.where(b >= 128, -(b - 128), b)
+    return t.long()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
+
+
+def compare(x: dict, a: dict, got=None, exact: bool | None = None) -> None:
+    """Kernel vs reference on poisoned caches (AssertionError on a mismatch); got: (q, caches) to check instead.
+    exact (default: in the interpreter, without rotation, where float32 arithmetic is the reference's op for
+    op): every Q element, cache bit and scale equal; else the tolerances of the module docstring."""
+    if exact is None:
+        exact = INTERPRET and not (a.get("qk_rotation") or a.get("v_rotation"))
+    x = poison(x)
+    ref_q, ref_c, slots = run_reference(x, a)
+    q, caches = run_kernel(x, a) if got is None else got
+    head_size = ref_q.shape[-1]
+    assert q.shape == ref_q.shape and q.dtype == ref_q.dtype and q.is_contiguous()
+    tol = 0.0 if exact else 1e-2 if q.dtype == torch.bfloat16 else 1e-3
+    steps_tol = 0 if exact else 1
+    assert rel(q, ref_q) <= tol, f"q: max|diff| / max|ref| = {rel(q, ref_q):.3g} > {tol}"
+    written = torch.zeros(ref_c["key_cache"].shape[0] * ref_c["key_cache"].shape[1], dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    for name, want in ref_c.items():
+        have = caches[name]
+        assert have.shape == want.shape and have.dtype == want.dtype, name
+        w = written.view(want.shape[:2])
+        keep = _bits(have)[~w], _bits(want)[~w]
+        assert torch.equal(*keep), f"{name}: a slot no token writes was changed"
+        h, r = have[w], want[w]
+        if "scale" in name:
+            err = float(((h.double() - r.double()).abs() / r.double().abs().clamp_min(1e-30)).max()) if r.numel() else 0
+            assert err <= (0 if exact else 1e-3), f"{name}: relative scale difference {err:.3g}"
+        elif want.dtype in (torch.float16, torch.bfloat16):
+            ulps = int((_bits(h).int() - _bits(r).int()).abs().max()) if r.numel() else 0
+            assert ulps <= steps_tol, f"{name}: {ulps} ulps off the reference"
+        elif want.dtype == torch.float32:
+            assert rel(h, r) <= (0 if exact else 1e-5), f"{name}: {rel(h, r):.3g} off"
+        else:
+            steps = int((_steps(h, head_size) - _steps(r, head_size)).abs().max()) if r.numel() else 0
+            assert steps <= steps_tol, f"{name}: codes differ by {steps} steps"
+
+
+def case(**kw):
+    kw = {"num_heads": 4, "kv_num_heads": 2, "head_size": 16} | kw
+    c = make_paged_case(**kw)
+    return c.inputs, c.attrs
+
+
+RANDOM = {
+    "fp16_half_ragged": {},
+    "bf16_packed_interleaved": {"dtype": torch.bfloat16, "packed": True, "attrs": {"rotary_interleaved": 1}},
+    "fp16_partial_offset_interleaved": {"head_size": 32, "rotary_dim": 8, "rotary_offset": 8,
+                                        "attrs": {"rotary_interleaved": 1}},
+    "bf16_partial_offset_half": {"dtype": torch.bfloat16, "head_size": 32, "rotary_dim": 12, "rotary_offset": 4},
+    "query_positions": {"query_positions": True, "shift_positions": True},
+    "qk_norm_fp16": {"qk_norm": True, "attrs": {"qk_norm_epsilon": 1e-5}},
+    "qk_norm_bf16_packed_rotation": {"qk_norm": True, "dtype": torch.bfloat16, "packed": True, "rotation": True},
+    "rotation_fp16_d32": {"head_size": 32, "rotation": True},
+    "v_rotation_int8_per_tensor": {"cache": "int8", "quant": "PER_TENSOR", "attrs": {"v_rotation": 1}},
+    "int8_per_channel_bf16": {"cache": "int8", "quant": "PER_CHANNEL", "dtype": torch.bfloat16},
+    "int8_per_token_fp16_scales": {"cache": "int8", "quant": "PER_TOKEN"},
+    "int8_per_token_fp32_scales_rotation": {"cache": "int8", "quant": "PER_TOKEN", "scale_cache_dtype": torch.float32,
+                                            "rotation": True},
+    "fp8_per_tensor": {"cache": "fp8", "quant": "PER_TENSOR"},
+    "fp8_per_channel_bf16": {"cache": "fp8", "quant": "PER_CHANNEL", "dtype": torch.bfloat16},
+    "fp8_per_token": {"cache": "fp8", "quant": "PER_TOKEN", "qk_norm": True},
+    "fp8_per_token_fp32_scales": {"cache": "fp8", "quant": "PER_TOKEN", "scale_cache_dtype": torch.float32},
+    "int4_per_tensor": {"cache": "int4", "quant": "PER_TENSOR"},
+    "int4_per_channel_bf16": {"cache": "int4", "quant": "PER_CHANNEL", "dtype": torch.bfloat16},
+    "int4_per_token_rotation": {"cache": "int4", "quant": "PER_TOKEN", "rotation": True},
+    "int4_per_token_odd_head": {"cache": "int4", "quant": "PER_TOKEN", "head_size": 13, "rotary_dim": 6,
+                                "scale_cache_dtype": torch.float32},
+    "latent_fp16": {"latent": True, "kv_num_heads": 1, "head_size": 40, "v_head_size": 32, "rotary_offset": 32,
+                    "rotary_dim": 8},
+    "latent_int4_per_token_bf16": {"latent": True, "kv_num_heads": 1, "head_size": 40, "v_head_size": 32,
+                                   "rotary_offset": 32, "rotary_dim": 8, "cache": "int4", "quant": "PER_TOKEN",
+                                   "dtype": torch.bfloat16},
+    "block32_decode_mqa": {"block_size": 32, "kv_num_heads": 1, "past": (40, 0, 70, 31), "q_lens": (1, 1, 1, 1)},
+    "block32_prefill_long": {"block_size": 32, "past": (0, 33), "q_lens": (37, 5), "rotary": False},
+    "float32_cache": {"cache_float32": True},
+    "many_heads_d128": {"num_heads": 32, "kv_num_heads": 32, "head_size": 128, "past": (3,), "q_lens": (2,)},
+    "many_heads_d128_rotation": {"num_heads": 32, "kv_num_heads": 8, "head_size": 128, "past": (9,), "q_lens": (1,),
+                                 "rotation": True, "cache": "int8", "quant": "PER_TOKEN"},
+}
+
+
+def random_case(name: str, seed: int = 0):
+    kw = dict(RANDOM[name])
+    extra, shift, f32 = kw.pop("attrs", {}), kw.pop("shift_positions", False), kw.pop("cache_float32", False)
+    x, a = case(seed=seed, **kw)
+    a.update(extra)
+    if shift:  # positions other than the derived ones (cos rows suffice: max derived + 7)
+        x["query_positions"] = torch.randint(0, x["cos_cache"].shape[0], x["query_positions"].shape,
+                                             generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+    if f32:
+        x["key_cache"], x["value_cache"] = x["key_cache"].float(), x["value_cache"].float()
+    return x, a
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM))
+def test_matches_reference(name):
+    compare(*random_case(name, seed=sorted(RANDOM).index(name)))
+
+
+def test_slot_mapping_with_skips_and_duplicates_last_wins():
+    x, a = case(slot_mapping=True, past=(0, 5, 20), q_lens=(4, 3, 2), seed=11)
+    sm = x["slot_mapping"].clone()
+    sm[1] = -1
+    sm[6] = -1
+    sm[3] = sm[0]  # tokens 0 and 3 share a slot: token 3's values win
+    sm[8] = sm[4]  # across sequences
+    sm[7] = sm[2] = sm[5]  # three writers: token 7
+    x["slot_mapping"] = sm
+    compare(x, a)
+    q, caches = run_kernel(poison(x), a)
+    want = run_kernel(poison(x), a, slot_mapping=torch.where(torch.arange(9) == 7, sm, -1).to(torch.int32))[1]
+    slot = int(sm[7])
+    blk, off = divmod(slot, x["key_cache"].shape[1])
+    assert torch.equal(caches["key_cache"][blk, off], want["key_cache"][blk, off])
+    first_wins = run_kernel(poison(x), a, slot_mapping=torch.where(torch.arange(9) == 2, sm, -1).to(torch.int32))[1]
+    with pytest.raises(AssertionError):  # teeth: a first-wins dedup is told apart
+        assert torch.equal(caches["key_cache"][blk, off], first_wins["key_cache"][blk, off])
+    assert all(bool((w == -1).all()) for w in cache_write._WINNERS.values()), "winner workspace left dirty"
+
+
+def test_writes_are_gated_by_the_winner(monkeypatch):
+    """The slot pass leaves the highest token index per slot in the winner workspace, and only that token
+    writes (the interpreter runs programs in token order, so last-wins alone would not show the gate):
+    handing a shared slot to the earlier token makes the earlier token's K/V land there."""
+    x, a = case(slot_mapping=True, past=(0, 5, 20), q_lens=(4, 3, 2), seed=15)
+    sm = x["slot_mapping"].clone()
+    sm[3] = sm[0]
+    sm[5] = -1
+    x["slot_mapping"] = sm
+    real, seen = cache_write._write_kernel, {}
+
+    class Handover:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                winner = args[8]  # _write_kernel's winner_ptr
+                seen["winner"] = winner.clone().cpu()
+                winner[int(sm[0])] = 0
+                real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(cache_write, "_write_kernel", Handover())
+    _, caches = run_kernel(poison(x), a)
+    monkeypatch.setattr(cache_write, "_write_kernel", real)
+    want = {t: int(sm[t]) for t in range(9) if t not in (0, 5)}
+    expect = torch.full_like(seen["winner"], -1)
+    expect[list(want.values())] = torch.tensor(list(want), dtype=torch.int32)
+    assert torch.equal(seen["winner"], expect)
+    _, earlier = run_kernel(poison(x), a, slot_mapping=torch.where(torch.arange(9) == 3, -1, sm).to(torch.int32))
+    for name in ("key_cache", "value_cache"):
+        assert torch.equal(_bits(caches[name]), _bits(earlier[name])), name
+    assert all(bool((w == -1).all()) for w in cache_write._WINNERS.values()), "winner workspace left dirty"
+
+
+def test_block_table_unmapped_aliased_zero_token_sequence():
+    x, a = case(past=(3, 0, 17, 9), q_lens=(5, 0, 6, 4), cache="int8", quant="PER_TOKEN", seed=12)
+    nb = x["key_cache"].shape[0]
+    bt = x["block_table"].clone()
+    bt[0, 0] = -1  # unmapped: sequence 0 writes nothing
+    bt[2, 1] = nb + 5  # out of range: positions 16..21 of sequence 2 write nothing
+    bt[3, 0] = bt[2, 0]  # aliased block: sequence 3 (later tokens) wins the shared offsets 9..12
+    x["block_table"] = bt
+    compare(x, a)
+
+
+def test_token_count_zero_and_decode_of_one():
+    x, a = case(past=(4, 0, 2), q_lens=(0, 0, 0), seed=13)
+    q, caches = run_kernel(poison(x), a)
+    assert q.shape == (0, 4, 16)
+    compare(x, a)
+    compare(*case(past=(15,), q_lens=(1,), cache="fp8", quant="PER_TOKEN", seed=14))
+
+
+def test_case_files_caches():
+    """Every PagedAttention case: write_kv's caches equal the case's expected cache outputs."""
+    for c in load_cases(op="PagedAttention"):
+        q, caches = run_kernel(c.inputs, c.attrs)
+        want = {f"{k}_out": v for k, v in caches.items()}
+        sub = c._replace(expected=Expected({k: c.expected[k] for k in want},
+                                           {k: m for k, m in c.expected.defined.items() if k in want}))
+        compare_case(sub, want, code_steps=0 if INTERPRET else None)
+
+
+@triton.jit
+def _encoders(x_ptr, f8_ptr, b16_ptr, r_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    x = tl.load(x_ptr + i, mask=m, other=0.0)
+    tl.store(f8_ptr + i, fp8_bits(tl.minimum(tl.maximum(x, -448.0), 448.0)), mask=m)
+    tl.store(b16_ptr + i, bf16_bits(x), mask=m)
+    tl.store(r_ptr + i, rint(tl.minimum(tl.maximum(x, -128.0), 127.0)), mask=m)
+
+
+def test_encoders_bit_exact():
+    """fp8_bits / bf16_bits / rint against torch on every fp8 value, the midpoints between neighbours (ties),
+    subnormals, +-0, tiny negatives and random floats."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    codes = codes[torch.isfinite(codes)].unique()
+    mids = (codes[1:] + codes[:-1]) / 2
+    g = torch.Generator().manual_seed(5)
+    x = torch.cat([codes, mids, mids.nextafter(codes[1:]), mids.nextafter(codes[:-1]), torch.tensor([0.0, -0.0,
+                   -1e-9, 1e-9, 1000.0, -1000.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -127.5]),
+                   torch.randn(2000, generator=g) * 50, torch.randn(500, generator=g) * 1e-3]).float()
+    f8, b16, r = torch.empty(len(x), dtype=torch.uint8), torch.empty(len(x), dtype=torch.int16), torch.empty_like(x)
+    args = [t.to(DEVICE) for t in (x, f8, b16, r)]
+    _encoders[(triton.cdiv(len(x), 1024),)](*args, len(x), BLOCK=1024)
+    f8, b16, r = (t.cpu() for t in args[1:])
+    assert torch.equal(f8, x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(b16, x.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(r, torch.round(x.clamp(-128, 127)))
+
+
+def test_launcher_reads_nothing_on_the_host(monkeypatch):
+    """The launcher (kernels stubbed) never reads a device value and sizes its grids from static shapes."""
+    grids = []
+
+    class Stub:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    def forbidden(*_a, **_k):
+        raise AssertionError("host read of a tensor value")
+
+    x, a = case(cache="int4", quant="PER_TOKEN", slot_mapping=True, query_positions=True, qk_norm=True, seed=3)
+    kwargs = kernel_kwargs(x, a)
+    monkeypatch.setattr(cache_write, "_slot_kernel", Stub())
+    monkeypatch.setattr(cache_write, "_write_kernel", Stub())
+    for attr in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, attr, forbidden)
+    cache_write.write_kv(x["query"], x["key"], x["value"], **kwargs)
+    assert grids == [(1,), (6, 2)]
+
+
+def test_teeth():
+    """Perturbations the checks must catch: a 2% wrong RoPE base, a skipped QK-norm, a 3% wrong k_scale."""
+    x, a = case(past=(0, 40, 90), q_lens=(3, 2, 2), qk_norm=True, seed=21)
+    pos = torch.arange(x["cos_cache"].shape[0], dtype=torch.float64)[:, None]
+    half = x["cos_cache"].shape[1]
+    tables = {}
+    for base in (10000.0, 10200.0):
+        ang = pos * base ** (-torch.arange(half, dtype=torch.float64) / half)
+        tables[base] = ang.cos().half(), ang.sin().half()
+    x["cos_cache"], x["sin_cache"] = tables[10000.0]
+    compare(x, a)
+    p = poison(x)
+    with pytest.raises(AssertionError, match="q:"):
+        compare(x, a, got=run_kernel(p, a, cos_cache=tables[10200.0][0], sin_cache=tables[10200.0][1]))
+    with pytest.raises(AssertionError, match="q:"):
+        compare(x, a, got=run_kernel(p, a, q_norm_weight=None, k_norm_weight=None))
+    x, a = case(cache="int8", quant="PER_TENSOR", seed=22)
+    x["k_scale"] = torch.tensor([0.02])  # codes up to ~127
+    compare(x, a)
+    with pytest.raises(AssertionError, match="key_cache"):
+        compare(x, a, got=run_kernel(poison(x), a, k_scale=torch.tensor([0.0206])))
+
+
+def _bad(**changes):
+    x, a = case(cache="int8", quant="PER_TENSOR", seed=4)
+    kw = kernel_kwargs(x, a) | changes
+    return lambda: cache_write.write_kv(x["query"], kw.pop("key", x["key"]), kw.pop("value", x["value"]), **kw)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"key_cache": torch.zeros(9, 16, 2, 16, dtype=torch.float16)}, r"'key_cache'.*dtype should be torch.int8"),
+    ({"key_cache": torch.zeros(9, 16, 2, 8, dtype=torch.int8)}, r"'key_cache'.*dimension 3 should be 16"),
+    ({"value_cache": torch.zeros(7, 32, 2, 16, dtype=torch.int8)}, r"'value_cache'.*dimension 1 should be 16"),
+    ({"key": torch.zeros(6, 48, dtype=torch.float16)}, r"'key'.*dimension 1 should be 32"),
+    ({"value": torch.zeros(6, 32, dtype=torch.bfloat16)}, r"'value'.*dtype should be torch.float16"),
+    ({"k_format": SideFormat(FMT_INT8, SCALE_NONE)}, r"'key_cache'.*quantized cache"),
+    ({"k_format": SideFormat(FMT_INT8, SCALE_CHANNEL), "qk_rotation": True}, r"'key_cache'.*PER_CHANNEL"),
+    ({"v_format": SideFormat(FMT_INT8, 3), "v_scale": None}, r"'v_scale_cache'.*required"),
+    ({"v_format": SideFormat(FMT_INT8, 3)}, r"'v_scale'.*absent"),
+    ({"k_scale": torch.ones(3)}, r"'k_scale'.*32"),
+    ({"cos_cache": torch.zeros(40, 9, dtype=torch.float16), "sin_cache": torch.zeros(40, 9, dtype=torch.float16)},
+     r"'cos_cache'.*rotary_offset"),
+    ({"sin_cache": torch.zeros(40, 4, dtype=torch.float16)}, r"'sin_cache'.*dimension"),
+    ({"block_table": torch.zeros(2, 3, dtype=torch.int32)}, r"'block_table'.*dimension 0 should be 3"),
+    ({"slot_mapping": torch.zeros(5, dtype=torch.int32)}, r"'slot_mapping'.*dimension 0 should be 6"),
+    ({"latent": True}, r"'value'.*LATENT"),
+    ({"k_scale_cache": torch.zeros(9, 16, 2, dtype=torch.bfloat16), "k_format": SideFormat(FMT_INT8, 3),
+      "k_scale": None}, r"'k_scale_cache'.*float16 or torch.float32"),
+])
+def test_bad_inputs(changes, match):
+    with pytest.raises(ValueError, match=match):
+        _bad(**changes)()
+
+
+def test_rotation_needs_power_of_two_head_size():
+    x, a = case(head_size=24, rotary=False, seed=4)
+    with pytest.raises(ValueError, match=r"'head_size'.*power of two"):
+        cache_write.write_kv(x["query"], x["key"], x["value"], **(kernel_kwargs(x, a) | {"qk_rotation": True}))
+
+
+def test_float_format_with_scale_rejected():
+    with pytest.raises(ValueError, match="key_cache"):
+        _bad(key_cache=torch.zeros(9, 16, 2, 16, dtype=torch.float16), k_format=SideFormat(FMT_FLOAT, SCALE_TENSOR))()
