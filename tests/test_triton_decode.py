@@ -24,6 +24,7 @@ if common.HAVE_TRITON:
     from pagedkit.kernels.triton import decode
 
 TOL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the interpreter (tests/conftest.py)
 Q_LENS, PAST = [3, 0, 5, 1], [10, 4, 0, 20]
 
 
@@ -51,16 +52,19 @@ def kernel_args(st, **over) -> dict:
               head_sink=x.get("head_sink"), attention_bias=x.get("attention_bias"), qk_output=int(a["qk_output"]),
               v_rotation=bool(int(a["v_rotation"])) and not st.latent)
     kw.update(over)
-    return kw
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
 
 
 def run_kernel(st, tiles: dict | None = None, **over):
+    """The kernel on a Step (on DEVICE); results back on the CPU."""
     kw = kernel_args(st, **over)
+    q = st.q.to(st.t_dtype).to(DEVICE)
     if tiles:
-        return decode._paged_decode(st.q.to(st.t_dtype), max_query_len=kw.pop("max_query_len", 0),
-                                    max_kv_len=kw.pop("max_kv_len", 0), num_splits=kw.pop("num_splits", None),
-                                    **kw, **tiles)
-    return decode.paged_decode(st.q.to(st.t_dtype), **kw)
+        out, qk = decode._paged_decode(q, max_query_len=kw.pop("max_query_len", 0), max_kv_len=kw.pop("max_kv_len", 0),
+                                       num_splits=kw.pop("num_splits", None), **kw, **tiles)
+    else:
+        out, qk = decode.paged_decode(q, **kw)
+    return out.cpu(), None if qk is None else qk.cpu()
 
 
 def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -269,3 +273,28 @@ def test_teeth():
         out, _ = run_kernel(st, **over)
         assert rel(out, ref["output"]) > tol, f"{over} went unnoticed"
     assert errors(spec)[0] <= tol  # and the right call passes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 4])
+def test_cuda_graph_capture_replays_exactly(splits):
+    """No host syncs: the call captures into a CUDA graph (sync debug mode 'error' while capturing) and
+    replaying it after new run-time lengths gives the eager result bit for bit."""
+    case = build(base(q_lens=[1, 1, 1], past=[30, 0, 70], sink=True, attrs={"local_window_size": 40}))
+    st = prepare(clone_inputs(case.inputs), case.attrs, None)
+    kw = kernel_args(st, num_splits=splits, max_kv_len=128, max_query_len=1)
+    q = st.q.to(st.t_dtype).to(DEVICE)
+    decode.paged_decode(q, **kw)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            out, _ = decode.paged_decode(q, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+    kw["past_seqlens"].copy_(torch.tensor([29, 0, 60], dtype=kw["past_seqlens"].dtype))
+    graph.replay()
+    want, _ = decode.paged_decode(q, **kw)
+    assert torch.equal(out, want)

@@ -26,22 +26,22 @@ def _tanh(x):
 
 
 @triton.jit
-def _to_dot(x, FMT: tl.constexpr, DT: tl.constexpr, HIGH: tl.constexpr):
-    """Loaded cache values -> the dot operand dtype DT (codes are exact in fp16 / bf16). int4: the low
-    (HIGH False) or high nibble of each byte, minus 8."""
+def _values(x, FMT: tl.constexpr, HIGH: tl.constexpr):
+    """Loaded cache values -> float32 codes (float caches pass through as they are; codes are exact in
+    fp16 / bf16, so the caller's cast to T is exact). int4: the low (HIGH False) or high nibble, minus 8."""
     if FMT == 3:
         xi = x.to(tl.int32)
         if HIGH:
             y = ((xi >> 4) & 15) - 8
         else:
             y = (xi & 15) - 8
-        return y.to(tl.float32).to(DT)
+        return y.to(tl.float32)
     elif FMT == 2:  # fp8 e4m3 cache loaded through a uint8 view (defined zero fill for masked lanes)
-        return x.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DT)
+        return x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     elif FMT == 1:
-        return x.to(tl.float32).to(DT)
+        return x.to(tl.float32)
     else:
-        return x.to(DT)
+        return x
 
 
 @triton.jit
@@ -55,17 +55,17 @@ def _dot(a, b, acc, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _load_q(q_ptr, q_off, row_ok, ch, ch_ok, ks_ptr, ks_off, DT: tl.constexpr, HILO: tl.constexpr):
-    """Q rows [BLOCK_M, W] at channels ch; HILO: q * per-channel K scale split as hi + lo in DT."""
+def _load_q(q_ptr, q_off, row_ok, ch, ch_ok, ks_ptr, ks_off, HILO: tl.constexpr):
+    """Q rows [BLOCK_M, W] at channels ch (in T); HILO: q * per-channel K scale split as hi + lo in T."""
     q = tl.load(q_ptr + q_off[:, None] + ch[None, :], mask=row_ok[:, None] & ch_ok[None, :], other=0.0)
     if HILO:
         s = tl.load(ks_ptr + ks_off + ch, mask=ch_ok, other=0.0)
         x = q.to(tl.float32) * s[None, :]
-        hi = x.to(DT)
-        lo = (x - hi.to(tl.float32)).to(DT)
+        hi = x.to(q.dtype)
+        lo = (x - hi.to(tl.float32)).to(q.dtype)
         return hi, lo
     else:
-        return q.to(DT), q.to(DT)
+        return q, q
 
 
 @triton.jit
@@ -85,7 +85,7 @@ def _attn_kernel(
         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_SINK: tl.constexpr, QK_MODE: tl.constexpr, HAS_QPOS: tl.constexpr, DIRECT: tl.constexpr,
         NEED_NAT: tl.constexpr, INTERP: tl.constexpr):
-    DT: tl.constexpr = q_ptr.dtype.element_ty
+    DT = q_ptr.dtype.element_ty
     b = tl.program_id(0)
     kvh = tl.program_id(1) // N_SUB
     sub = tl.program_id(1) % N_SUB
@@ -153,9 +153,9 @@ def _attn_kernel(
         it1 = tl.minimum(it0 + per, t_hi)
 
         q_off = t64 * stride_qt + h64 * stride_qh
-        qa, qa_lo = _load_q(q_ptr, q_off, row_ok, kch, kw_ok, ks_ptr, kvh * D, DT, K_SCALE == 2)
+        qa, qa_lo = _load_q(q_ptr, q_off, row_ok, kch, kw_ok, ks_ptr, kvh * D, K_SCALE == 2)
         if K_FMT == 3:
-            qb, qb_lo = _load_q(q_ptr, q_off, row_ok, kch + 1, kw_ok, ks_ptr, kvh * D, DT, K_SCALE == 2)
+            qb, qb_lo = _load_q(q_ptr, q_off, row_ok, kch + 1, kw_ok, ks_ptr, kvh * D, K_SCALE == 2)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc_a = tl.zeros([BLOCK_M, VW_PAD], tl.float32)
@@ -174,12 +174,12 @@ def _attn_kernel(
 
             k_off = blk * stride_kb + off * stride_ks + k_head
             kt = tl.load(k_ptr + k_off[None, :] + kw[:, None], mask=kvalid[None, :] & kw_ok[:, None], other=0)
-            kta = _to_dot(kt, K_FMT, DT, False)
+            kta = _values(kt, K_FMT, False).to(DT)
             raw = _dot(qa, kta, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
             if K_SCALE == 2:
                 raw = _dot(qa_lo, kta, raw, INTERP)
             if K_FMT == 3:
-                ktb = _to_dot(kt, K_FMT, DT, True)
+                ktb = _values(kt, K_FMT, True).to(DT)
                 raw = _dot(qb, ktb, raw, INTERP)
                 if K_SCALE == 2:
                     raw = _dot(qb_lo, ktb, raw, INTERP)
@@ -221,20 +221,23 @@ def _attn_kernel(
 
             v_off = blk * stride_vb + off * stride_vs + v_head
             vt = tl.load(v_ptr + v_off[:, None] + vw[None, :], mask=kvalid[:, None] & vw_ok[None, :], other=0)
-            vta = _to_dot(vt, V_FMT, DT, False)
+            vta = _values(vt, V_FMT, False).to(DT)
+            if V_FMT == 3:
+                vtb = _values(vt, V_FMT, True).to(DT)
             if V_SCALE == 3:  # per-key V scales into p, normalized by the tile's largest (fp16 range)
                 vsc = tl.load(vsc_ptr + blk * stride_vscb + off * stride_vscs + kvh * stride_vsch,
                               mask=kvalid, other=0.0).to(tl.float32)
                 vmax = tl.max(tl.abs(vsc), 0)
                 pv = (p * (vsc / tl.where(vmax > 0, vmax, 1.0))[None, :]).to(DT)
-                acc_a = acc_a * alpha[:, None] + _dot(pv, vta, tl.zeros([BLOCK_M, VW_PAD], tl.float32), INTERP) * vmax
+                zero = tl.zeros([BLOCK_M, VW_PAD], tl.float32)
+                acc_a = acc_a * alpha[:, None] + _dot(pv, vta, zero, INTERP) * vmax
                 if V_FMT == 3:
-                    acc_b = acc_b * alpha[:, None] + _dot(pv, _to_dot(vt, V_FMT, DT, True), tl.zeros([BLOCK_M, VW_PAD], tl.float32), INTERP) * vmax
+                    acc_b = acc_b * alpha[:, None] + _dot(pv, vtb, zero, INTERP) * vmax
             else:
                 pv = p.to(DT)
                 acc_a = _dot(pv, vta, acc_a * alpha[:, None], INTERP)
                 if V_FMT == 3:
-                    acc_b = _dot(pv, _to_dot(vt, V_FMT, DT, True), acc_b * alpha[:, None], INTERP)
+                    acc_b = _dot(pv, vtb, acc_b * alpha[:, None], INTERP)
 
         if DIRECT:  # S == 1: normalize here and write T
             l_f = l_i

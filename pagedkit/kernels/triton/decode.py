@@ -151,7 +151,8 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
     VW = DV // 2 if v_int4 else DV
     kw_pad, vw_pad = max(16, next_pow2(KW)), max(16, next_pow2(VW))
     wide = max(kw_pad, vw_pad)
-    q_bound = min(int(max_query_len) or n_tok, n_tok)
+    # rows per chunk from the per-sequence query bound (unknown: the mean tokens per sequence)
+    q_bound = min(int(max_query_len) or -(-n_tok // B), n_tok)
     if block_m is None:
         block_m = min(max(16, g_tile * next_pow2(q_bound)), 64 if wide <= 128 else 32)
     block_m = max(int(block_m), g_tile, 16)
