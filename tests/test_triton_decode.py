@@ -146,6 +146,14 @@ def test_bounds_smaller_than_the_extent_still_exact():
     check(base(q_lens=[6, 1], past=[90, 200]), max_kv_len=4096, max_query_len=64)
 
 
+def test_split_heuristic():
+    """Fill ~2 programs per SM with >= 2 tiles per split; a big prefill's workspace cap forces S = 1."""
+    assert decode._pick_splits(1 * 8, 64, 32 * 130 * 4, 132) == 32  # B 1 decode, 4096 tokens: 2 tiles each
+    assert decode._pick_splits(64 * 8, 64, 64 * 32 * 130 * 4, 132) == 1  # enough programs already
+    assert decode._pick_splits(8, 3, 1000, 132) == 1  # too few tiles to split
+    assert decode._pick_splits(8, 1000, 8192 * 32 * 130 * 4, 132) == 1  # 8192-token prefill: 136 MB per split
+
+
 def test_wide_rows_block_m():
     check(base(num_heads=8, kv_num_heads=1, q_lens=[9, 2], past=[20, 50]), tiles={"block_m": 64}, num_splits=2)
 

@@ -95,6 +95,23 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(f"paged_decode: {msg}")
 
 
+def _static(scale, fmt: SideFormat, name: str, numel: int):
+    """A PER_TENSOR / PER_CHANNEL scale vector (float32 [Hkv * D]) the side uses, else None."""
+    if fmt.scale not in (SCALE_TENSOR, SCALE_CHANNEL):
+        return None
+    _check(scale is not None and scale.numel() == numel and scale.dtype == torch.float32,
+           f"{name} should be a float32 vector of kv_num_heads * head_size = {numel} elements")
+    return scale.reshape(-1).contiguous()
+
+
+def _token(scale_cache, fmt: SideFormat, name: str, shape: tuple):
+    """A PER_TOKEN scale cache [NB, BS, Hkv] the side uses, else None."""
+    if fmt.scale != SCALE_TOKEN:
+        return None
+    _check(scale_cache is not None and tuple(scale_cache.shape) == shape, f"{name} should be {list(shape)}")
+    return scale_cache
+
+
 def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_sequence_length, past_seqlens,
                   block_table, num_heads, kv_num_heads, head_size, v_head_size, scale, k_scale, v_scale,
                   k_scale_cache, v_scale_cache, query_positions, softcap, local_window_size, is_causal, head_sink,
@@ -184,18 +201,14 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
     dummy = q
     kc_arg = key_cache.view(torch.uint8) if key_cache.dtype == torch.float8_e4m3fn else key_cache
     vc_arg = value_cache.view(torch.uint8) if value_cache.dtype == torch.float8_e4m3fn else value_cache
-    ks = k_scale if k_format.scale in (SCALE_TENSOR, SCALE_CHANNEL) else None
-    vs = v_scale if v_format.scale in (SCALE_TENSOR, SCALE_CHANNEL) else None
-    for name, sc, fmt in (("k_scale", ks, k_format), ("v_scale", vs, v_format)):
-        if fmt.scale in (SCALE_TENSOR, SCALE_CHANNEL):
-            _check(sc is not None and sc.numel() == Hkv * D and sc.dtype == torch.float32,
-                   f"{name} should be a float32 vector of kv_num_heads * head_size = {Hkv * D}")
-    ksc = k_scale_cache if k_format.scale == SCALE_TOKEN else None
-    vsc = v_scale_cache if v_format.scale == SCALE_TOKEN else None
-    for name, sc in (("k_scale_cache", ksc), ("v_scale_cache", vsc)):
-        if sc is not None or (name[0] == "k" and k_format.scale == SCALE_TOKEN) or (
-                name[0] == "v" and v_format.scale == SCALE_TOKEN):
-            _check(sc is not None and tuple(sc.shape) == (NB, BS, Hkv), f"{name} should be [{NB}, {BS}, {Hkv}]")
+    ks = _static(k_scale, k_format, "k_scale", Hkv * D)
+    vs = _static(v_scale, v_format, "v_scale", Hkv * D)
+    ksc = _token(k_scale_cache, k_format, "k_scale_cache", (NB, BS, Hkv))
+    vsc = _token(v_scale_cache, v_format, "v_scale_cache", (NB, BS, Hkv))
+    csl, past = cumulative_sequence_length.contiguous(), past_seqlens.contiguous()
+    table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+    qpos = None if query_positions is None else query_positions.contiguous()
+    sink = None if head_sink is None else head_sink.contiguous()
     ksc_st = ksc.stride() if ksc is not None else (0, 0, 0)
     vsc_st = vsc.stride() if vsc is not None else (0, 0, 0)
     bias = attention_bias
@@ -212,19 +225,18 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
     K._attn_kernel[(B, Hkv * n_sub, S)](
         q, kc_arg, vc_arg, ks if ks is not None else dummy, vs if vs is not None else dummy,
         ksc if ksc is not None else dummy, vsc if vsc is not None else dummy,
-        cumulative_sequence_length, past_seqlens, block_table,
-        query_positions if query_positions is not None else dummy,
-        head_sink if head_sink is not None else dummy, bias if bias is not None else dummy,
+        csl, past, table, qpos if qpos is not None else dummy,
+        sink if sink is not None else dummy, bias if bias is not None else dummy,
         out, wacc, wml, qk if qk is not None else dummy,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), *ksc_st, *vsc_st,
-        block_table.stride(0), *b_st, *b_cap,
+        table.stride(0), *b_st, *b_cap,
         n_tok, NB, MB, S, scale, float(softcap), window,
         H=H, G=G, G_TILE=g_tile, N_SUB=n_sub, Q_CHUNK=q_chunk, BLOCK_M=block_m, BLOCK_N=block_n, BS=BS,
         D=D, KW=KW, KW_PAD=kw_pad, DV=DV, VW=VW, VW_PAD=vw_pad,
         K_FMT=k_format.fmt, K_SCALE=k_format.scale, V_FMT=v_format.fmt, V_SCALE=v_format.scale,
         CAUSAL=bool(is_causal), HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_BIAS=bias is not None,
-        HAS_SINK=head_sink is not None, QK_MODE=qk_output, HAS_QPOS=query_positions is not None,
+        HAS_SINK=sink is not None, QK_MODE=qk_output, HAS_QPOS=qpos is not None,
         DIRECT=direct, NEED_NAT=need_nat, INTERP=common.INTERPRET, num_warps=num_warps)
     if direct:
         return out, qk
@@ -232,9 +244,9 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
     dv_pad = next_pow2(DV)
     mlf = _empty((n_tok, H, 2), torch.float32, dev) if qk_output == 2 else wml
     K._reduce_kernel[(n_tok, H)](
-        wacc, wml, head_sink if head_sink is not None else dummy, vs if vs is not None else dummy, out, mlf, S,
+        wacc, wml, sink if sink is not None else dummy, vs if vs is not None else dummy, out, mlf, S,
         1.0 / math.sqrt(DV), H=H, G=G, D=D, DV=DV, DV_PAD=dv_pad, S_BLOCK=min(next_pow2(S), 16),
-        ROT_J=min(dv_pad, 32), HAS_SINK=head_sink is not None, V_SCALE=v_format.scale, ROTATE=bool(v_rotation),
+        ROT_J=min(dv_pad, 32), HAS_SINK=sink is not None, V_SCALE=v_format.scale, ROTATE=bool(v_rotation),
         STORE_ML=qk_output == 2, num_warps=4)
     if qk_output == 2:
         blk = min(1024, next_pow2(C))
