@@ -134,6 +134,11 @@ def test_groups_and_head_sizes(h, hkv, d):
     check(base(num_heads=h, kv_num_heads=hkv, head_size=d, q_lens=[2, 1], past=[40, 3]))
 
 
+def test_group_of_128_heads_in_sub_groups():
+    """A KV group wider than 64 rows runs as sub-groups (grid axis 1 = Hkv x N_SUB)."""
+    check(base(num_heads=128, kv_num_heads=1, q_lens=[1, 1], past=[20, 3]), num_splits=2)
+
+
 @pytest.mark.parametrize("splits", [1, 2, 5, 9])
 def test_forced_splits(splits):
     """1, several, and more splits than tiles: all exact (the split range comes from the extent)."""
@@ -240,7 +245,8 @@ def test_v_rotation(cache, quant):
     check(base(cache=cache, k_quant=quant, v_quant=quant, attrs={"qk_rotation": 1, "v_rotation": 1}))
 
 
-@pytest.mark.parametrize("cache,quant", [("same", "NONE"), ("int8", "PER_TOKEN"), ("float8e4m3fn", "PER_CHANNEL")])
+@pytest.mark.parametrize("cache,quant", [("same", "NONE"), ("int8", "PER_TOKEN"), ("float8e4m3fn", "PER_CHANNEL"),
+                                         ("int4", "PER_TENSOR")])
 def test_latent(cache, quant):
     """MLA: V is the leading 32 channels of a 64-channel key cache (its format and scales too)."""
     check(base(kv_num_heads=1, head_size=64, latent=True, v_head_size=32, cache=cache, k_quant=quant,

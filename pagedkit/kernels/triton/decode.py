@@ -25,6 +25,13 @@ max_kv_len (or max_query_len) smaller than the real extent still gives the exact
 program computes its key range from the sequence's real extent (clamped to C) in the kernel; it only
 costs speed (fewer splits). An extent beyond C reads only the first C positions (the reference rejects it).
 
+In-kernel dequantization: dots run in T with fp32 accumulation on the codes (exact in fp16 / bf16; fp8 is
+loaded through a uint8 view); PER_TENSOR K scales the scores, PER_CHANNEL K is folded into q as hi + lo T
+parts (two dots), PER_TOKEN K / V scales multiply the scores / p per key (V: normalized by the tile's largest
+scale, kept in the fp16 range), PER_TENSOR / PER_CHANNEL V scale the output. int4: even channels from the low
+nibbles, odd from the high ones, two dots each way. A float cache of another float type than T is rounded to T.
+Head sizes are padded to powers of two >= 16 (masked; e.g. 80 -> 128, LATENT 576 -> 1024).
+
 Capture-safety: no host reads of device tensors (no .item() / .tolist() / bool(tensor)), static grids and
 workspace sizes (torch.empty / zeros / full), so a call is CUDA-graph capturable.
 """
