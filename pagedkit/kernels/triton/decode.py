@@ -50,7 +50,10 @@ __all__ = ["paged_decode"]
 
 WORKSPACE_BYTES = 256 << 20  # cap on the split workspace N x H x S x Dv x 4
 MIN_TILES_PER_SPLIT = 2  # a split reads at least this many KV tiles
-WAVES = 2  # aim for this many programs per SM
+# programs per SM to aim for (measured on the H200, benchmarks/results/attention_tuning.json): 16-token tiles
+# (16-token blocks) want more splits in flight than 32 / 64-token ones
+WAVES = 4
+WAVES_SMALL_TILES = 8
 MAX_SPLITS = 1024
 _POISON = False  # tests: fill outputs and workspaces with NaN instead of leaving them uninitialized
 
@@ -68,9 +71,9 @@ def _num_sms(device: torch.device) -> int:
     return 132  # an H200's SM count: the interpreter runs the GPU heuristics
 
 
-def _pick_splits(programs: int, tiles: int, rows_bytes: int, num_sms: int) -> int:
-    """Splits to fill ~WAVES programs per SM, >= MIN_TILES_PER_SPLIT tiles each, workspace capped."""
-    want = -(-WAVES * num_sms // max(programs, 1))
+def _pick_splits(programs: int, tiles: int, rows_bytes: int, num_sms: int, waves: int = WAVES) -> int:
+    """Splits to fill ~`waves` programs per SM, >= MIN_TILES_PER_SPLIT tiles each, workspace capped."""
+    want = max(1, round(waves * num_sms / max(programs, 1)))
     s = max(1, min(want, tiles // MIN_TILES_PER_SPLIT))
     return max(1, min(s, WORKSPACE_BYTES // max(rows_bytes, 1), MAX_SPLITS))
 
@@ -181,11 +184,11 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         block_m = min(max(16, g_tile * next_pow2(q_bound)), 64 if wide <= 128 else 32)
     block_m = max(int(block_m), g_tile, 16)
     q_chunk = block_m // g_tile
-    if block_n is None:
-        block_n = 64 if wide <= 128 else (32 if wide <= 256 else 16)
+    if block_n is None:  # one block per tile when blocks are small: a scalar block-table read per tile
+        block_n = min(BS, 64 if wide <= 128 else (32 if wide <= 256 else 16))
     _check(block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n should be a power of two >= 16, got {block_n}")
     if num_warps is None:
-        num_warps = 4 if wide <= 256 else 8
+        num_warps = (2 if block_n == 16 else 4) if wide <= 128 else (4 if wide <= 256 else 8)
 
     # splits (static: shapes and host bounds only)
     kv_bound = min(int(max_kv_len), C) if int(max_kv_len) > 0 else C
@@ -196,7 +199,8 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
     if num_splits is not None:
         S = max(1, min(int(num_splits), MAX_SPLITS))
     else:
-        S = _pick_splits(B * Hkv * n_sub, tiles, n_tok * H * (DV + 2) * 4, _num_sms(dev))
+        S = _pick_splits(B * Hkv * n_sub, tiles, n_tok * H * (DV + 2) * 4, _num_sms(dev),
+                         WAVES_SMALL_TILES if block_n == 16 else WAVES)
     direct = S == 1 and not v_rotation and qk_output != 2
 
     if direct:
