@@ -315,6 +315,10 @@ def versions() -> dict:
             out[mod] = importlib.import_module(mod).__version__
         except Exception as exc:  # noqa: BLE001 - a missing package is a fact to record
             out[mod] = f"unavailable ({type(exc).__name__})"
+    # the device's copy of the tree may carry a stale .git: the caller can name the commit (PAGEDKIT_COMMIT)
+    if os.environ.get("PAGEDKIT_COMMIT"):
+        out["pagedkit_commit"] = os.environ["PAGEDKIT_COMMIT"]
+        return out
     try:
         out["pagedkit_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                                 cwd=REPO, timeout=10).stdout.strip() or None

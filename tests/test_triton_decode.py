@@ -152,10 +152,11 @@ def test_bounds_smaller_than_the_extent_still_exact():
 
 
 def test_split_heuristic():
-    """Fill ~4 programs per SM with >= 2 tiles per split; a big prefill's workspace cap forces S = 1."""
+    """Fill ~3 programs per SM with >= 2 tiles per split; a big prefill's workspace cap forces S = 1."""
     assert decode._pick_splits(1 * 8, 64, 32 * 130 * 4, 132) == 32  # B 1 decode, 4096 tokens: 2 tiles each
-    assert decode._pick_splits(1 * 8, 1024, 32 * 130 * 4, 132) == 66  # B 1, 32k tokens in 32-token tiles
-    assert decode._pick_splits(16 * 8, 256, 16 * 32 * 130 * 4, 132, waves=8) == 8  # 16-token tiles
+    assert decode._pick_splits(1 * 8, 1024, 32 * 130 * 4, 132) == 50  # B 1, 32k tokens in 32-token tiles
+    assert decode._pick_splits(16 * 8, 128, 16 * 32 * 130 * 4, 132) == 3  # B 16, 4096 tokens
+    assert decode._pick_splits(16 * 8, 256, 16 * 32 * 130 * 4, 132, waves=12) == 12  # 16-token tiles
     assert decode._pick_splits(64 * 8, 64, 64 * 32 * 130 * 4, 132) == 1  # enough programs already
     assert decode._pick_splits(8, 3, 1000, 132) == 1  # too few tiles to split
     assert decode._pick_splits(8, 1000, 8192 * 32 * 130 * 4, 132) == 1  # 8192-token prefill: 136 MB per split

@@ -52,8 +52,8 @@ WORKSPACE_BYTES = 256 << 20  # cap on the split workspace N x H x S x Dv x 4
 MIN_TILES_PER_SPLIT = 2  # a split reads at least this many KV tiles
 # programs per SM to aim for (measured on the H200, benchmarks/results/attention_tuning.json): 16-token tiles
 # (16-token blocks) want more splits in flight than 32 / 64-token ones
-WAVES = 4
-WAVES_SMALL_TILES = 8
+WAVES = 3
+WAVES_SMALL_TILES = 12
 MAX_SPLITS = 1024
 _POISON = False  # tests: fill outputs and workspaces with NaN instead of leaving them uninitialized
 
@@ -185,10 +185,10 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
     block_m = max(int(block_m), g_tile, 16)
     q_chunk = block_m // g_tile
     if block_n is None:  # one block per tile when blocks are small: a scalar block-table read per tile
-        block_n = min(BS, 64 if wide <= 128 else (32 if wide <= 256 else 16))
+        block_n = min(BS, 32 if wide <= 256 else 16)
     _check(block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n should be a power of two >= 16, got {block_n}")
     if num_warps is None:
-        num_warps = (2 if block_n == 16 else 4) if wide <= 128 else (4 if wide <= 256 else 8)
+        num_warps = (2 if block_n == 16 else 4) if wide <= 256 else 8
 
     # splits (static: shapes and host bounds only)
     kv_bound = min(int(max_kv_len), C) if int(max_kv_len) > 0 else C
