@@ -10,7 +10,7 @@ fc1 [E, fusion * I, hidden], fc2 [E, hidden, I], fc3 [E, I, hidden]. Activations
 swiglu/geglu take g and l from fc1, interleaved (swiglu_fusion=1: [g0, l0, g1, l1, ...]) or
 concatenated ([g | l], fusion 2), or (swiglu, fusion 0) g from fc1 and l from fc3. Other activations
 with fc3 gate it: act(fc1 x) * (fc3 x).
-Matmuls run in the input dtype (float32 for half inputs on the CPU, see _experts); activations and the weighted sum of expert outputs in float32.
+Matmuls run in the input dtype (float32 for half inputs, see _experts); activations and the weighted sum of expert outputs in float32.
 Small batches (tokens * k <= experts, i.e. decode) gather the chosen experts' weights and stay on
 the device; larger ones group tokens by expert, which reads the per-expert counts on the host.
 
@@ -70,11 +70,12 @@ def _glu(g: torch.Tensor, l: torch.Tensor, attrs: dict) -> torch.Tensor:
 
 def _experts(x, sel, w, attrs, where):
     """FFN of the experts `sel` (an int for one expert, or [n] indices, one per row) on x [n, hidden].
-    Half-precision inputs on the CPU run in float32 (the selected experts' weights converted per call, as
-    onnxruntime's CPU kernel computes in float): torch's half CPU products are slow, and rounding h and the
-    activation to half between the two products would add an error onnxruntime does not make."""
+    Half-precision inputs run in float32 on every device (the selected experts' weights converted per call,
+    as onnxruntime's CPU kernel computes in float): rounding h and the activation to half between the two
+    products would add an error onnxruntime does not make (and CPU and CUDA would disagree by it); torch's
+    half CPU products are slow besides."""
     fc1_w, fc1_b, fc2_w, fc2_b, fc3_w, fc3_b = (t[sel] if t is not None else None for t in w)
-    if x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16):
+    if x.dtype in (torch.float16, torch.bfloat16):
         fc1_w, fc1_b, fc2_w, fc2_b, fc3_w, fc3_b = (t.float() if t is not None else None
                                                     for t in (fc1_w, fc1_b, fc2_w, fc2_b, fc3_w, fc3_b))
         x = x.float()
