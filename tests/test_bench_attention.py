@@ -4,7 +4,6 @@ refusal recorded as skipped) writing the JSON and the roofline plot."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,20 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from bench_modules import bench_module
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "attention.py"
 
 
 @pytest.fixture(scope="module")
 def cases():
-    spec = importlib.util.spec_from_file_location("_attention_cases", REPO / "benchmarks" / "_attention_cases.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["_attention_cases"] = mod  # dataclasses look their module up
-    try:
-        spec.loader.exec_module(mod)
+    with bench_module("_attention_cases") as mod:
         yield mod
-    finally:
-        sys.modules.pop("_attention_cases", None)
 
 
 def test_traffic_and_floor(cases):

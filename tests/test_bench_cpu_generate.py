@@ -3,7 +3,6 @@ ONNX model's initializers, the floor arithmetic, the row / pair assembly and the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -13,20 +12,15 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from bench_modules import bench_module
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    path = REPO / "benchmarks" / "cpu_generate.py"
-    spec = importlib.util.spec_from_file_location("cpu_generate", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["cpu_generate"] = mod  # dataclasses look their module up
-    try:
-        spec.loader.exec_module(mod)
+    with bench_module("cpu_generate") as mod:
         yield mod
-    finally:
-        sys.modules.pop("cpu_generate", None)
 
 
 def _init(name, shape, dtype):

@@ -16,6 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._rope_quant import hadamard_tile
+
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: compiled kernels read no plain globals
 
 
@@ -312,13 +314,7 @@ def _reduce_kernel(wacc_ptr, wml_ptr, sink_ptr, vs_ptr, out_ptr, mlf_ptr, num_sp
     if ROTATE:  # o @ H_n / sqrt(n), H_n[i, j] = (-1)^popcount(i & j) (Sylvester), built in registers
         for j0 in tl.static_range(0, DV_PAD, ROT_J):
             jj = j0 + tl.arange(0, ROT_J)
-            x = d[:, None] & jj[None, :]
-            x = x ^ (x >> 8)
-            x = x ^ (x >> 4)
-            x = x ^ (x >> 2)
-            x = x ^ (x >> 1)
-            sign = 1.0 - 2.0 * (x & 1).to(tl.float32)
-            oj = tl.sum(o[:, None] * sign, 0) * inv_sqrt_dv
+            oj = tl.sum(o[:, None] * hadamard_tile(d, jj, DV), 0) * inv_sqrt_dv
             tl.store(o_ptr + jj, oj.to(out_ptr.dtype.element_ty), mask=jj < DV)
     else:
         tl.store(o_ptr + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
