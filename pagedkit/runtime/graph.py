@@ -85,6 +85,7 @@ class CompiledModel:
     const_storages: frozenset[int]  # storage addresses of host constants (run() never hands them out)
     host_const_ids: frozenset[int]  # id() of host constants (their device copies are cached)
     prepacked: dict[str, str] = field(default_factory=dict)  # step -> the layout its constants were given
+    fused: dict[str, int] = field(default_factory=dict)  # fusion rule (fuse.py) -> rewrites it made
 
 
 _SMALL_INT = 1 << 16  # integer initializers up to this many elements keep their values for shape inference
@@ -393,6 +394,9 @@ def compile_model(model: onnx.ModelProto, device: torch.device, allow_reference_
     if comp.errors:
         raise ValueError("invalid model: " + "; ".join(comp.errors))
     _fold(g)
+    from .fuse import fuse  # fuse.py builds on this module's Graph / Step
+
+    fused = fuse(g)
     prepacked = _prepack(g, device)
     host_in = _host_graph_inputs(g)
     uses: dict = {}
@@ -402,6 +406,7 @@ def compile_model(model: onnx.ModelProto, device: torch.device, allow_reference_
     host_consts = [t for n, t in _all_consts(g) if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
     return CompiledModel(
         graph=g, attention_variants=comp.variants, attention_calls=comp.calls, host_inputs=host_in, prepacked=prepacked,
+        fused=fused,
         cache_inputs=_cache_graph_inputs(g),
         const_storages=frozenset(t.untyped_storage().data_ptr() for t in host_consts if t.numel()),
         host_const_ids=frozenset(id(t) for t in host_consts) if device.type != "cpu" else frozenset())

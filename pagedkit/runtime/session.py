@@ -198,6 +198,11 @@ class InferenceSession:
         return dict(self._compiled.prepacked)
 
     @property
+    def fused(self) -> dict[str, int]:
+        """Fusion rule (runtime/fuse.py) -> how many times creation applied it, e.g. {"swiglu_mlp": 30}."""
+        return dict(self._compiled.fused)
+
+    @property
     def host_inputs(self) -> frozenset[str]:
         """Graph inputs kept in host memory (read on the host: attention_metadata, shape operands)."""
         return self._compiled.host_inputs

@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .registry import MS_DOMAIN, register
+from .registry import FUSED_DOMAIN, MS_DOMAIN, register
 from .util import compute_dtype, norm_axis, opt
 
 
@@ -92,3 +92,10 @@ def _softmax_family(fn):
 
 register("Softmax")(_softmax_family(torch.softmax))
 register("LogSoftmax")(_softmax_family(torch.log_softmax))
+
+
+@register("SiluMul", domain=FUSED_DOMAIN)
+def silu_mul(inputs, attrs, ctx):
+    """runtime/fuse.py's SwiGLU: y [..., 2N] (gate | up) -> silu(gate) * up [..., N] (attribute split = N)."""
+    y, n = inputs[0], int(attrs["split"])
+    return [F.silu(y[..., :n]) * y[..., n:]]

@@ -36,6 +36,7 @@ OpImpl = Callable[[list[torch.Tensor | None], dict[str, Any], "OpContext"], list
 # ai.onnx is keyed by "", the spelling ONNX graphs use for the default domain.
 ONNX_DOMAIN = ""
 MS_DOMAIN = "com.microsoft"
+FUSED_DOMAIN = "pagedkit.fused"  # ops the session's fusions create (runtime/fuse.py); never in a model file
 # Highest ai.onnx opset whose semantics the implementations were written against.
 MAX_ONNX_OPSET = 23
 
