@@ -184,3 +184,44 @@ def test_prepack_leaves_a_node_with_run_time_zero_points_unpacked():
     const = InferenceSession(model(False))
     assert len(const.prepacked) == 1
     assert _rel(const.run(None, {"a": a})[0], ref) <= 3e-2  # bf16 activations at accuracy_level 4
+
+
+def _batched_model(w: np.ndarray, a_shape: list) -> onnx.ModelProto:
+    elem = helper.np_dtype_to_tensor_dtype(w.dtype)
+    graph = helper.make_graph([helper.make_node("MatMul", ["a", "w"], ["y"])], "p",
+                              [helper.make_tensor_value_info("a", elem, a_shape)],
+                              [helper.make_tensor_value_info("y", elem, None)],
+                              initializer=[numpy_helper.from_array(w, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("a_shape", [(4, 3, 64), (1, 3, 64), (3, 64), (2, 4, 5, 64)])
+def test_batched_constant_products_are_prepacked_and_match_onnxruntime(dtype, a_shape):
+    """B [E, K, N] (MoE experts as one MatMul, MLA's per-head projections): one packed product per entry, no
+    float32 copy of a half B kept, numpy broadcasting of A's leading dims."""
+    from pagedkit.runtime.ops import math as M
+
+    w = (RNG.standard_normal((4, 64, 80)) / 8).astype(dtype)
+    model = _batched_model(w, list(a_shape))
+    a = RNG.standard_normal(a_shape).astype(dtype)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"a": a})[0]
+    sess = InferenceSession(model)
+    assert "4 x" in next(iter(sess.prepacked.values())) and "w" not in sess._compiled.graph.consts
+    M._F32.clear()
+    got = sess.run(None, {"a": a})[0]
+    assert got.shape == ref.shape and _rel(got, ref) <= (1e-5 if dtype == np.float32 else 2e-3)
+    assert not any(f.numel() >= w[0].size for _, f, _ in M._F32.values())  # no float32 copy of B held
+    wrong = InferenceSession(_batched_model((w.astype(np.float32) * 1.02).astype(dtype), list(a_shape)))
+    assert _rel(wrong.run(None, {"a": a})[0], ref) > 5e-3  # teeth
+
+
+def test_transpose_releasing_equals_a_plain_transpose(monkeypatch):
+    from pagedkit.runtime.ops import packed
+
+    src = torch.randn(1000, 3000).half()
+    want = src.T.contiguous()
+    monkeypatch.setattr(packed, "_CHUNK_BYTES", 64 << 10)  # many chunks
+    got = packed.transpose_releasing(src, release_min=0)
+    assert torch.equal(got, want) and got.is_contiguous()
+    assert packed.transpose_releasing(want.T).data_ptr() == want.data_ptr()  # already [N, K]: no copy

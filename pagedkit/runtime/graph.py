@@ -242,6 +242,15 @@ def _fold(g: Graph) -> None:
     g.steps = kept
 
 
+def _sole_owner(t: Any, holders: dict[int, int]) -> bool:
+    """t is a tensor holding all of its storage, shared with no other constant (a folded view of another
+    weight is not: taking it apart would spoil that one). holders: storage address -> constants on it."""
+    if not isinstance(t, torch.Tensor) or t.storage_offset() != 0:
+        return False
+    st = t.untyped_storage()
+    return st.nbytes() == t.numel() * t.element_size() and holders.get(st.data_ptr(), 0) == 1
+
+
 def _prepack(g: Graph, device: torch.device) -> dict[str, str]:
     """Lay out constant inputs once for their kernels (registry.prepack), in this graph and its subgraphs:
     each replacement becomes a constant of its own, and an original is dropped as soon as no step reads it
@@ -254,6 +263,11 @@ def _prepack(g: Graph, device: torch.device) -> dict[str, str]:
             readers[n] = readers.get(n, 0) + 1
     for n in g.outputs:
         readers[n] = readers.get(n, 0) + 1
+    holders: dict[int, int] = {}
+    for c in g.consts.values():
+        if isinstance(c, torch.Tensor):
+            ptr = c.untyped_storage().data_ptr()
+            holders[ptr] = holders.get(ptr, 0) + 1
     for step in g.steps:
         for value in step.attrs.values():
             if isinstance(value, Graph):
@@ -263,7 +277,10 @@ def _prepack(g: Graph, device: torch.device) -> dict[str, str]:
             continue
         ins = [(g.consts[n] if n in g.consts else RUNTIME) if n else None for n in step.inputs]
         key_attrs = tuple(sorted((k, v) for k, v in step.attrs.items() if isinstance(v, (int, float, str))))
-        for i, new in fn(ins, step.attrs, replace(step.ctx, device=device)).items():
+        consumable = frozenset(i for i, n in enumerate(step.inputs)
+                               if n in g.consts and readers.get(n, 0) == 1 and n not in g.outputs
+                               and _sole_owner(g.consts[n], holders))
+        for i, new in fn(ins, step.attrs, replace(step.ctx, device=device, consumable=consumable)).items():
             name = step.inputs[i]
             key = (name, step.op_type, key_attrs)
             if key not in made:

@@ -21,7 +21,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .packed import PackedLinear
+from .packed import RELEASE_BYTES, PackedLinear, transpose_releasing
 from .registry import prepack, register
 from .util import HALF_TYPES, opt
 
@@ -51,11 +51,15 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class _Linear(PackedLinear):
     """y = a @ B for a [..., K] in B's dtype; B held as [N, K] (`weight`) or oneDNN-packed (`packed`)."""
 
-    def __init__(self, b_kn: torch.Tensor):
+    def __init__(self, b_kn: torch.Tensor, consume: bool = False, release_min: int = RELEASE_BYTES):
+        """consume: b_kn is ours to take apart (nobody reads it afterwards): transposed releasing its pages
+        (when it holds at least release_min bytes)."""
         k, n = b_kn.shape
         self.shape, self.dtype, self.device = (k, n), b_kn.dtype, b_kn.device
         self.in_features, self.out_features = k, n
-        self.weight = b_kn.T.contiguous()  # [N, K]
+        self.weight = transpose_releasing(b_kn, release_min) if consume else b_kn.T.contiguous()  # [N, K]
+        if not self.weight.is_contiguous():
+            self.weight = self.weight.contiguous()
         self.packed = None
         if b_kn.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
@@ -85,12 +89,42 @@ def _packable(b) -> bool:
             and b.dtype in (torch.float32, torch.float16, torch.bfloat16))
 
 
+class _BatchedLinear(PackedLinear):
+    """y = a @ B for a constant B [E, K, N] (per-batch weights: MoE experts written as one MatMul, MLA's
+    absorbed per-head projections): one _Linear per batch entry, a's leading dims broadcast as numpy's
+    matmul does (a [..., 1 or E, M, K] or [M, K] -> [..., E, M, N]). Replaces the float32 copy of B the
+    unpacked half path would keep (a second copy in another dtype)."""
+
+    def __init__(self, b: torch.Tensor, consume: bool = False):
+        e, k, n = b.shape
+        self.shape, self.dtype, self.device = tuple(b.shape), b.dtype, b.device
+        self.in_features, self.out_features = k, n
+        # consumed: each entry's pages released as it is transposed (no second full copy at creation)
+        self.parts = [_Linear(b[i], consume=consume, release_min=0) for i in range(e)]
+        self.layout = f"{e} x {self.parts[0].layout}"
+        self.nbytes = b.numel() * b.element_size()
+
+    def matmul(self, a: torch.Tensor) -> torch.Tensor:
+        if a.dim() == 2:
+            a = a.unsqueeze(0)
+        e = len(self.parts)
+        if a.shape[-3] not in (1, e):
+            raise ValueError(f"MatMul: A {tuple(a.shape)} does not broadcast with the constant B {self.shape}")
+        return torch.stack([p.matmul(a.select(-3, i if a.shape[-3] > 1 else 0)) for i, p in enumerate(self.parts)],
+                           dim=-3)
+
+
 @prepack("MatMul")
 def _prepack_matmul(inputs, attrs, ctx):
-    """A constant 2-D B [K, N] on the CPU -> _Linear."""
-    if str(ctx.device) != "cpu" or not _packable(inputs[1]):
+    """A constant 2-D B [K, N] on the CPU -> _Linear; a 3-D B [E, K, N] -> _BatchedLinear."""
+    b = inputs[1]
+    if str(ctx.device) != "cpu":
         return {}
-    return {1: _Linear(inputs[1])}
+    if isinstance(b, torch.Tensor) and b.dim() == 3 and b.shape[0] > 0 and _packable(b[0]):
+        return {1: _BatchedLinear(b, consume=1 in ctx.consumable)}
+    if not _packable(b):
+        return {}
+    return {1: _Linear(b, consume=1 in ctx.consumable)}
 
 
 @prepack("Gemm")
@@ -100,7 +134,7 @@ def _prepack_gemm(inputs, attrs, ctx):
             or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0):
         return {}
     b = inputs[1]
-    return {1: _Linear(b.T if attrs.get("transB", 0) else b)}
+    return {1: _Linear(b.T if attrs.get("transB", 0) else b, consume=1 in ctx.consumable)}
 
 
 @register("MatMul")

@@ -57,6 +57,9 @@ class OpContext:
     # which outputs the node names (an empty name: not produced for anyone); None = all. An op may skip
     # work for the others and return None there (the statistics outputs of the normalizations).
     requested: tuple[bool, ...] | None = None
+    # prepack only: indices of constant inputs nobody else reads (the session drops them after prepacking);
+    # the prepack function may take them apart while laying them out (packed.transpose_releasing)
+    consumable: frozenset[int] = frozenset()
 
     def wants(self, i: int) -> bool:
         return self.requested is None or (i < len(self.requested) and self.requested[i])
