@@ -44,8 +44,10 @@ def swiglu_mlp(g: Graph) -> int:
     readers = _readers(g)
     producer = {o: s for s in g.steps for o in s.outputs if o}
     done = 0
-    for mul in list(g.steps):
-        if not _plain(mul, "Mul", 2) or mul not in g.steps:
+    gone: set[int] = set()  # id() of the steps a rewrite replaced (Steps compare by value: never `in` / index)
+    placed: dict[int, list[Step]] = {}  # id(gate step) -> the steps that take its place
+    for mul in g.steps:
+        if not _plain(mul, "Mul", 2) or id(mul) in gone:
             continue
         # h = Mul(a, up), either order; a = Mul(gate, s); s = Sigmoid(gate); gate / up = MatMul(x, const)
         for a_name, up_name in (mul.inputs, mul.inputs[::-1]):
@@ -70,6 +72,8 @@ def swiglu_mlp(g: Graph) -> int:
             inner = {gate.outputs[0]: 2, sig.outputs[0]: 1, act.outputs[0]: 1, up.outputs[0]: 1}
             if any(readers.get(v, 0) != k for v, k in inner.items()):  # an intermediate read elsewhere
                 continue
+            if any(id(st) in gone for st in (gate, up, sig, act)):  # already part of another rewrite
+                continue
             cat = f"{wg_name}::gate_up"
             g.consts[cat] = torch.cat((wg, wu), dim=1)  # [K, 2N]
             y = f"{gate.outputs[0]}::gate_up"
@@ -77,16 +81,16 @@ def swiglu_mlp(g: Graph) -> int:
             silu = Step(f"{mul.name}::SiluMul", "SiluMul", FUSED_DOMAIN, [y], [mul.outputs[0]],
                         {"split": int(wg.shape[1])}, impl=lookup(FUSED_DOMAIN, "SiluMul", 1, mul.name),
                         ctx=replace(mul.ctx, node_name=mul.name, num_outputs=1, requested=(True,)))
-            at = g.steps.index(gate)
-            for s in (gate, up, sig, act, mul):
-                g.steps.remove(s)
-            g.steps[at:at] = [fused_mm, silu]
+            gone.update(id(st) for st in (gate, up, sig, act, mul))
+            placed[id(gate)] = [fused_mm, silu]
             for w in (wg_name, wu_name):
                 readers[w] -= 1
                 if readers[w] == 0 and w not in g.outputs:
                     g.consts.pop(w, None)
             done += 1
             break
+    if done:  # the fused pair takes the gate's place: x is ready there and nothing before reads h
+        g.steps = [n for st in g.steps for n in placed.get(id(st), () if id(st) in gone else (st,))]
     return done
 
 
