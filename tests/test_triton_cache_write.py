@@ -6,7 +6,7 @@ Every call runs on caches poisoned with a sentinel; the reference runs on its ow
 max), quantized codes within 1 step (int8 / int4 codes, fp8 by ordinal), PER_TOKEN scales within relative
 1e-3, and every slot the reference does not write still holds the sentinel bit for bit. Also: every
 PagedAttention case file's expected caches (compare_case), the float8 / bfloat16 / rint encoders bit-exact
-against torch, the winner workspace clean after a call, no host reads in the launcher, bad inputs, and
+against torch, the dedup state ready for the next call, no host reads in the launcher, bad inputs, and
 teeth (a 2% wrong RoPE base, a skipped QK-norm, a 3% wrong scale, first-wins dedup fail the checks).
 """
 
@@ -213,40 +213,54 @@ def test_slot_mapping_with_skips_and_duplicates_last_wins():
     first_wins = run_kernel(poison(x), a, slot_mapping=torch.where(torch.arange(9) == 2, sm, -1).to(torch.int32))[1]
     with pytest.raises(AssertionError):  # teeth: a first-wins dedup is told apart
         assert torch.equal(caches["key_cache"][blk, off], first_wins["key_cache"][blk, off])
-    assert all(bool((w == -1).all()) for w in cache_write._WINNERS.values()), "winner workspace left dirty"
+    _assert_state_ready()
 
 
-def test_writes_are_gated_by_the_winner(monkeypatch):
-    """The slot pass leaves the highest token index per slot in the winner workspace, and only that token
-    writes (the interpreter runs programs in token order, so last-wins alone would not show the gate):
-    handing a shared slot to the earlier token makes the earlier token's K/V land there."""
+def _assert_state_ready():
+    """After a call every dedup state has its finished counter back at 0 (the last K/V program reset it)."""
+    for st in cache_write._STATES.values():
+        assert int(st[-2]) == 0, "finished counter not reset"
+
+
+def test_epoch_advances_once_per_call():
+    x, a = case(slot_mapping=True, past=(0, 5), q_lens=(3, 2), seed=16)
+    run_kernel(poison(x), a)
+    (st,) = [v for k, v in cache_write._STATES.items() if k[1] == x["key_cache"].shape[0] * x["key_cache"].shape[1]]
+    e0 = int(st[-1])
+    run_kernel(poison(x), a)
+    run_kernel(poison(x), a)
+    assert int(st[-1]) == e0 + 2 and int(st[-2]) == 0
+
+
+def test_writes_are_gated_by_the_claim():
+    """Only the token holding the highest claim of its slot writes (the interpreter runs programs in token
+    order, so last-wins alone would not show the gate): a claim planted for this call by a higher token
+    index keeps tokens 0 and 3 (sharing a slot) from writing, so that slot keeps its poison, while every
+    other token writes as usual; a stale claim (an older epoch) gates nothing."""
     x, a = case(slot_mapping=True, past=(0, 5, 20), q_lens=(4, 3, 2), seed=15)
     sm = x["slot_mapping"].clone()
     sm[3] = sm[0]
     sm[5] = -1
     x["slot_mapping"] = sm
-    real, seen = cache_write._write_kernel, {}
-
-    class Handover:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                winner = args[8]  # _write_kernel's winner_ptr
-                seen["winner"] = winner.clone().cpu()
-                winner[int(sm[0])] = 0
-                real[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(cache_write, "_write_kernel", Handover())
-    _, caches = run_kernel(poison(x), a)
-    monkeypatch.setattr(cache_write, "_write_kernel", real)
-    want = {t: int(sm[t]) for t in range(9) if t not in (0, 5)}
-    expect = torch.full_like(seen["winner"], -1)
-    expect[list(want.values())] = torch.tensor(list(want), dtype=torch.int32)
-    assert torch.equal(seen["winner"], expect)
-    _, earlier = run_kernel(poison(x), a, slot_mapping=torch.where(torch.arange(9) == 3, -1, sm).to(torch.int32))
+    _, clean = run_kernel(poison(x), a)  # creates the state
+    nslots = x["key_cache"].shape[0] * x["key_cache"].shape[1]
+    st = cache_write._STATES[(str(torch.device(DEVICE)), nslots)]
+    epoch = int(st[-1])
+    st[int(sm[0])] = (epoch << 32) | 1000  # this call: a later token (index 1000) owns the slot
+    p = poison(x)
+    _, gated = run_kernel(p, a)
+    blk, off = divmod(int(sm[0]), x["key_cache"].shape[1])
     for name in ("key_cache", "value_cache"):
-        assert torch.equal(_bits(caches[name]), _bits(earlier[name])), name
-    assert all(bool((w == -1).all()) for w in cache_write._WINNERS.values()), "winner workspace left dirty"
+        assert torch.equal(_bits(gated[name][blk, off]), _bits(p[name][blk, off])), f"{name}: gate ignored"
+        keep = torch.ones(nslots, dtype=torch.bool)
+        keep[int(sm[0])] = False
+        g, c = (_bits(t[name]).flatten(0, 1)[keep] for t in (gated, clean))
+        assert torch.equal(g, c), f"{name}: other slots changed"
+    st[int(sm[0])] = ((epoch - 5) << 32) | 1000  # stale: an older call's claim
+    _, again = run_kernel(poison(x), a)
+    for name in ("key_cache", "value_cache"):
+        assert torch.equal(_bits(again[name]), _bits(clean[name])), name
+    _assert_state_ready()
 
 
 def test_block_table_unmapped_aliased_zero_token_sequence():
@@ -321,12 +335,11 @@ def test_launcher_reads_nothing_on_the_host(monkeypatch):
 
     x, a = case(cache="int4", quant="PER_TOKEN", slot_mapping=True, query_positions=True, qk_norm=True, seed=3)
     kwargs = kernel_kwargs(x, a)
-    monkeypatch.setattr(cache_write, "_slot_kernel", Stub())
     monkeypatch.setattr(cache_write, "_write_kernel", Stub())
     for attr in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
         monkeypatch.setattr(torch.Tensor, attr, forbidden)
     cache_write.write_kv(x["query"], x["key"], x["value"], **kwargs)
-    assert grids == [(1,), (6, 2)]
+    assert grids == [(6, 2)]  # one launch
 
 
 def test_teeth():

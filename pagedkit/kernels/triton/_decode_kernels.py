@@ -28,20 +28,39 @@ def _tanh(x):
 
 
 @triton.jit
-def _values(x, FMT: tl.constexpr, HIGH: tl.constexpr):
-    """Loaded cache values -> float32 codes (float caches pass through as they are; codes are exact in
-    fp16 / bf16, so the caller's cast to T is exact). int4: the low (HIGH False) or high nibble, minus 8."""
+def _values(x, FMT: tl.constexpr, HIGH: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr):
+    """Loaded cache values -> DT (float16 / bfloat16; float caches pass through): codes are exact in DT, so
+    this is exact. Integer codes skip the integer-to-float unit (I2F is 16 lanes / clock / SM on Hopper,
+    which made quantized decode compute-bound): the code goes into a float's mantissa by bit operations
+    and the exponent's offset is subtracted (fp16 0x6400 = 1024, bf16 0x4300 = 128, fp32 0x4B000000 =
+    2**23). int4: the low (HIGH False) or high nibble, minus 8; int8 as bfloat16 goes through float32 (bf16
+    holds only 128 integers at one exponent). The interpreter (no bfloat16 arithmetic) converts plainly."""
     if FMT == 3:
-        xi = x.to(tl.int32)
+        xi = x.to(tl.int16)  # uint8 zero-extended
         if HIGH:
-            y = ((xi >> 4) & 15) - 8
+            n = (xi >> 4) & 15
         else:
-            y = (xi & 15) - 8
-        return y.to(tl.float32)
+            n = xi & 15
+        if DT == tl.float16:
+            return (n | 0x6400).to(tl.float16, bitcast=True) - 1032.0  # 1024 + n - 1032 = n - 8
+        elif INTERP:
+            return (n - 8).to(tl.float32).to(DT)
+        else:
+            return (n | 0x4300).to(tl.bfloat16, bitcast=True) - 136.0  # 128 + n - 136
     elif FMT == 2:  # fp8 e4m3 cache loaded through a uint8 view (defined zero fill for masked lanes)
-        return x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if INTERP:
+            return x.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DT)
+        else:
+            return x.to(tl.float8e4nv, bitcast=True).to(DT)
     elif FMT == 1:
-        return x.to(tl.float32)
+        if DT == tl.float16:
+            u = x.to(tl.int16) + 128  # 0 .. 255
+            return (u | 0x6400).to(tl.float16, bitcast=True) - 1152.0  # 1024 + x + 128 - 1152 = x
+        elif INTERP:
+            return x.to(tl.float32).to(DT)
+        else:
+            u = x.to(tl.int32) + 128
+            return ((u | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0).to(DT)  # 2**23 + 128
     else:
         return x
 
@@ -176,12 +195,12 @@ def _attn_kernel(
 
             k_off = blk * stride_kb + off * stride_ks + k_head
             kt = tl.load(k_ptr + k_off[None, :] + kw[:, None], mask=kvalid[None, :] & kw_ok[:, None], other=0)
-            kta = _values(kt, K_FMT, False).to(DT)
+            kta = _values(kt, K_FMT, False, DT, INTERP)
             raw = _dot(qa, kta, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
             if K_SCALE == 2:
                 raw = _dot(qa_lo, kta, raw, INTERP)
             if K_FMT == 3:
-                ktb = _values(kt, K_FMT, True).to(DT)
+                ktb = _values(kt, K_FMT, True, DT, INTERP)
                 raw = _dot(qb, ktb, raw, INTERP)
                 if K_SCALE == 2:
                     raw = _dot(qb_lo, ktb, raw, INTERP)
@@ -223,9 +242,9 @@ def _attn_kernel(
 
             v_off = blk * stride_vb + off * stride_vs + v_head
             vt = tl.load(v_ptr + v_off[:, None] + vw[None, :], mask=kvalid[:, None] & vw_ok[None, :], other=0)
-            vta = _values(vt, V_FMT, False).to(DT)
+            vta = _values(vt, V_FMT, False, DT, INTERP)
             if V_FMT == 3:
-                vtb = _values(vt, V_FMT, True).to(DT)
+                vtb = _values(vt, V_FMT, True, DT, INTERP)
             if V_SCALE == 3:  # per-key V scales into p, normalized by the tile's largest (fp16 range)
                 vsc = tl.load(vsc_ptr + blk * stride_vscb + off * stride_vscs + kvh * stride_vsch,
                               mask=kvalid, other=0.0).to(tl.float32)

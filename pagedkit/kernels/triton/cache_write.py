@@ -17,19 +17,25 @@ block_table[b, p // BS] * BS + p % BS when that column exists and the block is i
 outside [0, NB*BS) writes nothing (cache nor scale). Unlike the reference, out-of-range run-time values
 are not errors (that needs a host read): they clamp (RoPE positions) or write nothing (slots).
 
-Two launches per call: `_slot_kernel` (tokens in blocks of 128) computes every token's slot and RoPE
-position into a per-call int32 workspace [2, N] and does atomic_max(winner[slot], t); `_write_kernel`,
-grid (N, ceil(H / QH) + 1), does the rest: programs 0..NQ-1 of a token write its Q heads, the last one
-its K and V heads and scales. Dedup (tokens sharing a slot: the highest token index wins, as the
-reference's loop): `winner` is a persistent int32 [NB*BS] workspace per (device, NB*BS), all -1 between
-calls; a token writes only if winner[slot] == t, and that single program (one per token writes all its
-kv heads) resets winner[slot] = -1 after reading it, so the next call finds it clean. Losers read either
-the winner's index or -1, never their own. O(N) work, deterministic, no race on the cache bytes.
+One launch per call: `_write_kernel`, grid (N, ceil(H / QH) + 1). Every program derives its token's
+sequence, position and RoPE row itself (a few scalar loads); programs 0..NQ-1 of a token write its Q heads,
+the last one (the token's K/V program) its K and V heads and scales.
 
-Capture-safe: no host reads of device tensors, no data-dependent shapes; grids come from N, H, Hkv, D;
-the only allocations are the [2, N] workspace and q (caching allocator). The winner workspace is created
-(filled with -1) at the first call for its (device, NB*BS): make that call before capturing (warm-up),
-and do not run two calls with the same NB*BS concurrently on different streams (they share it).
+Dedup (tokens sharing a slot: the highest token index wins, as the reference's loop), in the same launch:
+a persistent int64 state per (device, NB*BS) holds claim[NB*BS], done[NB*BS], a finished counter and an
+epoch. A K/V program tags itself epoch << 32 | t and claims its slot with atomic_max. If the old claim is
+higher it writes nothing (a later token owns the slot). Otherwise, if the old claim is from this call, its
+owner has already started (it claimed), so waiting for it cannot deadlock: the program spins until
+done[slot] reaches that tag (acquire), writes, then raises done[slot] to its own tag (release, after a
+block barrier; the semaphore pattern of CUTLASS). Successful claims of a slot rise with t, each write
+follows the previous one, so the highest t's bytes land last. The last K/V program to finish (finished
+counter) resets the counter and advances the epoch, so the next call's tags exceed every stale one and
+nothing is cleared. O(1) work per token, deterministic, no race on the cache bytes.
+
+Capture-safe: no host reads of device tensors, no data-dependent shapes; grids come from N, H, Hkv, D; the
+only allocation is q (caching allocator). The state is created (zeros, epoch 1) at the first call for its
+(device, NB*BS): make that call before capturing (warm-up), and do not run two calls with the same NB*BS
+concurrently on different streams (they share it).
 """
 
 from __future__ import annotations
@@ -43,56 +49,51 @@ from .common import (FMT_FLOAT, FMT_FP8, FMT_INT4, FMT_INT8, QMAX, SCALE_CHANNEL
                      SideFormat, next_pow2, static_scale_vector, tl, triton)
 
 _TILE = 2048  # elements of one program's [heads, BLOCK_D] tile
-_BLOCK_T = 128  # tokens per program of the slot pass
-_WINNERS: dict[tuple, torch.Tensor] = {}
+_STATES: dict[tuple, torch.Tensor] = {}
 _CACHE_DTYPES = {FMT_FLOAT: (torch.float16, torch.bfloat16, torch.float32), FMT_INT8: (torch.int8,),
                  FMT_FP8: (torch.float8_e4m3fn,), FMT_INT4: (torch.uint8,)}
 
 
 @triton.jit
-def _slot_kernel(csl_ptr, past_ptr, bt_ptr, bt_s0, bt_s1, slotmap_ptr, qpos_ptr, ws_ptr, winner_ptr,
-                 N, MB, NB, P,
-                 B: tl.constexpr, LOG_B: tl.constexpr, BS: tl.constexpr, HAS_SLOTMAP: tl.constexpr,
-                 HAS_QPOS: tl.constexpr, HAS_ROPE: tl.constexpr, BLOCK_T: tl.constexpr):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tm = t < N
-    b = tl.zeros([BLOCK_T], dtype=tl.int32)
+def _token_slot(t, csl_ptr, past_ptr, bt_ptr, bt_s0, bt_s1, slotmap_ptr, qpos_ptr, MB, NB, P,
+                B: tl.constexpr, LOG_B: tl.constexpr, BS: tl.constexpr, HAS_SLOTMAP: tl.constexpr,
+                HAS_QPOS: tl.constexpr, HAS_ROPE: tl.constexpr):
+    """Token t's (int64 scalar) write slot (-1: none) and RoPE row."""
+    b = t * 0
     for i in tl.static_range(LOG_B):  # the last b in [0, B] with csl[b] <= t (csl non-decreasing)
         cand = b + (1 << (LOG_B - 1 - i))
-        ok = tm & (cand <= B)
-        c = tl.load(csl_ptr + cand, mask=ok, other=0).to(tl.int64)
+        ok = cand <= B
+        c = tl.load(csl_ptr + tl.where(ok, cand, 0)).to(tl.int64)
         b = tl.where(ok & (c <= t), cand, b)
     b = tl.minimum(b, B - 1)
-    start = tl.load(csl_ptr + b, mask=tm, other=0).to(tl.int64)
-    p = tl.load(past_ptr + b, mask=tm, other=0).to(tl.int64) + (t - start)
+    start = tl.load(csl_ptr + b).to(tl.int64)
+    p = tl.load(past_ptr + b).to(tl.int64) + (t - start)
     if HAS_QPOS:
-        rpos = tl.load(qpos_ptr + t, mask=tm, other=0).to(tl.int64)
+        rpos = tl.load(qpos_ptr + t).to(tl.int64)
     else:
         rpos = p
     if HAS_ROPE:
         rpos = tl.minimum(tl.maximum(rpos, 0), P - 1)
     if HAS_SLOTMAP:
-        slot = tl.load(slotmap_ptr + t, mask=tm, other=-1).to(tl.int64)
+        slot = tl.load(slotmap_ptr + t).to(tl.int64)
     else:
         col = p // BS
-        ok = tm & (p >= 0) & (col < MB)
-        blk = tl.load(bt_ptr + b.to(tl.int64) * bt_s0 + tl.where(ok, col, 0) * bt_s1, mask=ok, other=-1)
-        blk = blk.to(tl.int64)
+        ok = (p >= 0) & (col < MB)
+        blk = tl.load(bt_ptr + b * bt_s0 + tl.where(ok, col, 0) * bt_s1).to(tl.int64)
         slot = tl.where(ok & (blk >= 0) & (blk < NB), blk * BS + p % BS, -1)
-    valid = tm & (slot >= 0) & (slot < NB * BS)
-    slot = tl.where(valid, slot, -1)
-    tl.store(ws_ptr + t, slot.to(tl.int32), mask=tm)
-    tl.store(ws_ptr + N + t, rpos.to(tl.int32), mask=tm)
-    tl.atomic_max(winner_ptr + tl.where(valid, slot, 0), t, mask=valid)
+    slot = tl.where((slot >= 0) & (slot < NB * BS), slot, -1)
+    return slot, rpos
 
 
 @triton.jit
-def _write_kernel(q_ptr, q_rs, k_ptr, k_rs, v_ptr, v_rs, out_ptr, ws_ptr, winner_ptr, N,
+def _write_kernel(q_ptr, q_rs, k_ptr, k_rs, v_ptr, v_rs, out_ptr, state_ptr, N,
+                  csl_ptr, past_ptr, bt_ptr, bt_s0, bt_s1, slotmap_ptr, qpos_ptr, MB, NB, P,
                   qw_ptr, kw_ptr, eps, cos_ptr, sin_ptr, cos_rs, sin_rs,
                   kc_ptr, kc0, kc1, kc2, kc3, vc_ptr, vc0, vc1, vc2, vc3,
                   ksv_ptr, vsv_ptr, ksc_ptr, ks0, ks1, ks2, vsc_ptr, vs0, vs1, vs2,
                   H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                   QH: tl.constexpr, KH: tl.constexpr, NQ: tl.constexpr, BS: tl.constexpr,
+                  B: tl.constexpr, LOG_B: tl.constexpr, HAS_SLOTMAP: tl.constexpr, HAS_QPOS: tl.constexpr,
                   HAS_V: tl.constexpr, HAS_NORM: tl.constexpr, HAS_ROPE: tl.constexpr, HALF: tl.constexpr,
                   ROT_OFF: tl.constexpr, INTERLEAVED: tl.constexpr, QK_ROT: tl.constexpr, V_ROT: tl.constexpr,
                   KB: tl.constexpr, INV_SQRT_D: tl.constexpr, OUT_BF16: tl.constexpr,
@@ -100,7 +101,8 @@ def _write_kernel(q_ptr, q_rs, k_ptr, k_rs, v_ptr, v_rs, out_ptr, ws_ptr, winner
                   V_FMT: tl.constexpr, V_SCALE: tl.constexpr, V_BF16: tl.constexpr, V_QMAX: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
-    pos = tl.load(ws_ptr + N + t).to(tl.int64)
+    slot, pos = _token_slot(t, csl_ptr, past_ptr, bt_ptr, bt_s0, bt_s1, slotmap_ptr, qpos_ptr, MB, NB, P,
+                            B, LOG_B, BS, HAS_SLOTMAP, HAS_QPOS, HAS_ROPE)
     cos_row = cos_ptr + pos * cos_rs
     sin_row = sin_ptr + pos * sin_rs
     cols = tl.arange(0, BLOCK_D)
@@ -114,12 +116,19 @@ def _write_kernel(q_ptr, q_rs, k_ptr, k_rs, v_ptr, v_rs, out_ptr, ws_ptr, winner
             qval = qx.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + t * (H * D) + qrows[:, None] * D + cols[None, :], qval,
                  mask=(qrows[:, None] < H) & (cols[None, :] < D))
-    else:  # K (and V) heads of the token, if it owns its slot
-        slot = tl.load(ws_ptr + t)
+    else:  # K (and V) heads of the token, if no later token claimed its slot (module docstring)
+        S = NB * BS
         ok = slot >= 0
-        sc = tl.where(ok, slot, 0).to(tl.int64)
-        win = tl.load(winner_ptr + sc, mask=ok, other=-1)
-        write = ok & (win == t)
+        sc = tl.where(ok, slot, 0)
+        epoch = tl.load(state_ptr + 2 * S + 1)
+        tag = (epoch << 32) | t
+        old = tl.atomic_max(state_ptr + sc, tag, mask=ok, sem="acq_rel")
+        write = ok & (old < tag)
+        target = tl.where(write & (old >= (epoch << 32)), old, 0)  # this call's previous owner, else none
+        seen = target * 0
+        while seen < target:  # that owner is running (it claimed): wait until its bytes are written
+            seen = tl.atomic_add(state_ptr + S + sc, 0, sem="acquire")
+        tl.debug_barrier()
         blk = sc // BS
         off = sc % BS
         for h0 in tl.static_range(0, HKV, KH):
@@ -133,7 +142,11 @@ def _write_kernel(q_ptr, q_rs, k_ptr, k_rs, v_ptr, v_rs, out_ptr, ws_ptr, winner
                               False, False, HALF, ROT_OFF, INTERLEAVED, V_ROT, KB, INV_SQRT_D)
                 encode_store(v, rows, HKV, D, write, vc_ptr, vc0, vc1, vc2, vc3, blk, off, vsv_ptr,
                              vsc_ptr, vs0, vs1, vs2, KH, BLOCK_D, V_FMT, V_SCALE, V_BF16, V_QMAX)
-        tl.store(winner_ptr + sc, -1, mask=write)
+        tl.debug_barrier()
+        tl.atomic_max(state_ptr + S + sc, tag, mask=write, sem="release")
+        if tl.atomic_add(state_ptr + 2 * S, 1, sem="acq_rel") == N - 1:  # the last K/V program of the call
+            tl.atomic_xchg(state_ptr + 2 * S, 0)
+            tl.atomic_add(state_ptr + 2 * S + 1, 1)
 
 
 def _fail(name: str, msg: str) -> None:
@@ -192,11 +205,13 @@ def _side(name, cache, fmt, shape, scale, scale_name, scale_cache, sc_name, kv_h
     return (view.view(torch.int16) if bf16 else view), bf16, vec, sc
 
 
-def _winner(device: torch.device, n: int) -> torch.Tensor:
+def _state(device: torch.device, n: int) -> torch.Tensor:
+    """The dedup state of (device, n slots): int64 [claim n | done n | finished | epoch] (module docstring)."""
     key = (str(device), n)
-    w = _WINNERS.get(key)
+    w = _STATES.get(key)
     if w is None:
-        w = _WINNERS[key] = torch.full((n,), -1, dtype=torch.int32, device=device)
+        w = _STATES[key] = torch.zeros((2 * n + 2,), dtype=torch.int64, device=device)
+        w[-1] = 1
     return w
 
 
@@ -306,17 +321,9 @@ def write_kv(query, key, value, *, num_heads: int, kv_num_heads: int, head_size:
     out = torch.empty((N, H, D), dtype=T, device=dev)
     if N == 0:
         return out
-    winner = _winner(dev, NB * BS)
-    ws = torch.empty((2, N), dtype=torch.int32, device=dev)
-    dummy = ws
+    state = _state(dev, NB * BS)
+    dummy = out
     csl, past = cumulative_sequence_length.contiguous(), past_seqlens.contiguous()
-    _slot_kernel[(triton.cdiv(N, _BLOCK_T),)](
-        csl, past, block_table, block_table.stride(0), block_table.stride(1),
-        dummy if slot_mapping is None else slot_mapping.contiguous(),
-        dummy if query_positions is None else query_positions.contiguous(), ws, winner,
-        N, block_table.shape[1], NB, P,
-        B=B, LOG_B=max(1, B.bit_length()), BS=BS, HAS_SLOTMAP=slot_mapping is not None,
-        HAS_QPOS=query_positions is not None, HAS_ROPE=has_rope, BLOCK_T=_BLOCK_T, num_warps=4)
 
     block_d = max(next_pow2(D), 16 if rotate_any else 2)
     qh = min(next_pow2(H), max(1, _TILE // block_d))
@@ -328,25 +335,26 @@ def write_kv(query, key, value, *, num_heads: int, kv_num_heads: int, head_size:
     nq = -(-H // qh)
     ks = ksc.stride() if ksc is not None else (0, 0, 0)
     vs = vsc.stride() if vsc is not None else (0, 0, 0)
-    try:
-        _write_kernel[(N, nq + 1)](
-            q_in, q_in.stride(0), k_in, k_in.stride(0), v_in if v_in is not None else k_in,
-            (v_in if v_in is not None else k_in).stride(0), out.view(torch.int16) if T == torch.bfloat16 else out,
-            ws, winner, N,
-            q_norm_weight if has_norm else dummy, k_norm_weight if has_norm else dummy, float(qk_norm_epsilon),
-            cos_cache if has_rope else dummy, sin_cache if has_rope else dummy,
-            cos_cache.stride(0) if has_rope else 0, sin_cache.stride(0) if has_rope else 0,
-            kc, *kc.stride(), vc, *vc.stride(),
-            ksv if ksv is not None else dummy, vsv if vsv is not None else dummy,
-            ksc if ksc is not None else dummy, *ks, vsc if vsc is not None else dummy, *vs,
-            H=H, HKV=HKV, D=D, BLOCK_D=block_d, QH=qh, KH=kh, NQ=nq, BS=BS,
-            HAS_V=not latent, HAS_NORM=has_norm, HAS_ROPE=has_rope, HALF=half, ROT_OFF=int(rotary_offset),
-            INTERLEAVED=bool(rotary_interleaved), QK_ROT=bool(qk_rotation), V_ROT=bool(v_rotation) and not latent,
-            KB=min(block_d, 32), INV_SQRT_D=float(1.0 / math.sqrt(D)), OUT_BF16=T == torch.bfloat16,
-            K_FMT=k_format.fmt, K_SCALE=k_format.scale, K_BF16=k_bf16, K_QMAX=QMAX.get(k_format.fmt, 1.0),
-            V_FMT=vfmt.fmt, V_SCALE=vfmt.scale, V_BF16=v_bf16, V_QMAX=QMAX.get(vfmt.fmt, 1.0),
-            num_warps=4)
-    except BaseException:
-        winner.fill_(-1)  # the slot pass ran: leave the workspace clean for the next call
-        raise
+    _write_kernel[(N, nq + 1)](
+        q_in, q_in.stride(0), k_in, k_in.stride(0), v_in if v_in is not None else k_in,
+        (v_in if v_in is not None else k_in).stride(0), out.view(torch.int16) if T == torch.bfloat16 else out,
+        state, N,
+        csl, past, block_table, block_table.stride(0), block_table.stride(1),
+        dummy if slot_mapping is None else slot_mapping.contiguous(),
+        dummy if query_positions is None else query_positions.contiguous(), block_table.shape[1], NB, P,
+        q_norm_weight if has_norm else dummy, k_norm_weight if has_norm else dummy, float(qk_norm_epsilon),
+        cos_cache if has_rope else dummy, sin_cache if has_rope else dummy,
+        cos_cache.stride(0) if has_rope else 0, sin_cache.stride(0) if has_rope else 0,
+        kc, *kc.stride(), vc, *vc.stride(),
+        ksv if ksv is not None else dummy, vsv if vsv is not None else dummy,
+        ksc if ksc is not None else dummy, *ks, vsc if vsc is not None else dummy, *vs,
+        H=H, HKV=HKV, D=D, BLOCK_D=block_d, QH=qh, KH=kh, NQ=nq, BS=BS,
+        B=B, LOG_B=max(1, B.bit_length()), HAS_SLOTMAP=slot_mapping is not None,
+        HAS_QPOS=query_positions is not None,
+        HAS_V=not latent, HAS_NORM=has_norm, HAS_ROPE=has_rope, HALF=half, ROT_OFF=int(rotary_offset),
+        INTERLEAVED=bool(rotary_interleaved), QK_ROT=bool(qk_rotation), V_ROT=bool(v_rotation) and not latent,
+        KB=min(block_d, 32), INV_SQRT_D=float(1.0 / math.sqrt(D)), OUT_BF16=T == torch.bfloat16,
+        K_FMT=k_format.fmt, K_SCALE=k_format.scale, K_BF16=k_bf16, K_QMAX=QMAX.get(k_format.fmt, 1.0),
+        V_FMT=vfmt.fmt, V_SCALE=vfmt.scale, V_BF16=v_bf16, V_QMAX=QMAX.get(vfmt.fmt, 1.0),
+        num_warps=4)
     return out
