@@ -82,13 +82,14 @@ def test_a_host_read_in_the_step_is_caught(tmp_path, monkeypatch):
 
     hf = tiny_model("LlamaConfig")
     export_tiny(hf, tmp_path / "m")
-    real = OPS[("", "Sigmoid")]
+    for key in (("", "Sigmoid"), ("pagedkit.fused", "SiluMul")):  # the MLP's activation, fused or not
+        real = OPS[key]
 
-    def syncing(inputs, attrs, ctx):
-        float(inputs[0].sum().item())  # a host read of a device value
-        return real(inputs, attrs, ctx)
+        def syncing(inputs, attrs, ctx, real=real):
+            float(inputs[0].sum().item())  # a host read of a device value
+            return real(inputs, attrs, ctx)
 
-    monkeypatch.setitem(OPS, ("", "Sigmoid"), syncing)
+        monkeypatch.setitem(OPS, key, syncing)
     gen = Generator(tmp_path / "m", device="cuda", max_seq_len=64)
     with pytest.raises(RuntimeError, match="synchroniz"):
         _decode_step_under_sync_debug(gen, [3, 9, 4, 17, 5], relax_attention=True)

@@ -1,5 +1,5 @@
-"""PagedAttention on Triton (variant "triton_paged"): the cache-write prologue (`cache_write.write_kv`: a slot
-pass and one write launch) then split-KV attention (`decode.paged_decode`: attention + reduce), both `torch.library` custom
+"""PagedAttention on Triton (variant "triton_paged"): the cache-write prologue (`cache_write.write_kv`: one
+launch) then split-KV attention (`decode.paged_decode`: attention + reduce), both `torch.library` custom
 ops (`ops.py`), no host syncs and no host reads of device tensors, so one call is CUDA-graph capturable.
 
 Inputs by contract name (query [N, H*D] or packed [N, (H + 2*Hkv)*D], caches [NB, BS, Hkv, Dc] updated in
