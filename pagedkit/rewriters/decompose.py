@@ -31,7 +31,8 @@ from pagedkit.validators.inference import register_schemas, type_of_proto
 
 from ._builder import F32, Builder
 from .decompose_attention import Masking, allowed_mask, apply_rope, attend, rms_norm, rope_tables, rotate
-from .decompose_cache import Side, context, decode, token_index, update_side, write_slots
+from .decompose_cache import (Side, context, decode, in_place_refusal, readable_rows, scatter_index, tight_table,
+                              token_index, update_side, update_side_in_place, write_slots)
 
 MIN_OPSET = 21
 DOMAIN = "com.microsoft"
@@ -221,26 +222,63 @@ def check(node: ir.Node, proto_node: onnx.NodeProto, info: dict, consts: dict) -
 # rewrite
 # ------------------------------------------------------------------------------------------------
 
-def rewrite(s: Spec, prefix: str) -> tuple[Builder, dict]:
-    """Build the replacement; returns the builder (its nodes) and output name -> new value."""
+def _dims_key(info: dict, name: str, axes) -> tuple | None:
+    """The static (int or symbolic) sizes of name's axes, None when any is unknown."""
+    shape = info.get(name, (None, None))[1]
+    if shape is None or len(shape) <= max(axes):
+        return None
+    dims = tuple(shape[i] for i in axes)
+    return None if any(d is None or d == "" for d in dims) else dims
+
+
+def share_key(s: Spec, info: dict) -> tuple | None:
+    """Nodes with equal keys share the step's bookkeeping (token index, write slots, context rows, RoPE rows):
+    the same sequence-length / block-table / position inputs and caches whose block count and block size are
+    statically the same (equal ints or the same symbolic names); token_count is csl[-1] for every node (a
+    valid input), so the first node's query gives it. None: not shared."""
+    cache = _dims_key(info, s.x["key_cache"].name, (0, 1))
+    if cache is None:
+        return None
+    names = tuple(s.x[n].name if n in s.x else "" for n in ("cumulative_sequence_length", "past_seqlens",
+                                                           "block_table", "slot_mapping", "query_positions"))
+    return names + cache + (int(s.attrs["qk_output"]),)  # token_count: csl[-1] (the contract) for every node
+
+
+def rewrite(s: Spec, prefix: str, in_place: bool = False, shared: dict | None = None,
+            key: tuple | None = None) -> tuple[Builder, dict]:
+    """Build the replacement; returns the builder (its nodes) and output name -> new value. in_place: the
+    cache outputs are ScatterND's straight on the cache inputs (bind each to its input's buffer) and the
+    context covers only the columns the step can read (when no output_qk fixes its width)."""
     b, x, a = Builder(prefix), s.x, s.attrs
     hd, hkv, h = s.head_size, s.kv_heads, s.heads
-    ix = token_index(b, x["query"], x["cumulative_sequence_length"], x["past_seqlens"], x.get("query_positions"))
+    memo = shared.setdefault(key, {}) if shared is not None and key is not None else {}
+    if "ix" not in memo:
+        memo["ix"] = token_index(b, x["query"], x["cumulative_sequence_length"], x["past_seqlens"],
+                                 x.get("query_positions"))
+    ix = memo["ix"]
     qf = b.f(x["query"])
     if s.packed:
         q, k, v = b.ops("Split", qf, b.i64(h * hd, hkv * hd, hkv * hd), num_outputs=3, axis=1)
     else:
         q, k = qf, b.f(x["key"])
         v = None if s.latent else b.f(x["value"])
-    q, k = b.reshape(q, ix.t, h, hd), b.reshape(k, ix.t, hkv, hd)
-    v = None if v is None else b.reshape(v, ix.t, hkv, hd)
+    if in_place:  # token_count from the data (-1): no shape built per node
+        q, k = b.op("Reshape", q, b.i64(-1, h, hd)), b.op("Reshape", k, b.i64(-1, hkv, hd))
+        v = None if v is None else b.op("Reshape", v, b.i64(-1, hkv, hd))
+    else:
+        q, k = b.reshape(q, ix.t, h, hd), b.reshape(k, ix.t, hkv, hd)
+        v = None if v is None else b.reshape(v, ix.t, hkv, hd)
     # prologue: QK-norm -> RoPE -> rotation; Q rounded to T
     if "q_norm_weight" in x:
         eps = float(a["qk_norm_epsilon"])
         q, k = rms_norm(b, q, x["q_norm_weight"], eps), rms_norm(b, k, x["k_norm_weight"], eps)
     if int(a["do_rotary"]):
-        r = rope_tables(b, x["cos_cache"], x["sin_cache"], ix.pos, s.half, bool(int(a["rotary_interleaved"])),
-                        int(a["rotary_offset"]))
+        rk = ("rope", x["cos_cache"].name, x["sin_cache"].name, s.half, int(a["rotary_interleaved"]),
+              int(a["rotary_offset"]))
+        if rk not in memo or not x["cos_cache"].name:
+            memo[rk] = rope_tables(b, x["cos_cache"], x["sin_cache"], ix.pos, s.half,
+                                   bool(int(a["rotary_interleaved"])), int(a["rotary_offset"]))
+        r = memo[rk]
         q, k = apply_rope(b, q, r, hd, ix.t, h), apply_rope(b, k, r, hd, ix.t, hkv)
     if int(a["qk_rotation"]):
         q, k = rotate(b, q, hd), rotate(b, k, hd)
@@ -249,30 +287,47 @@ def rewrite(s: Spec, prefix: str) -> tuple[Builder, dict]:
     q = b.f(b.cast(q, s.t_elem))
     # cache writes (every token of the step before any attention), then the context reads
     ks = s.sides["k"]
-    slots, keep = write_slots(b, ix, x["block_table"], x.get("slot_mapping"), ks.cache)
+    if "slots" not in memo:
+        memo["slots"] = write_slots(b, ix, x["block_table"], x.get("slot_mapping"), ks.cache)
+        table = x["block_table"]
+        if in_place and int(a["qk_output"]) == 0:
+            table = tight_table(b, ix, table, ks.cache)
+        ctx = context(b, ix, table, ks.cache)
+        memo["ctx"] = readable_rows(b, ctx) if in_place else ctx
+    slots, keep = memo["slots"]
+    ctx = memo["ctx"]
     new = {}
-    ctx = context(b, ix, x["block_table"], ks.cache)
     ctx_vals = {}
     for p, val in (("k", k), ("v", v)):
         side = s.sides.get(p)
         if side is None:
             continue
-        padded, out, scale_padded, scale_out = update_side(b, side, ix, slots, keep, val)
+        if in_place:
+            if "where" not in memo:
+                memo["where"] = scatter_index(b, ks.cache, slots, keep)
+            padded, out, scale_padded, scale_out = update_side_in_place(b, side, slots, keep, val, memo["where"])
+        else:
+            padded, out, scale_padded, scale_out = update_side(b, side, ix, slots, keep, val)
         new["key_cache_out" if p == "k" else "value_cache_out"] = out
         if scale_out is not None:
             new[f"{p}_scale_cache_out"] = scale_out
-        ctx_vals[p] = decode(b, side, ix, ctx, padded, scale_padded)
+        vals = decode(b, side, ix, ctx, padded, scale_padded)
+        ctx_vals[p] = b.where(b.unsq(ctx.readable, 2, 3), vals, b.f32(0.0)) if in_place else vals
     keys = ctx_vals["k"]
     values = b.slice(keys, 0, s.v_head, 3) if s.latent else ctx_vals["v"]
     scale = float(a["scale"]) or 1.0 / math.sqrt(hd)
     m = Masking(bool(int(a["is_causal"])), int(a["local_window_size"]), float(a["softcap"]), scale,
                 int(a["qk_output"]))
-    allowed = allowed_mask(b, ix, ctx, m)
+    ak = ("allowed", m.causal, m.window)
+    if ak not in memo:
+        memo[ak] = allowed_mask(b, ix, ctx, m)
+    allowed = memo[ak]
     out, qk = attend(b, q, keys, values, allowed, ix, ctx, m, h, hkv, hd, s.v_head,
                      x.get("attention_bias"), x.get("head_sink"))
     if "v" in s.sides and int(a["v_rotation"]):
         out = rotate(b, out, hd)
-    new["output"] = b.cast(b.reshape(out, ix.t, h * s.v_head), s.t_elem)
+    flat_out = b.op("Reshape", out, b.i64(-1, h * s.v_head)) if in_place else b.reshape(out, ix.t, h * s.v_head)
+    new["output"] = b.cast(flat_out, s.t_elem)
     if qk is not None:
         new["output_qk"] = b.cast(b.op("Transpose", qk, perm=[1, 0, 2]), s.qk_elem)
     return b, new
@@ -286,12 +341,16 @@ def _default_opset(model: ir.Model) -> int | None:
     return model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
 
 
-def decompose(model: onnx.ModelProto | ir.Model) -> tuple[onnx.ModelProto | ir.Model, DecomposeReport]:
+def decompose(model: onnx.ModelProto | ir.Model, *, in_place: bool = False
+              ) -> tuple[onnx.ModelProto | ir.Model, DecomposeReport]:
     """Rewrite every valid com.microsoft::PagedAttention node of the main graph into standard ONNX ops.
 
     Returns (the rewritten model, of the same kind as given: a new ModelProto, or the ir.Model edited in
     place; a report of the nodes rewritten and skipped with the reason). Nodes inside subgraphs or
     functions are reported and left alone. The default-domain opset must be >= 21 (or absent: 21 is added).
+    in_place: the form the CPU session runs in onnxruntime (runtime/delegate.py): each cache output is a
+    ScatterND straight on its cache input, so binding the output to the input's buffer writes only the step's
+    rows; the context spans only the block-table columns the step can read; fp8 / bfloat16 caches refused.
     """
     as_proto = isinstance(model, onnx.ModelProto)
     proto = model if as_proto else ir.serde.serialize_model(model)
@@ -300,6 +359,7 @@ def decompose(model: onnx.ModelProto | ir.Model) -> tuple[onnx.ModelProto | ir.M
     proto_nodes = {tuple(n.output): n for n in proto.graph.node}
     report = DecomposeReport()
     opset = _default_opset(irm)
+    shared: dict = {}  # share_key -> the step's bookkeeping values, built by the first node with that key
     for i, node in enumerate(list(irm.graph)):
         if node.op_type != "PagedAttention" or node.domain != DOMAIN:
             continue
@@ -313,7 +373,11 @@ def decompose(model: onnx.ModelProto | ir.Model) -> tuple[onnx.ModelProto | ir.M
             if pnode is None:
                 raise Refused("node not found in the serialized model")
             spec = check(node, pnode, info, consts)
-            b, new = rewrite(spec, f"{name}/decomposed")
+            if in_place:
+                why = next((r for r in map(in_place_refusal, spec.sides.values()) if r), None)
+                if why:
+                    raise Refused(why)
+            b, new = rewrite(spec, f"{name}/decomposed", in_place, shared, share_key(spec, info))
         except Refused as exc:
             report.skipped.append((name, str(exc)))
             continue

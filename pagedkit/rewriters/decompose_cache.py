@@ -228,5 +228,52 @@ def update_side(b: Builder, side: Side, ix: TokenIndex, slots: ir.Value, keep: i
     return padded, out, scale_padded, scale_out
 
 
-__all__ = ["Context", "Side", "TokenIndex", "context", "decode", "token_index", "update_side",
-           "write_slots"]
+def update_side_in_place(b: Builder, side: Side, slots: ir.Value, keep: ir.Value, x: ir.Value,
+                         where: tuple[ir.Value, ir.Value] | None = None):
+    """The in-place form of update_side (CPU plan, runtime/delegate.py): encode x [T, Hkv, D] f32 and ScatterND
+    the kept rows straight into the cache [NB, BS, Hkv, Dc] at (block, offset) -> (flat rows [NB*BS, Hkv, Dc] of
+    the updated cache, cache output, flat scale rows or None, scale cache output or None). The ScatterND's
+    output is the node's cache output: bound to the cache input's buffer it writes only the step's rows.
+    Needs the cache dtype as the working dtype (no fp8 / bfloat16 working copy): `in_place_refusal`.
+    where: scatter_index(b, side.cache, slots, keep), shared by the nodes of a step (None: made here)."""
+    where = where or scatter_index(b, side.cache, slots, keep)
+    codes, tok_scale = encode(b, side, x)
+    out = b.op("ScatterND", side.cache, where[0], stored(b, side, b.op("Compress", codes, keep, axis=0)))
+    flat = b.op("Reshape", out, b.i64(-1, side.kv_heads, side.width))
+    scale_out = scale_flat = None
+    if tok_scale is not None:
+        upd = b.cast(b.op("Compress", tok_scale, keep, axis=0), side.scale_elem)
+        scale_out = b.op("ScatterND", side.scale_cache, where[0], upd)
+        scale_flat = b.op("Reshape", scale_out, b.i64(-1, side.kv_heads))
+    return flat, out, scale_flat, scale_out
+
+
+def scatter_index(b: Builder, cache: ir.Value, slots: ir.Value, keep: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """([W, 2] (block, offset) of the kept slots, [W] the kept slots) for update_side_in_place."""
+    bs = b.dim(cache, 1)
+    w = b.op("Compress", slots, keep, axis=0)  # [W] distinct slots
+    return b.op("Concat", b.unsq(b.op("Div", w, bs), 1), b.unsq(b.op("Mod", w, bs), 1), axis=1), w
+
+
+def in_place_refusal(side: Side) -> str | None:
+    if work_dtype(side) != side.elem:
+        return f"a {side.elem.name.lower()} cache is worked on through a copy; the in-place write needs float16, " \
+               "float32, int8 or int4 storage"
+    return None
+
+
+def readable_rows(b: Builder, ctx: Context) -> Context:
+    """ctx with unreadable positions reading row 0 (no zero row appended in place); the caller masks them."""
+    return Context(b.where(ctx.readable, ctx.rows, b.scalar_i64(0)), ctx.readable, ctx.c)
+
+
+def tight_table(b: Builder, ix: TokenIndex, block_table: ir.Value, cache: ir.Value) -> ir.Value:
+    """block_table's first ceil(max extent / BS) columns: the context this step can read (>= 1 column)."""
+    bs = b.dim(cache, 1)
+    longest = b.reduce("ReduceMax", b.op("Concat", ix.extent_b, b.i64(1), axis=0), 0)  # [1]
+    cols = b.op("Min", b.op("Div", b.op("Add", longest, b.op("Sub", bs, b.i64(1))), bs), b.dim(block_table, 1))
+    return b.slice(block_table, 0, cols, 1)
+
+
+__all__ = ["Context", "Side", "TokenIndex", "context", "decode", "in_place_refusal", "readable_rows", "tight_table",
+           "scatter_index", "token_index", "update_side", "update_side_in_place", "write_slots"]

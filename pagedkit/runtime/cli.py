@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="KV block size (paged layout; default from the model / config)")
     p.add_argument("--threads", type=int, help="CPU threads (like onnxruntime's intra_op_num_threads; "
                                                "default: torch's, one per core)")
+    p.add_argument("--cpu-backend", choices=["onnxruntime", "torch"],
+                   help="on the CPU, who runs the standard ops (and the PagedAttention nodes it can express): "
+                        "onnxruntime's CPU execution provider (default when installed) or pagedkit's torch kernels")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--allow-reference-fallback", action="store_true",
                    help="on --device cuda, run attention nodes no GPU kernel serves on the loop-based reference "
@@ -117,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         # caches sized for this run (prompt + new tokens), not for the config's context_length
         gen = Generator(model_dir, device=args.device, block_size=args.block_size,
                         max_seq_len=len(prompt) + args.max_new_tokens, threads=args.threads,
-                        allow_reference_fallback=args.allow_reference_fallback or None)
+                        allow_reference_fallback=args.allow_reference_fallback or None,
+                        cpu_backend=args.cpu_backend)
         setup = time.perf_counter() - t0
     except (OSError, ValueError, NotImplementedError) as exc:
         return report_error("paged-run", exc)

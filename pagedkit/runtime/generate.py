@@ -33,7 +33,7 @@ from ..interface.genai_config import GENAI_CONFIG, cache_templates, read_genai_c
 from ..interface.paths import check_config_paths, inside_folder
 from .kv.cache import KVCacheManager
 from .kv.config import GroupConfig, KVCacheConfig, LayerCacheSpec
-from .session import InferenceSession, SessionOptions
+from .session import InferenceSession, SessionOptions, _cpu_backend
 from ..validators.contract import block_size_error
 from ..validators.contract import CACHE_FORMATS
 
@@ -346,12 +346,14 @@ class Generator:
     block_size / num_blocks / shuffle_seed (paged layout): cache geometry (defaults from the model and
     genai_config.json, pools sized for one sequence of max_seq_len) and a shuffled block pool.
     threads: CPU threads (SessionOptions.intra_op_num_threads; None = torch's default).
-    allow_reference_fallback: InferenceSession's (None: refused on CUDA, allowed on the CPU)."""
+    allow_reference_fallback: InferenceSession's (None: refused on CUDA, allowed on the CPU).
+    cpu_backend: InferenceSession's; None: the environment variable PAGEDKIT_CPU_BACKEND, else "onnxruntime"
+    (the fast CPU path, runtime/delegate.py) when onnxruntime is installed."""
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", *, block_size: int | None = None,
                  num_blocks: int | None = None, max_seq_len: int | None = None, shuffle_seed: int | None = None,
                  session: InferenceSession | None = None, threads: int | None = None,
-                 allow_reference_fallback: bool | None = None):
+                 allow_reference_fallback: bool | None = None, cpu_backend: str | None = None):
         if block_size is not None and block_size_error(block_size):
             raise ValueError(block_size_error(block_size))
         self.config = read_config(model_dir)
@@ -360,7 +362,8 @@ class Generator:
                                    str(Path(model_dir) / "genai_config.json"))
         options = SessionOptions(intra_op_num_threads=threads) if threads else None
         self.session = session or InferenceSession(str(model_path), options, providers=providers,
-                                                   allow_reference_fallback=allow_reference_fallback)
+                                                   allow_reference_fallback=allow_reference_fallback,
+                                                   cpu_backend=_cpu_backend(cpu_backend, "onnxruntime"))
         self.max_seq_len = min(max_seq_len or self.config.context_length, self.config.context_length)
         self.logits_name = self.config.outputs.get(N.LOGITS) or N.LOGITS
         self.state = (_PagedState(self, block_size, num_blocks, shuffle_seed) if self.config.paged

@@ -35,6 +35,8 @@ from .tensors import TORCH_TO_ONNX, to_numpy, to_torch, torch_type_name, type_na
 
 _PROVIDERS = ("CPUExecutionProvider", "CUDAExecutionProvider")
 VALIDATE_ENV = "PAGEDKIT_VALIDATE_INPUTS"
+CPU_BACKEND_ENV = "PAGEDKIT_CPU_BACKEND"
+CPU_BACKENDS = ("onnxruntime", "torch")
 
 
 def _node_error(step: Step, exc: Exception) -> Exception:
@@ -102,6 +104,21 @@ def _apply_threads(options: Any) -> None:
         torch.set_num_threads(n)
 
 
+def _cpu_backend(value: str | None, default: str = "torch") -> str:
+    """cpu_backend as given, else the environment variable PAGEDKIT_CPU_BACKEND, else `default` ("onnxruntime"
+    falls back to "torch" when onnxruntime is not installed)."""
+    if value is None:
+        value = os.environ.get(CPU_BACKEND_ENV, "").strip().lower() or default
+        if value == "onnxruntime":
+            try:
+                import onnxruntime  # noqa: F401
+            except ImportError:
+                return "torch"
+    if value not in CPU_BACKENDS:
+        raise ValueError(f"cpu_backend: expected one of {list(CPU_BACKENDS)}, got {value!r}")
+    return value
+
+
 def _select_device(providers) -> tuple[torch.device, list[str]]:
     names = [p[0] if isinstance(p, (tuple, list)) else p for p in (providers or ["CPUExecutionProvider"])]
     unknown = [p for p in names if p not in _PROVIDERS]
@@ -128,6 +145,11 @@ class InferenceSession:
     capturable: torch_sdpa reads sequence lengths on the host, the reference runs on the host).
     validate_inputs: re-check every attention call's concrete inputs (default: the environment
     variable PAGEDKIT_VALIDATE_INPUTS=1; off otherwise, the nodes being validated at creation).
+    cpu_backend: on the CPU, who runs the standard ops between attention nodes: "onnxruntime" (its CPU
+    execution provider, one session per segment, runtime/delegate.py; segments it refuses stay with torch,
+    see `delegated`; PagedAttention nodes it can express run there too, as standard ops with the caches
+    written in place) or "torch" (pagedkit's own kernels for every op). Default: the environment variable
+    PAGEDKIT_CPU_BACKEND, else "torch" (Generator and paged-run default to "onnxruntime"). Ignored on CUDA.
     """
 
     def __init__(
@@ -139,11 +161,23 @@ class InferenceSession:
         allow_reference_fallback: bool | None = None,
         capturable: bool = False,
         validate_inputs: bool | None = None,
+        cpu_backend: str | None = None,
     ):
         _apply_threads(sess_options)
         owned = not isinstance(path_or_bytes, onnx.ModelProto)  # a proto of our own: its weights can go
         self._model, self._base_dir = load_model(path_or_bytes, lazy_weights=owned)
         self.device, self._providers = _select_device(providers)
+        self.cpu_backend = _cpu_backend(cpu_backend) if self.device.type == "cpu" else "torch"
+        self._segments: list = []  # live onnxruntime segments (delegate.py)
+        self._delegation = None
+        if self.cpu_backend == "onnxruntime":
+            from .delegate import delegate
+
+            threads = getattr(sess_options, "intra_op_num_threads", 0) or os.cpu_count() or 1
+            self._model, self._segments, self._delegation = delegate(self._model, self._base_dir, threads)
+            if self._segments and torch.get_num_threads() != 1:
+                torch.set_num_threads(1)  # attention ops are small; the cores are onnxruntime's pool's
+            owned = True  # a proto of our own now
         if allow_reference_fallback is None:
             allow_reference_fallback = self.device.type == "cpu"
         self.allow_reference_fallback = bool(allow_reference_fallback)
@@ -196,6 +230,16 @@ class InferenceSession:
         """Node name -> the layout its constant weight was given at creation (ops/packed.py), e.g.
         "oneDNN packed float32 (1.3 MiB)"; the stored tensor was replaced, not duplicated."""
         return dict(self._compiled.prepacked)
+
+    @property
+    def delegated(self) -> dict[str, Any]:
+        """On the CPU with cpu_backend "onnxruntime": {"onnxruntime": {segment: node count}, "torch": {segment:
+        why it stayed}, "attention_nodes": n}; {} otherwise."""
+        r = self._delegation
+        if r is None:
+            return {}
+        return {"onnxruntime": dict(r.delegated), "torch": dict(r.kept), "attention_nodes": r.barriers,
+                "decomposed": list(r.decomposed)}
 
     @property
     def fused(self) -> dict[str, int]:

@@ -37,6 +37,7 @@ OpImpl = Callable[[list[torch.Tensor | None], dict[str, Any], "OpContext"], list
 ONNX_DOMAIN = ""
 MS_DOMAIN = "com.microsoft"
 FUSED_DOMAIN = "pagedkit.fused"  # ops the session's fusions create (runtime/fuse.py); never in a model file
+ORT_DOMAIN = "pagedkit.ort"  # segments the CPU session hands to onnxruntime (runtime/delegate.py); never in a file
 # Highest ai.onnx opset whose semantics the implementations were written against.
 MAX_ONNX_OPSET = 23
 

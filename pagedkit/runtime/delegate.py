@@ -1,0 +1,336 @@
+"""CPU plan option: the standard-op segments between attention nodes run on onnxruntime's CPU execution
+provider (MLAS GEMMs, its int4 MatMulNBits, its fusions, no per-op Python), the attention nodes on
+pagedkit's kernels. onnxruntime has no CPU PagedAttention; this splits the graph where it has to.
+
+Partition (`partition`): barrier nodes are the attention nodes (graph.ATTENTION_OPS), nodes holding
+subgraphs (If / Loop / Scan: they stay with pagedkit, which resolves their outer-scope names) and nodes
+of domains onnxruntime does not know. Every other node gets a level: the largest level of its inputs, where
+a barrier's outputs are one level above the barrier. The non-barrier nodes of one level form segment L,
+which runs before the barriers of level L: a barrier of level L reads only values of level <= L, and
+no barrier of level L reads another's outputs. Values crossing a segment's boundary are its inputs and
+outputs; initializers only segments read move into them (pagedkit never loads those).
+
+`delegate` builds one onnxruntime session per segment (typed boundaries from ONNX shape inference;
+initializers embedded) and returns the model with each delegated segment replaced by one
+`pagedkit.ort::Segment` node, whose implementation (ops registered below) runs that session. A segment
+that onnxruntime refuses (an op or type it lacks), or whose boundary holds a type numpy lacks
+(bfloat16), or a segment over 2 GB stays with pagedkit's own kernels; `DelegationReport` says which and
+why. The session reports it as `InferenceSession.delegated`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper
+from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+from .graph import ATTENTION_OPS, static_facts
+from .ops.registry import ORT_DOMAIN, normalize_domain, register
+
+SEGMENT_OP = "Segment"
+_KNOWN_DOMAINS = {"", "com.microsoft"}
+_NUMPY_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.INT8, TensorProto.UINT8,
+                TensorProto.INT16, TensorProto.INT32, TensorProto.INT64, TensorProto.BOOL}
+_ORT_TYPES = {f"tensor({n})": e for n, e in (("float", TensorProto.FLOAT), ("float16", TensorProto.FLOAT16),
+              ("double", TensorProto.DOUBLE), ("int8", TensorProto.INT8), ("uint8", TensorProto.UINT8),
+              ("int16", TensorProto.INT16), ("int32", TensorProto.INT32), ("int64", TensorProto.INT64),
+              ("bool", TensorProto.BOOL), ("bfloat16", TensorProto.BFLOAT16))}
+_MAX_BYTES = 2_000_000_000  # one protobuf message
+_LIVE: "weakref.WeakValueDictionary[str, Segment]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+class Segment:
+    """One onnxruntime session over a run of standard nodes: torch tensors in, torch tensors out.
+    aliases: output -> input whose buffer it is written into (a cache's ScatterND, decompose(in_place=True)):
+    that output is bound to the input tensor's memory and returned as that very tensor."""
+
+    def __init__(self, key: str, inputs: list[str], outputs: list[str], nodes: int, session,
+                 aliases: dict[str, str] | None = None):
+        self.key, self.inputs, self.outputs, self.nodes, self.session = key, inputs, outputs, nodes, session
+        self.aliases = aliases or {}
+        self._pos = {n: i for i, n in enumerate(inputs)}
+
+    def run(self, ins: list[torch.Tensor]) -> list[torch.Tensor]:
+        import onnxruntime as ort
+
+        if not self.aliases:
+            feeds = {n: t.detach().contiguous().numpy() for n, t in zip(self.inputs, ins)}
+            return [torch.from_numpy(a) for a in self.session.run(self.outputs, feeds)]
+        bind = self.session.io_binding()
+        keep = []
+        for n, t in zip(self.inputs, ins):
+            a = t.detach().contiguous().numpy()
+            keep.append(a)
+            bind.bind_cpu_input(n, a)
+        for o in self.outputs:
+            src = self.aliases.get(o)
+            if src is None:
+                bind.bind_output(o, "cpu")
+                continue
+            t = ins[self._pos[src]]
+            if not t.is_contiguous():
+                raise ValueError(f"input '{src}': a cache updated in place must be contiguous")
+            bind.bind_ortvalue_output(o, ort.OrtValue.ortvalue_from_numpy(t.detach().numpy()))
+        self.session.run_with_iobinding(bind)
+        vals = bind.get_outputs()
+        return [ins[self._pos[self.aliases[o]]] if o in self.aliases else torch.from_numpy(v.numpy())
+                for o, v in zip(self.outputs, vals)]
+
+
+@register(SEGMENT_OP, domain=ORT_DOMAIN)
+def _segment(inputs, attrs, ctx):
+    """A delegated segment (delegate.py): attribute `key` names the live Segment."""
+    seg = _LIVE.get(attrs["key"])
+    if seg is None:
+        raise RuntimeError(f"node '{ctx.node_name}': delegated segment {attrs['key']!r} is gone (its session was "
+                           "released)")
+    return seg.run(inputs)
+
+
+@dataclass
+class DelegationReport:
+    """What delegate() did: segments run by onnxruntime (name -> node count) and those kept (name -> why)."""
+
+    delegated: dict[str, int] = field(default_factory=dict)
+    kept: dict[str, str] = field(default_factory=dict)
+    barriers: int = 0
+    decomposed: list[str] = field(default_factory=list)  # PagedAttention nodes run as standard ops in onnxruntime
+
+
+def _barrier(node: onnx.NodeProto) -> bool:
+    if (normalize_domain(node.domain), node.op_type) in ATTENTION_OPS:
+        return True
+    if node.domain not in _KNOWN_DOMAINS and node.domain != "ai.onnx":
+        return True
+    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+
+
+def partition(graph: onnx.GraphProto) -> tuple[list[list[int]], list[list[int]]]:
+    """(segments, barriers): node indices per level, in graph order (module docstring)."""
+    level: dict[str, int] = {}
+    segs: dict[int, list[int]] = {}
+    bars: dict[int, list[int]] = {}
+    for i, node in enumerate(graph.node):
+        lv = max((level.get(x, 0) for x in node.input if x), default=0)
+        if _barrier(node):
+            bars.setdefault(lv, []).append(i)
+            up = lv + 1
+        else:
+            segs.setdefault(lv, []).append(i)
+            up = lv
+        for o in node.output:
+            if o:
+                level[o] = up
+    top = max(list(segs) + list(bars) + [0])
+    return [segs.get(lv, []) for lv in range(top + 1)], [bars.get(lv, []) for lv in range(top + 1)]
+
+
+def _value_info(name: str, facts: dict) -> onnx.ValueInfoProto | None:
+    elem, shape = facts.get(name, (None, None))
+    if elem not in _NUMPY_TYPES:
+        return None
+    if shape is None:
+        return helper.make_tensor_value_info(name, elem, None)
+    dims = [d if isinstance(d, (int, str)) and not isinstance(d, bool) else None for d in shape]
+    return helper.make_tensor_value_info(name, elem, dims)
+
+
+_POOL: list[int] = []  # the process-wide onnxruntime thread pool's size, once made
+
+
+def _global_pool(threads: int) -> bool:
+    """One onnxruntime thread pool for every segment of every session (per-session pools would leave a
+    spinning worker per segment fighting torch for the cores). Its size is fixed by the first call in the
+    process; False when onnxruntime's environment already exists without one (then: per-session pools)."""
+    import onnxruntime as ort
+
+    if not _POOL:
+        try:
+            ort.capi._pybind_state.set_global_thread_pool_sizes(max(1, threads), 1)
+        except Exception:
+            _POOL.append(0)
+        else:
+            _POOL.append(max(1, threads))
+    return _POOL[0] > 0
+
+
+def _ort_session(model: onnx.ModelProto, threads: int):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if __import__("os").environ.get("PK_PROF"):
+        so.enable_profiling = True; so.profile_file_prefix = "/tmp/ortprof"
+    if _global_pool(threads):
+        so.use_per_session_threads = False
+    else:
+        so.intra_op_num_threads = 1
+        so.inter_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def delegate(model: onnx.ModelProto, base_dir: str | None, threads: int) -> tuple[onnx.ModelProto, list[Segment],
+                                                                               DelegationReport]:
+    """(the model with delegated segments replaced, the live segments, the report). `model` is not changed.
+    PagedAttention nodes are first rewritten into standard ops with in-place cache writes (decompose(
+    in_place=True)); if onnxruntime then refuses a segment holding such a rewrite (a dtype or op it lacks on
+    the CPU), the whole delegation is redone without the rewrite (the nodes stay pagedkit's kernels)."""
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return model, [], DelegationReport(kept={"*": "onnxruntime is not installed"})
+    if any(n.op_type == "PagedAttention" and normalize_domain(n.domain) == "com.microsoft" for n in model.graph.node):
+        from ..rewriters.decompose import decompose  # PagedAttention as standard ops, caches written in place
+
+        rewritten, drep = decompose(model, in_place=True)
+        if drep.changed:
+            out, live, report = _delegate(rewritten, base_dir, threads, list(drep.changed))
+            if not report.kept:
+                return out, live, report
+            _forget(live)
+            first = next(iter(report.kept.items()))
+            result = _delegate(model, base_dir, threads, [])
+            result[2].kept.setdefault("(attention rewrite)", f"not used: {first[0]}: {first[1]}")
+            return result
+    return _delegate(model, base_dir, threads, [])
+
+
+def _forget(live: list[Segment]) -> None:
+    for seg in live:
+        _LIVE.pop(seg.key, None)
+
+
+def _delegate(model: onnx.ModelProto, base_dir: str | None, threads: int, decomposed: list[str]):
+    g = model.graph
+    facts, _ = static_facts(model)
+    inits = {t.name: t for t in g.initializer}
+    graph_inputs = {vi.name for vi in g.input}
+    segs, bars = partition(g)
+    readers: dict[str, set[int]] = {}
+    for i, node in enumerate(g.node):
+        for x in node.input:
+            readers.setdefault(x, set()).add(i)
+    graph_outputs = {o.name for o in g.output}
+    report = DelegationReport(barriers=sum(map(len, bars)), decomposed=decomposed)
+    live: list[Segment] = []
+    new_nodes: list[onnx.NodeProto] = []
+    moved: set[str] = set()  # initializers now inside a segment
+    for lv, (seg, bar) in enumerate(zip(segs, bars)):
+        name = f"segment_{lv}"
+        if seg:
+            node = _build(name, seg, g, facts, inits, graph_inputs, readers, graph_outputs, base_dir, threads,
+                          model, report, live, moved)
+            new_nodes.extend([node] if node is not None else [g.node[i] for i in seg])
+        new_nodes.extend(g.node[i] for i in bar)
+    out = _shell(model)
+    out.graph.node.extend(new_nodes)
+    still = {x for n in new_nodes for x in n.input} | graph_outputs
+    out.graph.initializer.extend(t for t in g.initializer if t.name in still or t.name not in moved)
+    have = {vi.name for vi in out.graph.value_info}
+    for n in new_nodes:  # typed boundaries: the session's shape inference cannot see into segments
+        if n.domain == ORT_DOMAIN:
+            for o in n.output:
+                vi = _value_info(o, facts)
+                if vi is not None and o not in have:
+                    out.graph.value_info.append(vi)
+    if live:
+        out.opset_import.append(helper.make_opsetid(ORT_DOMAIN, 1))
+    return out, live, report
+
+
+def _shell(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model without nodes and initializers (everything else as it is)."""
+    m = onnx.ModelProto()
+    m.ir_version, m.producer_name, m.producer_version, m.domain = (model.ir_version, model.producer_name,
+                                                                  model.producer_version, model.domain)
+    m.model_version, m.doc_string = model.model_version, model.doc_string
+    m.opset_import.extend(model.opset_import)
+    m.metadata_props.extend(model.metadata_props)
+    m.functions.extend(model.functions)
+    src, dst = model.graph, m.graph
+    dst.name, dst.doc_string = src.name, src.doc_string
+    dst.input.extend(src.input)
+    dst.output.extend(src.output)
+    dst.value_info.extend(src.value_info)
+    dst.sparse_initializer.extend(src.sparse_initializer)
+    return m
+
+
+def _build(name, seg, g, facts, inits, graph_inputs, readers, graph_outputs, base_dir, threads, model, report,
+           live, moved) -> onnx.NodeProto | None:
+    """One segment's onnxruntime session and the node that stands for it; None (reason in the report) when
+    it stays with pagedkit."""
+    mine = set(seg)
+    produced = [o for i in seg for o in g.node[i].output if o]
+    made = set(produced)
+    ins, used_inits, seen = [], [], set()
+    for i in seg:
+        for x in g.node[i].input:
+            if not x or x in made or x in seen:
+                continue
+            seen.add(x)
+            if x in inits and x not in graph_inputs:
+                used_inits.append(x)
+            else:
+                ins.append(x)
+    outs = [o for o in produced if o in graph_outputs or (readers.get(o, set()) - mine)]
+    if not outs:
+        report.kept[name] = "no outputs anyone reads"
+        return None
+    vis = {x: _value_info(x, facts) for x in ins}
+    vis.update({x: _value_info(x, facts) or onnx.ValueInfoProto(name=x) for x in outs})  # onnxruntime infers
+    untyped = [x for x in ins if vis[x] is None]
+    if untyped:
+        report.kept[name] = f"boundary value(s) of unknown or non-numpy type: {untyped[:3]}"
+        return None
+    sub = onnx.ModelProto(ir_version=model.ir_version)
+    sub.opset_import.extend(model.opset_import)
+    sub.functions.extend(model.functions)
+    sg = sub.graph
+    sg.name = name
+    sg.node.extend(g.node[i] for i in seg)
+    sg.input.extend(vis[x] for x in ins)
+    sg.output.extend(vis[x] for x in outs)
+    size = 0
+    for x in used_inits:
+        t = TensorProto()
+        t.CopyFrom(inits[x])
+        if uses_external_data(t):
+            if base_dir is None:
+                report.kept[name] = f"initializer '{x}' in external data without the model's folder"
+                return None
+            load_external_data_for_tensor(t, base_dir)  # load_model checked location and range
+            t.data_location = TensorProto.DEFAULT
+            del t.external_data[:]
+        size += t.ByteSize()
+        if size > _MAX_BYTES:
+            report.kept[name] = "over 2 GB of weights in one segment"
+            return None
+        sg.initializer.append(t)
+    try:
+        session = _ort_session(sub, threads)
+    except Exception as exc:  # onnxruntime refuses: an op, type or opset it lacks
+        report.kept[name] = f"onnxruntime refused it: {str(exc).splitlines()[0][:200]}"
+        return None
+    del sub
+    for arg in session.get_outputs():  # what onnxruntime inferred types the later segments' inputs
+        elem = _ORT_TYPES.get(arg.type)
+        if elem is not None and facts.get(arg.name, (None,))[0] is None:
+            facts[arg.name] = (elem, tuple(arg.shape) if arg.shape is not None else None)
+    key = f"{name}#{next(_KEYS)}"
+    producer = {o: g.node[i] for i in seg for o in g.node[i].output if o}
+    aliases = {o: producer[o].input[0] for o in outs
+               if producer[o].op_type == "ScatterND" and producer[o].input[0] in ins}
+    seg_obj = Segment(key, ins, outs, len(seg), session, aliases)
+    _LIVE[key] = seg_obj
+    live.append(seg_obj)
+    moved.update(used_inits)
+    report.delegated[name] = len(seg)
+    return helper.make_node(SEGMENT_OP, ins, outs, name=name, domain=ORT_DOMAIN, key=key)

@@ -1,0 +1,146 @@
+"""The CPU session's onnxruntime backend (pagedkit/runtime/delegate.py; cpu_backend="onnxruntime"):
+PagedAttention rewritten into standard ops with in-place cache writes (decompose(in_place=True)) and the
+standard-op segments run by onnxruntime's CPU execution provider.
+
+Oracles: Hugging Face eager (float32) through tests/export_utils.check_parity (prefill + teacher-forced
+decode, ragged batches, shuffled blocks, poisoned caches), and a partition checked by hand. Teeth: a 2%
+wrong attention scale fails the HF parity; without the in-place binding of the caches the fed cache tensors
+stay untouched (run_torch's contract fails); a rewrite onnxruntime refuses falls back to pagedkit's kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from export_utils import check_parity, export_tiny, mutated_export, tiny_model
+from pagedkit.runtime import InferenceSession
+from pagedkit.runtime import delegate as D
+
+pytest.importorskip("onnxruntime")
+
+FP32_TOL = 8e-3  # as tests/test_export_fp32.py: fp32 export (fp16 caches) vs HF eager float32
+
+
+@pytest.fixture(scope="module")
+def llama32(tmp_path_factory):
+    hf = tiny_model("LlamaConfig", seed=3)
+    out = tmp_path_factory.mktemp("llama32")
+    export_tiny(hf, out, dtype="fp32")
+    return hf, out
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    n = torch.get_num_threads()  # a delegating session sets torch to one thread (process-wide)
+    yield
+    torch.set_num_threads(n)
+
+
+def _backend(monkeypatch, name: str) -> None:
+    monkeypatch.setenv("PAGEDKIT_CPU_BACKEND", name)
+
+
+def test_partition_levels():
+    """Barriers (attention nodes) split the graph; a node's level is the largest level of its inputs, a
+    barrier's outputs one above it."""
+    n = helper.make_node
+    nodes = [n("Relu", ["x"], ["a"]), n("PagedAttention", ["a"], ["p"], domain="com.microsoft"),
+             n("Neg", ["x"], ["b"]), n("Add", ["p", "b"], ["c"]),
+             n("PagedAttention", ["c"], ["q"], domain="com.microsoft"), n("Abs", ["q"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    segs, bars = D.partition(g)
+    assert segs == [[0, 2], [3], [5]] and bars == [[1], [4], []]
+
+
+def test_generation_matches_hf_and_runs_in_one_onnxruntime_session(llama32, monkeypatch):
+    hf, out = llama32
+    _backend(monkeypatch, "onnxruntime")
+    rep = check_parity(hf, out, tol=FP32_TOL, prompt_lens=(11, 37, 3), steps=12)
+    assert rep.worst_ratio <= FP32_TOL and not rep.mismatches
+    sess = InferenceSession(str(out / "model.onnx"))
+    d = sess.delegated
+    assert sess.cpu_backend == "onnxruntime" and d["decomposed"] and d["attention_nodes"] == 0
+    assert len(d["onnxruntime"]) == 1 and not d["torch"], d
+
+
+def test_chunked_prefill_and_block_size_32(llama32, monkeypatch):
+    hf, out = llama32
+    _backend(monkeypatch, "onnxruntime")
+    check_parity(hf, out, tol=FP32_TOL, prompt_lens=(40, 9), chunk=16, steps=6, block_size=32, seed=4)
+
+
+def _one_step(out):
+    """One prefill step through run_torch -> (fed key cache 0 before, the same tensor after, its present)."""
+    from export_utils import PagedRunner, _Seq
+
+    runner = PagedRunner(out, seed=5)
+    before = runner.caches["past_key_values.0.key"].clone()
+    fed = runner.caches["past_key_values.0.key"]
+    seqs = [_Seq(list(range(3, 20)))]
+    runner.step(seqs, [17])
+    return before, fed, runner.caches["past_key_values.0.key"]
+
+
+def test_caches_updated_in_place_and_teeth(llama32, monkeypatch):
+    """run_torch's contract: the cache inputs are updated in place and returned as the present outputs. The
+    binding of each cache output to its input's buffer does it; without it (teeth) the fed tensor is
+    untouched and the present output is another tensor."""
+    _, out = llama32
+    _backend(monkeypatch, "onnxruntime")
+    before, fed, present = _one_step(out)
+    assert present is fed and not torch.equal(fed, before)
+    real = D.Segment.__init__
+
+    def no_alias(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self.aliases = {}
+
+    monkeypatch.setattr(D.Segment, "__init__", no_alias)
+    before, fed, present = _one_step(out)
+    assert present is not fed and torch.equal(fed, before)
+
+
+def test_teeth_wrong_scale(llama32, monkeypatch, tmp_path):
+    hf, out = llama32
+    _backend(monkeypatch, "onnxruntime")
+    head_dim = hf.config.head_dim
+    bad = mutated_export(out, tmp_path / "bad", scale=1.02 / head_dim ** 0.5)
+    with pytest.raises(AssertionError, match="max.diff"):
+        check_parity(hf, bad, tol=FP32_TOL, prompt_lens=(11, 37), steps=4)
+
+
+def test_refused_rewrite_falls_back_to_pagedkit_kernels(llama32, monkeypatch):
+    """A session whose rewritten segment onnxruntime refuses (here: made to refuse) keeps the attention
+    nodes on pagedkit's kernels, says so, and still matches HF."""
+    hf, out = llama32
+    _backend(monkeypatch, "onnxruntime")
+    real = D._ort_session
+
+    def picky(model, threads):
+        if any(n.op_type == "ScatterND" for n in model.graph.node):
+            raise RuntimeError("refused for the test")
+        return real(model, threads)
+
+    monkeypatch.setattr(D, "_ort_session", picky)
+    sess = InferenceSession(str(out / "model.onnx"))
+    d = sess.delegated
+    assert d["attention_nodes"] > 0 and not d["decomposed"] and "(attention rewrite)" in d["torch"], d
+    assert len(d["onnxruntime"]) >= 2  # the segments between the attention nodes
+    check_parity(hf, out, tol=FP32_TOL, prompt_lens=(11, 5), steps=4)
+
+
+def test_backend_choice_and_errors(llama32, monkeypatch):
+    _, out = llama32
+    monkeypatch.delenv("PAGEDKIT_CPU_BACKEND", raising=False)
+    assert InferenceSession(str(out / "model.onnx")).cpu_backend == "torch"  # the session's default
+    assert InferenceSession(str(out / "model.onnx")).delegated == {}
+    with pytest.raises(ValueError, match="cpu_backend: expected one of"):
+        InferenceSession(str(out / "model.onnx"), cpu_backend="mlas")
+    from pagedkit.runtime.generate import Generator
+
+    gen = Generator(out)  # the Generator's default: onnxruntime
+    assert gen.session.cpu_backend == "onnxruntime"
+    assert torch.get_num_threads() == 1  # the cores are onnxruntime's pool's
