@@ -166,8 +166,6 @@ def _ort_session(model: onnx.ModelProto, threads: int):
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    if __import__("os").environ.get("PK_PROF"):
-        so.enable_profiling = True; so.profile_file_prefix = "/tmp/ortprof"
     if _global_pool(threads):
         so.use_per_session_threads = False
     else:
