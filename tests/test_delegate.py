@@ -119,10 +119,10 @@ def test_refused_rewrite_falls_back_to_pagedkit_kernels(llama32, monkeypatch):
     _backend(monkeypatch, "onnxruntime")
     real = D._ort_session
 
-    def picky(model, threads):
+    def picky(model, threads, spin=True):
         if any(n.op_type == "ScatterND" for n in model.graph.node):
             raise RuntimeError("refused for the test")
-        return real(model, threads)
+        return real(model, threads, spin)
 
     monkeypatch.setattr(D, "_ort_session", picky)
     sess = InferenceSession(str(out / "model.onnx"))
