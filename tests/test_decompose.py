@@ -29,7 +29,7 @@ from pagedkit.kernels.paged.reference import paged_attention
 from pagedkit.rewriters.decompose import decompose
 from pagedkit.validators.nodeview import onnx_dtype_of
 
-decompose_mod = importlib.import_module("pagedkit.rewriters.decompose")  # the module (the package exports the function)
+decompose_mod = importlib.import_module("pagedkit.kernels.onnx_ops.paged")  # the implementation module
 PAGED = [e["name"] for e in load_index() if e["op"] == "PagedAttention"]
 TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
 

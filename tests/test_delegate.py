@@ -144,3 +144,24 @@ def test_backend_choice_and_errors(llama32, monkeypatch):
     gen = Generator(out)  # the Generator's default: onnxruntime
     assert gen.session.cpu_backend == "onnxruntime"
     assert torch.get_num_threads() == 1  # the cores are onnxruntime's pool's
+
+
+def _paged_cases():
+    from cases import load_index
+
+    return [e["name"] for e in load_index() if e["op"] == "PagedAttention"]
+
+
+@pytest.mark.parametrize("name", _paged_cases())
+def test_case_files_through_the_onnxruntime_backend(name, monkeypatch):
+    """Every PagedAttention case file as a one-node model in a session with cpu_backend="onnxruntime": the
+    in-place rewrite (or, where refused, pagedkit's kernels between onnxruntime segments) gives the case's
+    expected outputs and caches."""
+    from cases import compare_case, load_cases
+    from test_session_cases import single_node_model
+
+    (case,) = load_cases([name])
+    sess = InferenceSession(single_node_model(case), cpu_backend="onnxruntime")
+    feeds = {k: (v.clone() if isinstance(v, torch.Tensor) else torch.as_tensor(v)) for k, v in case.inputs.items()}
+    got = sess.run_torch(feeds)
+    compare_case(case, {k: v.clone() for k, v in got.items()})

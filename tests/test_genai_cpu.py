@@ -139,7 +139,7 @@ def genai_logits(model_dir: Path) -> list[torch.Tensor]:
 
 
 def ours(model_dir: Path) -> tuple[History, dict[str, str]]:
-    gen = Generator(model_dir)
+    gen = Generator(model_dir, cpu_backend="torch")  # pagedkit's own kernels against genai
     gen.teacher_forced(PROMPT, FORCED)
     return gen.history, gen.session.prepacked
 

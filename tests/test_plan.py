@@ -105,7 +105,7 @@ def test_one_attention_plan_per_run_shared_by_every_layer(tiny_export, monkeypat
     calls = []
     real = torch_planned._plan
     monkeypatch.setattr(torch_planned, "_plan", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    gen = Generator(tiny_export, max_seq_len=64)
+    gen = Generator(tiny_export, max_seq_len=64, cpu_backend="torch")  # the torch kernels' plan
     layers = gen.config.num_layers
     assert layers >= 2 and set(gen.session.attention_variants.values()) == {"torch_planned"}
     steps = list(gen.greedy([3, 9, 4, 17, 5, 8, 2], 4, stop_at_eos=False))

@@ -31,7 +31,7 @@ import onnx_ir as ir
 from pagedkit.validators import validate_node
 from pagedkit.validators.contract import DOMAIN, GROUP_QUERY_ATTENTION as GQA, PAGED_ATTENTION as PA, OpContract
 
-from ._builder import Builder
+from ..kernels.onnx_ops.builder import Builder
 
 F16, BF16, F32, I32, I64 = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.INT32,
                             ir.DataType.INT64)

@@ -174,7 +174,13 @@ class InferenceSession:
             from .delegate import delegate
 
             threads = getattr(sess_options, "intra_op_num_threads", 0) or os.cpu_count() or 1
-            self._model, self._segments, self._delegation = delegate(self._model, self._base_dir, threads)
+            try:
+                self._model, self._segments, self._delegation = delegate(self._model, self._base_dir, threads)
+            except Exception as exc:  # a malformed model: the torch compiler below names what is wrong
+                from .delegate import DelegationReport
+
+                self._delegation = DelegationReport(kept={"*": f"not delegated: {type(exc).__name__}: "
+                                                              f"{str(exc).splitlines()[0][:200] if str(exc) else ''}"})
             if self._segments and torch.get_num_threads() != 1:
                 torch.set_num_threads(1)  # attention ops are small; the cores are onnxruntime's pool's
             owned = True  # a proto of our own now

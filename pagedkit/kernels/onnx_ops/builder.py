@@ -27,9 +27,9 @@ class Builder:
         self._n += 1
         return f"{self.prefix}/{self._n}"
 
-    def op(self, op_type: str, *inputs: ir.Value | None, **attributes) -> ir.Value:
+    def op(self, op_type: str, *inputs: ir.Value | None, _domain: str = "", **attributes) -> ir.Value:
         name = self._name()
-        out = self.tape.op(op_type, list(inputs), attributes or None, name=name)
+        out = self.tape.op(op_type, list(inputs), attributes or None, name=name, domain=_domain)
         out.name = f"{name}_out"
         return out
 

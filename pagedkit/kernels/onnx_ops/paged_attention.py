@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from ._builder import Builder
-from .decompose_cache import Context, TokenIndex
+from .builder import Builder
+from .paged_cache import Context, TokenIndex
 
 
 def _hadamard(n: int) -> np.ndarray:

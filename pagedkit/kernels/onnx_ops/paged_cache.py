@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from ..validators.contract import CACHE_FORMATS
-from ._builder import I64, Builder
+from ...validators.contract import CACHE_FORMATS
+from .builder import I64, Builder
 
 FP16 = ir.DataType.FLOAT16
 QMAX = {n: f.qmax for n, f in CACHE_FORMATS.items() if f.quantized}  # contract facts: 127 / 448 / 7
