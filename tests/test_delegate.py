@@ -31,6 +31,13 @@ def llama32(tmp_path_factory):
     return hf, out
 
 
+def test_auto_keeps_half_weights_on_torch(tmp_path, monkeypatch):
+    monkeypatch.delenv("PAGEDKIT_CPU_BACKEND", raising=False)
+    hf = tiny_model("LlamaConfig", seed=4, vocab_size=20000)  # a 20000 x 64 fp16 embedding: 1.28 M elements
+    export_tiny(hf, tmp_path)
+    assert InferenceSession(str(tmp_path / "model.onnx"), cpu_backend="auto").cpu_backend == "torch"
+
+
 @pytest.fixture(autouse=True)
 def _keep_torch_threads():
     n = torch.get_num_threads()  # a delegating session sets torch to one thread (process-wide)
@@ -141,7 +148,7 @@ def test_backend_choice_and_errors(llama32, monkeypatch):
         InferenceSession(str(out / "model.onnx"), cpu_backend="mlas")
     from pagedkit.runtime.generate import Generator
 
-    gen = Generator(out)  # the Generator's default: onnxruntime
+    gen = Generator(out)  # the Generator's default, auto: onnxruntime for float32 weights
     assert gen.session.cpu_backend == "onnxruntime"
     assert torch.get_num_threads() == 1  # the cores are onnxruntime's pool's
 

@@ -138,8 +138,8 @@ def genai_logits(model_dir: Path) -> list[torch.Tensor]:
     return out
 
 
-def ours(model_dir: Path) -> tuple[History, dict[str, str]]:
-    gen = Generator(model_dir, cpu_backend="torch")  # pagedkit's own kernels against genai
+def ours(model_dir: Path, backend: str = "torch") -> tuple[History, dict[str, str]]:
+    gen = Generator(model_dir, cpu_backend=backend)  # torch: pagedkit's own kernels against genai
     gen.teacher_forced(PROMPT, FORCED)
     return gen.history, gen.session.prepacked
 
@@ -174,6 +174,13 @@ def test_fp32_matches_genai(root, family):
     model_dir = build(root, family, "gqa")
     history, _ = ours(model_dir)
     check_tight(history, genai_logits(model_dir), f"{model_dir.name} pagedkit vs onnxruntime-genai")
+
+
+def test_fp32_onnxruntime_backend_matches_genai(root):
+    """The Generator's default CPU path on genai's GQA model: the whole graph in one onnxruntime session."""
+    model_dir = build(root, "llama", "gqa")
+    history, _ = ours(model_dir, "onnxruntime")
+    check_tight(history, genai_logits(model_dir), f"{model_dir.name} pagedkit (onnxruntime backend) vs genai")
 
 
 def check_int4(model_dir: Path) -> None:

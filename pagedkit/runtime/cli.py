@@ -53,9 +53,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="KV block size (paged layout; default from the model / config)")
     p.add_argument("--threads", type=int, help="CPU threads (like onnxruntime's intra_op_num_threads; "
                                                "default: torch's, one per core)")
-    p.add_argument("--cpu-backend", choices=["onnxruntime", "torch"],
+    p.add_argument("--cpu-backend", choices=["auto", "onnxruntime", "torch"],
                    help="on the CPU, who runs the standard ops (and the PagedAttention nodes it can express): "
-                        "onnxruntime's CPU execution provider (default when installed) or pagedkit's torch kernels")
+                        "onnxruntime's CPU execution provider or pagedkit's torch kernels; auto (default): "
+                        "onnxruntime unless the model holds float16 / bfloat16 weights")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--allow-reference-fallback", action="store_true",
                    help="on --device cuda, run attention nodes no GPU kernel serves on the loop-based reference "

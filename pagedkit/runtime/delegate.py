@@ -30,7 +30,7 @@ import torch
 from onnx import TensorProto, helper
 from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
-from .graph import ATTENTION_OPS, static_facts
+from .graph import static_facts
 from .ops.registry import ORT_DOMAIN, normalize_domain, register
 
 SEGMENT_OP = "Segment"
@@ -105,7 +105,10 @@ class DelegationReport:
 
 
 def _barrier(node: onnx.NodeProto) -> bool:
-    if (normalize_domain(node.domain), node.op_type) in ATTENTION_OPS:
+    """PagedAttention (onnxruntime has no CPU kernel; the ones decompose() rewrote are standard ops by now),
+    nodes holding subgraphs and unknown domains. GroupQueryAttention is not one: onnxruntime's CPU kernel is
+    the operator's reference implementation (contract-decisions §4); a segment it refuses stays with torch."""
+    if (normalize_domain(node.domain), node.op_type) == ("com.microsoft", "PagedAttention"):
         return True
     if node.domain not in _KNOWN_DOMAINS and node.domain != "ai.onnx":
         return True

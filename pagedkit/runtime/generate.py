@@ -347,8 +347,8 @@ class Generator:
     genai_config.json, pools sized for one sequence of max_seq_len) and a shuffled block pool.
     threads: CPU threads (SessionOptions.intra_op_num_threads; None = torch's default).
     allow_reference_fallback: InferenceSession's (None: refused on CUDA, allowed on the CPU).
-    cpu_backend: InferenceSession's; None: the environment variable PAGEDKIT_CPU_BACKEND, else "onnxruntime"
-    (the fast CPU path, runtime/delegate.py) when onnxruntime is installed."""
+    cpu_backend: InferenceSession's; None: the environment variable PAGEDKIT_CPU_BACKEND, else "auto"
+    (onnxruntime, the fast CPU path of runtime/delegate.py, unless the model holds float16 / bfloat16 weights)."""
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", *, block_size: int | None = None,
                  num_blocks: int | None = None, max_seq_len: int | None = None, shuffle_seed: int | None = None,
@@ -363,7 +363,7 @@ class Generator:
         options = SessionOptions(intra_op_num_threads=threads) if threads else None
         self.session = session or InferenceSession(str(model_path), options, providers=providers,
                                                    allow_reference_fallback=allow_reference_fallback,
-                                                   cpu_backend=_cpu_backend(cpu_backend, "onnxruntime"))
+                                                   cpu_backend=_cpu_backend(cpu_backend, "auto"))
         self.max_seq_len = min(max_seq_len or self.config.context_length, self.config.context_length)
         self.logits_name = self.config.outputs.get(N.LOGITS) or N.LOGITS
         self.state = (_PagedState(self, block_size, num_blocks, shuffle_seed) if self.config.paged

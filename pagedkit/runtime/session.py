@@ -36,7 +36,8 @@ from .tensors import TORCH_TO_ONNX, to_numpy, to_torch, torch_type_name, type_na
 _PROVIDERS = ("CPUExecutionProvider", "CUDAExecutionProvider")
 VALIDATE_ENV = "PAGEDKIT_VALIDATE_INPUTS"
 CPU_BACKEND_ENV = "PAGEDKIT_CPU_BACKEND"
-CPU_BACKENDS = ("onnxruntime", "torch")
+CPU_BACKENDS = ("onnxruntime", "torch", "auto")
+_HALF_WEIGHTS = 1 << 20  # auto: a float16 / bfloat16 initializer of this many elements keeps a model on torch
 
 
 def _node_error(step: Step, exc: Exception) -> Exception:
@@ -119,6 +120,24 @@ def _cpu_backend(value: str | None, default: str = "torch") -> str:
     return value
 
 
+def _auto_backend(model: onnx.ModelProto) -> str:
+    """"auto": onnxruntime for models whose weights are float32 or quantized; torch for float16 / bfloat16
+    weights (onnxruntime's CPU path holds them in several copies and dtypes: SmolLM2-135M fp16 peaked at
+    1.85 GB there against 0.73 GB on torch, which keeps them once)."""
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return "torch"
+    half = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    for t in model.graph.initializer:
+        n = 1
+        for d in t.dims:
+            n *= int(d)
+        if t.data_type in half and n >= _HALF_WEIGHTS:
+            return "torch"
+    return "onnxruntime"
+
+
 def _select_device(providers) -> tuple[torch.device, list[str]]:
     names = [p[0] if isinstance(p, (tuple, list)) else p for p in (providers or ["CPUExecutionProvider"])]
     unknown = [p for p in names if p not in _PROVIDERS]
@@ -149,7 +168,8 @@ class InferenceSession:
     execution provider, one session per segment, runtime/delegate.py; segments it refuses stay with torch,
     see `delegated`; PagedAttention nodes it can express run there too, as standard ops with the caches
     written in place) or "torch" (pagedkit's own kernels for every op). Default: the environment variable
-    PAGEDKIT_CPU_BACKEND, else "torch" (Generator and paged-run default to "onnxruntime"). Ignored on CUDA.
+    PAGEDKIT_CPU_BACKEND, else "torch"; "auto" (the default of Generator and paged-run): "onnxruntime" unless
+    the model holds float16 / bfloat16 weights (kept once, on torch). Ignored on CUDA.
     """
 
     def __init__(
@@ -168,6 +188,8 @@ class InferenceSession:
         self._model, self._base_dir = load_model(path_or_bytes, lazy_weights=owned)
         self.device, self._providers = _select_device(providers)
         self.cpu_backend = _cpu_backend(cpu_backend) if self.device.type == "cpu" else "torch"
+        if self.cpu_backend == "auto":
+            self.cpu_backend = _auto_backend(self._model)
         self._segments: list = []  # live onnxruntime segments (delegate.py)
         self._delegation = None
         if self.cpu_backend == "onnxruntime":
