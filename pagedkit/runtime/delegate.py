@@ -12,7 +12,7 @@ outputs; initializers only segments read move into them (pagedkit never loads th
 
 `delegate` builds one onnxruntime session per segment (typed boundaries from ONNX shape inference;
 initializers embedded) and returns the model with each delegated segment replaced by one
-`pagedkit.ort::Segment` node, whose implementation (ops registered below) runs that session. A segment
+`pagedkit.ort::Segment` node, whose implementation (runtime/ops/control.py) runs that session. A segment
 that onnxruntime refuses (an op or type it lacks), or whose boundary holds a type numpy lacks
 (bfloat16), or a segment over 2 GB stays with pagedkit's own kernels; `DelegationReport` says which and
 why. The session reports it as `InferenceSession.delegated`.
@@ -21,7 +21,6 @@ why. The session reports it as `InferenceSession.delegated`.
 from __future__ import annotations
 
 import itertools
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +30,8 @@ from onnx import TensorProto, helper
 from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
 from .graph import static_facts
-from .ops.registry import ORT_DOMAIN, normalize_domain, register
+from .ops.control import SEGMENTS
+from .ops.registry import ORT_DOMAIN, normalize_domain
 
 SEGMENT_OP = "Segment"
 _KNOWN_DOMAINS = {"", "com.microsoft"}
@@ -42,7 +42,7 @@ _ORT_TYPES = {f"tensor({n})": e for n, e in (("float", TensorProto.FLOAT), ("flo
               ("int16", TensorProto.INT16), ("int32", TensorProto.INT32), ("int64", TensorProto.INT64),
               ("bool", TensorProto.BOOL), ("bfloat16", TensorProto.BFLOAT16))}
 _MAX_BYTES = 2_000_000_000  # one protobuf message
-_LIVE: "weakref.WeakValueDictionary[str, Segment]" = weakref.WeakValueDictionary()
+_LIVE = SEGMENTS  # key -> live Segment (the op's implementation, ops/control.py, looks it up there)
 _KEYS = itertools.count()
 
 
@@ -82,16 +82,6 @@ class Segment:
         vals = bind.get_outputs()
         return [ins[self._pos[self.aliases[o]]] if o in self.aliases else torch.from_numpy(v.numpy())
                 for o, v in zip(self.outputs, vals)]
-
-
-@register(SEGMENT_OP, domain=ORT_DOMAIN)
-def _segment(inputs, attrs, ctx):
-    """A delegated segment (delegate.py): attribute `key` names the live Segment."""
-    seg = _LIVE.get(attrs["key"])
-    if seg is None:
-        raise RuntimeError(f"node '{ctx.node_name}': delegated segment {attrs['key']!r} is gone (its session was "
-                           "released)")
-    return seg.run(inputs)
 
 
 @dataclass
