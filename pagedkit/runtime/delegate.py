@@ -1,21 +1,22 @@
-"""CPU plan option: the standard-op segments between attention nodes run on onnxruntime's CPU execution
-provider (MLAS GEMMs, its int4 MatMulNBits, its fusions, no per-op Python), the attention nodes on
-pagedkit's kernels. onnxruntime has no CPU PagedAttention; this splits the graph where it has to.
+"""CPU plan option: the model runs in onnxruntime's CPU execution provider (MLAS GEMMs, its int4 MatMulNBits, its
+fusions, no per-op Python) with the paged semantics kept. onnxruntime has no CPU PagedAttention, so:
 
-Partition (`partition`): barrier nodes are the attention nodes (graph.ATTENTION_OPS), nodes holding
-subgraphs (If / Loop / Scan: they stay with pagedkit, which resolves their outer-scope names) and nodes
-of domains onnxruntime does not know. Every other node gets a level: the largest level of its inputs, where
-a barrier's outputs are one level above the barrier. The non-barrier nodes of one level form segment L,
-which runs before the barriers of level L: a barrier of level L reads only values of level <= L, and
-no barrier of level L reads another's outputs. Values crossing a segment's boundary are its inputs and
-outputs; initializers only segments read move into them (pagedkit never loads those).
+1. `delegate` first rewrites every PagedAttention node it can into standard ops with in-place cache writes
+   (kernels/onnx_ops, decompose(in_place=True)): each cache output is a ScatterND on its cache input, and
+   Segment.run binds that output to the input's buffer, so a step writes only its own rows.
+2. `partition` cuts the graph at the barriers: PagedAttention nodes left as they are, nodes holding subgraphs
+   (If / Loop / Scan: pagedkit resolves their outer-scope names) and nodes of domains onnxruntime does not
+   know. Every other node gets a level: the largest level of its inputs, where a barrier's outputs are one
+   level above the barrier. The non-barrier nodes of one level form segment L, which runs before the
+   barriers of level L: a barrier of level L reads only values of level <= L, and no barrier of level L
+   reads another's outputs. GroupQueryAttention is no barrier (onnxruntime's CPU kernel is its reference).
+3. each segment becomes one onnxruntime session (typed boundaries from ONNX shape inference, then from
+   what onnxruntime infers; initializers only segments read move into them, so pagedkit never loads them)
+   and one `pagedkit.ort::Segment` node in the returned model (implementation: runtime/ops/control.py).
 
-`delegate` builds one onnxruntime session per segment (typed boundaries from ONNX shape inference;
-initializers embedded) and returns the model with each delegated segment replaced by one
-`pagedkit.ort::Segment` node, whose implementation (runtime/ops/control.py) runs that session. A segment
-that onnxruntime refuses (an op or type it lacks), or whose boundary holds a type numpy lacks
-(bfloat16), or a segment over 2 GB stays with pagedkit's own kernels; `DelegationReport` says which and
-why. The session reports it as `InferenceSession.delegated`.
+A segment onnxruntime refuses (an op or type it lacks), whose boundary holds a type numpy lacks (bfloat16) or
+that holds over 2 GB of weights stays with pagedkit's own kernels; if it held a rewritten attention node, the
+rewrite is dropped for the whole model. `DelegationReport` (InferenceSession.delegated) says which and why.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper
@@ -42,8 +42,15 @@ _ORT_TYPES = {f"tensor({n})": e for n, e in (("float", TensorProto.FLOAT), ("flo
               ("int16", TensorProto.INT16), ("int32", TensorProto.INT32), ("int64", TensorProto.INT64),
               ("bool", TensorProto.BOOL), ("bfloat16", TensorProto.BFLOAT16))}
 _MAX_BYTES = 2_000_000_000  # one protobuf message
-_LIVE = SEGMENTS  # key -> live Segment (the op's implementation, ops/control.py, looks it up there)
 _KEYS = itertools.count()
+
+
+def onnxruntime_available() -> bool:
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class Segment:
@@ -156,9 +163,7 @@ def delegate(model: onnx.ModelProto, base_dir: str | None, threads: int) -> tupl
     PagedAttention nodes are first rewritten into standard ops with in-place cache writes (decompose(
     in_place=True)); if onnxruntime then refuses a segment holding such a rewrite (a dtype or op it lacks on
     the CPU), the whole delegation is redone without the rewrite (the nodes stay pagedkit's kernels)."""
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError:
+    if not onnxruntime_available():
         return model, [], DelegationReport(kept={"*": "onnxruntime is not installed"})
     if any(n.op_type == "PagedAttention" and normalize_domain(n.domain) == "com.microsoft" for n in model.graph.node):
         from ..kernels.onnx_ops import decompose  # PagedAttention as standard ops, caches written in place
@@ -166,7 +171,6 @@ def delegate(model: onnx.ModelProto, base_dir: str | None, threads: int) -> tupl
         try:
             rewritten, drep = decompose(model, in_place=True)
         except Exception as exc:  # a model onnx-ir cannot read: pagedkit's own loader reports it, clearly
-            rewritten, drep = model, None
             why = f"the attention rewrite failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             out, live, report = _delegate(model, base_dir, threads, [])
             report.kept.setdefault("(attention rewrite)", why)
@@ -185,7 +189,7 @@ def delegate(model: onnx.ModelProto, base_dir: str | None, threads: int) -> tupl
 
 def _forget(live: list[Segment]) -> None:
     for seg in live:
-        _LIVE.pop(seg.key, None)
+        SEGMENTS.pop(seg.key, None)
 
 
 def _delegate(model: onnx.ModelProto, base_dir: str | None, threads: int, decomposed: list[str]):
@@ -313,7 +317,7 @@ def _build(name, seg, g, facts, inits, graph_inputs, readers, graph_outputs, bas
     aliases = {o: producer[o].input[0] for o in outs
                if producer[o].op_type == "ScatterND" and producer[o].input[0] in ins}
     seg_obj = Segment(key, ins, outs, len(seg), session, aliases)
-    _LIVE[key] = seg_obj
+    SEGMENTS[key] = seg_obj  # the op's implementation (ops/control.py) finds it there
     live.append(seg_obj)
     moved.update(used_inits)
     report.delegated[name] = len(seg)

@@ -30,6 +30,7 @@ from ..kernels.variant import PLANS
 from ..validators.issues import ValidationError
 from . import plan as plan_mod
 from .graph import CompiledModel, Graph, Step, compile_model
+from .delegate import DelegationReport, delegate, onnxruntime_available
 from .loading import load_model
 from .tensors import TORCH_TO_ONNX, to_numpy, to_torch, torch_type_name, type_name
 
@@ -110,11 +111,8 @@ def _cpu_backend(value: str | None, default: str = "torch") -> str:
     falls back to "torch" when onnxruntime is not installed)."""
     if value is None:
         value = os.environ.get(CPU_BACKEND_ENV, "").strip().lower() or default
-        if value == "onnxruntime":
-            try:
-                import onnxruntime  # noqa: F401
-            except ImportError:
-                return "torch"
+        if value == "onnxruntime" and not onnxruntime_available():
+            return "torch"
     if value not in CPU_BACKENDS:
         raise ValueError(f"cpu_backend: expected one of {list(CPU_BACKENDS)}, got {value!r}")
     return value
@@ -124,9 +122,7 @@ def _auto_backend(model: onnx.ModelProto) -> str:
     """"auto": onnxruntime for models whose weights are float32 or quantized; torch for float16 / bfloat16
     weights (onnxruntime's CPU path holds them in several copies and dtypes: SmolLM2-135M fp16 peaked at
     1.85 GB there against 0.73 GB on torch, which keeps them once)."""
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError:
+    if not onnxruntime_available():
         return "torch"
     half = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
     for t in model.graph.initializer:
@@ -193,19 +189,16 @@ class InferenceSession:
         self._segments: list = []  # live onnxruntime segments (delegate.py)
         self._delegation = None
         if self.cpu_backend == "onnxruntime":
-            from .delegate import delegate
-
             threads = getattr(sess_options, "intra_op_num_threads", 0) or os.cpu_count() or 1
             try:
-                self._model, self._segments, self._delegation = delegate(self._model, self._base_dir, threads)
+                model, self._segments, self._delegation = delegate(self._model, self._base_dir, threads)
             except Exception as exc:  # a malformed model: the torch compiler below names what is wrong
-                from .delegate import DelegationReport
-
-                self._delegation = DelegationReport(kept={"*": f"not delegated: {type(exc).__name__}: "
-                                                              f"{str(exc).splitlines()[0][:200] if str(exc) else ''}"})
+                self._delegation = DelegationReport(kept={"*": f"not delegated: {type(exc).__name__}: {exc}"[:300]})
+            else:
+                owned = owned or model is not self._model  # delegate's model is a proto of our own
+                self._model = model
             if self._segments and torch.get_num_threads() != 1:
-                torch.set_num_threads(1)  # attention ops are small; the cores are onnxruntime's pool's
-            owned = True  # a proto of our own now
+                torch.set_num_threads(1)  # what runs on torch is small; the cores are onnxruntime's pool's
         if allow_reference_fallback is None:
             allow_reference_fallback = self.device.type == "cpu"
         self.allow_reference_fallback = bool(allow_reference_fallback)

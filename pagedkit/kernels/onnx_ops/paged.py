@@ -324,7 +324,7 @@ def rewrite(s: Spec, prefix: str, in_place: bool = False, shared: dict | None = 
         if in_place:
             if "where" not in memo:
                 memo["where"] = scatter_index(b, ks.cache, slots, keep)
-            padded, out, scale_padded, scale_out = update_side_in_place(b, side, slots, keep, val, memo["where"])
+            padded, out, scale_padded, scale_out = update_side_in_place(b, side, keep, val, memo["where"])
         else:
             padded, out, scale_padded, scale_out = update_side(b, side, ix, slots, keep, val)
         new["key_cache_out" if p == "k" else "value_cache_out"] = out

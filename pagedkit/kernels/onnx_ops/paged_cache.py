@@ -228,31 +228,29 @@ def update_side(b: Builder, side: Side, ix: TokenIndex, slots: ir.Value, keep: i
     return padded, out, scale_padded, scale_out
 
 
-def update_side_in_place(b: Builder, side: Side, slots: ir.Value, keep: ir.Value, x: ir.Value,
-                         where: tuple[ir.Value, ir.Value] | None = None):
+def update_side_in_place(b: Builder, side: Side, keep: ir.Value, x: ir.Value, where: ir.Value):
     """The in-place form of update_side (CPU plan, runtime/delegate.py): encode x [T, Hkv, D] f32 and ScatterND
     the kept rows straight into the cache [NB, BS, Hkv, Dc] at (block, offset) -> (flat rows [NB*BS, Hkv, Dc] of
     the updated cache, cache output, flat scale rows or None, scale cache output or None). The ScatterND's
     output is the node's cache output: bound to the cache input's buffer it writes only the step's rows.
     Needs the cache dtype as the working dtype (no fp8 / bfloat16 working copy): `in_place_refusal`.
-    where: scatter_index(b, side.cache, slots, keep), shared by the nodes of a step (None: made here)."""
-    where = where or scatter_index(b, side.cache, slots, keep)
+    where: scatter_index(...) of the step (shared by its nodes)."""
     codes, tok_scale = encode(b, side, x)
-    out = b.op("ScatterND", side.cache, where[0], stored(b, side, b.op("Compress", codes, keep, axis=0)))
+    out = b.op("ScatterND", side.cache, where, stored(b, side, b.op("Compress", codes, keep, axis=0)))
     flat = b.op("Reshape", out, b.i64(-1, side.kv_heads, side.width))
     scale_out = scale_flat = None
     if tok_scale is not None:
         upd = b.cast(b.op("Compress", tok_scale, keep, axis=0), side.scale_elem)
-        scale_out = b.op("ScatterND", side.scale_cache, where[0], upd)
+        scale_out = b.op("ScatterND", side.scale_cache, where, upd)
         scale_flat = b.op("Reshape", scale_out, b.i64(-1, side.kv_heads))
     return flat, out, scale_flat, scale_out
 
 
-def scatter_index(b: Builder, cache: ir.Value, slots: ir.Value, keep: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """([W, 2] (block, offset) of the kept slots, [W] the kept slots) for update_side_in_place."""
+def scatter_index(b: Builder, cache: ir.Value, slots: ir.Value, keep: ir.Value) -> ir.Value:
+    """[W, 2] (block, offset) of the kept slots (distinct): ScatterND indices for update_side_in_place."""
     bs = b.dim(cache, 1)
-    w = b.op("Compress", slots, keep, axis=0)  # [W] distinct slots
-    return b.op("Concat", b.unsq(b.op("Div", w, bs), 1), b.unsq(b.op("Mod", w, bs), 1), axis=1), w
+    w = b.op("Compress", slots, keep, axis=0)  # [W]
+    return b.op("Concat", b.unsq(b.op("Div", w, bs), 1), b.unsq(b.op("Mod", w, bs), 1), axis=1)
 
 
 def in_place_refusal(side: Side) -> str | None:
