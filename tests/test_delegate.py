@@ -172,3 +172,23 @@ def test_case_files_through_the_onnxruntime_backend(name, monkeypatch):
     feeds = {k: (v.clone() if isinstance(v, torch.Tensor) else torch.as_tensor(v)) for k, v in case.inputs.items()}
     got = sess.run_torch(feeds)
     compare_case(case, {k: v.clone() for k, v in got.items()})
+
+
+@pytest.mark.parametrize("name", _paged_cases())
+def test_case_files_through_onnx_attention(name):
+    """The same case files at default opset 23: each node's attention is one ONNX Attention node (onnxruntime's
+    CPU kernel) wherever its semantics allow, the op-by-op form elsewhere; both give the case's outputs."""
+    from cases import compare_case, load_cases
+    from test_session_cases import single_node_model
+
+    (case,) = load_cases([name])
+    model = single_node_model(case)
+    model.opset_import[0].version = 23
+    sess = InferenceSession(model, cpu_backend="onnxruntime")
+    attrs = {a.name: helper.get_attribute_value(a) for a in model.graph.node[0].attribute}
+    excluded = attrs.get("softcap", 0.0) > 0 or "head_sink" in case.inputs or attrs.get("qk_output", 0)
+    if sess.delegated["decomposed"]:  # (bfloat16 cases stay with pagedkit's kernels)
+        assert sess.delegated["onnx_attention"] == (not excluded), (name, sess.delegated)
+    feeds = {k: (v.clone() if isinstance(v, torch.Tensor) else torch.as_tensor(v)) for k, v in case.inputs.items()}
+    got = sess.run_torch(feeds)
+    compare_case(case, {k: v.clone() for k, v in got.items()})

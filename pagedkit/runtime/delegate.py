@@ -63,30 +63,41 @@ class Segment:
         self.key, self.inputs, self.outputs, self.nodes, self.session = key, inputs, outputs, nodes, session
         self.aliases = aliases or {}
         self._pos = {n: i for i, n in enumerate(inputs)}
+        self._binding = None
+        self._bound: dict[str, tuple] = {}  # name -> ((data_ptr, shape, dtype), the bound array: kept alive)
 
     def run(self, ins: list[torch.Tensor]) -> list[torch.Tensor]:
-        import onnxruntime as ort
-
         if not self.aliases:
             feeds = {n: t.detach().contiguous().numpy() for n, t in zip(self.inputs, ins)}
             return [torch.from_numpy(a) for a in self.session.run(self.outputs, feeds)]
-        bind = self.session.io_binding()
-        keep = []
+        import onnxruntime as ort
+
+        # one binding kept across runs: a tensor bound before (same memory, shape and dtype: the caches, every
+        # step) is not bound again; the bound array is held, so that memory cannot be reused under the binding
+        if self._binding is None:
+            self._binding = self.session.io_binding()
+        bind, bound = self._binding, self._bound
         for n, t in zip(self.inputs, ins):
-            a = t.detach().contiguous().numpy()
-            keep.append(a)
-            bind.bind_cpu_input(n, a)
+            key = (t.data_ptr(), tuple(t.shape), t.dtype) if t.is_contiguous() else None
+            if key is None or bound.get(n, (None,))[0] != key:
+                a = t.detach().contiguous().numpy()
+                bind.bind_cpu_input(n, a)
+                bound[n] = (key, a)
         for o in self.outputs:
             src = self.aliases.get(o)
-            if src is None:
+            if src is None:  # bound anew every run: onnxruntime would otherwise reuse the last run's buffer
                 bind.bind_output(o, "cpu")
                 continue
             t = ins[self._pos[src]]
             if not t.is_contiguous():
                 raise ValueError(f"input '{src}': a cache updated in place must be contiguous")
-            bind.bind_ortvalue_output(o, ort.OrtValue.ortvalue_from_numpy(t.detach().numpy()))
+            key = ("out", t.data_ptr(), tuple(t.shape), t.dtype)
+            if bound.get(o, (None,))[0] != key:
+                a = t.detach().numpy()
+                bind.bind_ortvalue_output(o, ort.OrtValue.ortvalue_from_numpy(a))
+                bound[o] = (key, a)
         self.session.run_with_iobinding(bind)
-        vals = bind.get_outputs()
+        vals = bind._iobinding.get_outputs()  # the C values: no Python wrapper for each (aliased) cache
         return [ins[self._pos[self.aliases[o]]] if o in self.aliases else torch.from_numpy(v.numpy())
                 for o, v in zip(self.outputs, vals)]
 
@@ -99,6 +110,7 @@ class DelegationReport:
     kept: dict[str, str] = field(default_factory=dict)
     barriers: int = 0
     decomposed: list[str] = field(default_factory=list)  # PagedAttention nodes run as standard ops in onnxruntime
+    fused: bool = False  # their attention runs as ONNX Attention nodes (onnxruntime's kernel), where allowed
 
 
 def _barrier(node: onnx.NodeProto) -> bool:
@@ -168,19 +180,25 @@ def delegate(model: onnx.ModelProto, base_dir: str | None, threads: int) -> tupl
     if any(n.op_type == "PagedAttention" and normalize_domain(n.domain) == "com.microsoft" for n in model.graph.node):
         from ..kernels.onnx_ops import decompose  # PagedAttention as standard ops, caches written in place
 
-        try:
-            rewritten, drep = decompose(model, in_place=True)
-        except Exception as exc:  # a model onnx-ir cannot read: pagedkit's own loader reports it, clearly
-            why = f"the attention rewrite failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-            out, live, report = _delegate(model, base_dir, threads, [])
-            report.kept.setdefault("(attention rewrite)", why)
-            return out, live, report
-        if drep.changed:
+        first = None
+        for fused in (True, False):  # attention as ONNX Attention nodes where allowed, else op by op
+            try:
+                rewritten, drep = decompose(model, in_place=True, fused=fused)
+            except Exception as exc:  # a model onnx-ir cannot read: pagedkit's own loader reports it, clearly
+                why = f"the attention rewrite failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                out, live, report = _delegate(model, base_dir, threads, [])
+                report.kept.setdefault("(attention rewrite)", why)
+                return out, live, report
+            if not drep.changed:
+                break
             out, live, report = _delegate(rewritten, base_dir, threads, list(drep.changed))
             if not report.kept:
+                report.fused = fused and any(n.op_type == "Attention" and n.domain in ("", "ai.onnx")
+                                             for n in rewritten.graph.node)
                 return out, live, report
             _forget(live)
-            first = next(iter(report.kept.items()))
+            first = first or next(iter(report.kept.items()))
+        if first is not None:
             result = _delegate(model, base_dir, threads, [])
             result[2].kept.setdefault("(attention rewrite)", f"not used: {first[0]}: {first[1]}")
             return result

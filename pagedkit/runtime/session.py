@@ -209,6 +209,7 @@ class InferenceSession:
         graph = self._model.graph
         init_names = {i.name for i in graph.initializer}
         self._inputs, self._input_types, self._ranks = [], {}, {}
+        self._feeds_ok: dict[str, tuple] = {}  # input name -> (dtype, shape, device type) that passed _check_feed
         for vi in graph.input:
             if vi.name not in init_names:
                 arg, elem = _node_arg(vi)
@@ -255,12 +256,13 @@ class InferenceSession:
     @property
     def delegated(self) -> dict[str, Any]:
         """On the CPU with cpu_backend "onnxruntime": {"onnxruntime": {segment: node count}, "torch": {segment:
-        why it stayed}, "attention_nodes": n}; {} otherwise."""
+        why it stayed}, "attention_nodes": n, "decomposed": [PagedAttention nodes run as standard ops],
+        "onnx_attention": whether their attention is ONNX Attention nodes}; {} otherwise."""
         r = self._delegation
         if r is None:
             return {}
         return {"onnxruntime": dict(r.delegated), "torch": dict(r.kept), "attention_nodes": r.barriers,
-                "decomposed": list(r.decomposed)}
+                "decomposed": list(r.decomposed), "onnx_attention": r.fused}
 
     @property
     def fused(self) -> dict[str, int]:
@@ -355,6 +357,9 @@ class InferenceSession:
         return names
 
     def _check_feed(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        seen = (t.dtype, t.shape, t.device.type)
+        if self._feeds_ok.get(name) == seen:  # passed before with this dtype, shape and device (the caches)
+            return t
         arg = self._args[name]
         want = self._input_types[name]
         if TORCH_TO_ONNX.get(t.dtype) != want:
@@ -374,6 +379,8 @@ class InferenceSession:
             if name in self.cache_inputs:
                 raise ValueError(f"input '{name}': a cache updated in place must be on {dev}, got {t.device}")
             t = t.to(dev)
+        else:
+            self._feeds_ok[name] = seen
         return t
 
     # ---- execution ------------------------------------------------------------------------------

@@ -31,8 +31,8 @@ from pagedkit.validators.inference import register_schemas, type_of_proto
 
 from .builder import F32, Builder
 from .paged_attention import Masking, allowed_mask, apply_rope, attend, rms_norm, rope_tables, rotate
-from .paged_cache import (Side, context, decode, in_place_refusal, readable_rows, scatter_index, tight_table,
-                              token_index, update_side, update_side_in_place, write_slots)
+from .paged_cache import Side, context, decode, in_place_refusal, token_index, update_side, write_slots
+from .paged_inplace import rewrite_in_place
 
 MIN_OPSET = 21
 DOMAIN = "com.microsoft"
@@ -222,16 +222,6 @@ def check(node: ir.Node, proto_node: onnx.NodeProto, info: dict, consts: dict) -
 # rewrite
 # ------------------------------------------------------------------------------------------------
 
-def ort_rope(b: Builder, x: ir.Value, pos2: ir.Value, cos: ir.Value, sin: ir.Value, heads: int, hd: int,
-             half: int, interleaved: bool) -> ir.Value:
-    """RoPE on channels [0, 2 * half) of x [T, heads, D] f32 by com.microsoft::RotaryEmbedding (tokens as one
-    batch row of T positions pos2 [1, T]; cos / sin [P, half] f32)."""
-    x3 = b.op("Reshape", x, b.i64(1, -1, heads * hd))
-    r = b.op("RotaryEmbedding", x3, pos2, cos, sin, _domain="com.microsoft", interleaved=int(interleaved),
-             num_heads=heads, rotary_embedding_dim=2 * half)
-    return b.op("Reshape", r, b.i64(-1, heads, hd))
-
-
 def _dims_key(info: dict, name: str, axes) -> tuple | None:
     """The static (int or symbolic) sizes of name's axes, None when any is unknown."""
     shape = info.get(name, (None, None))[1]
@@ -255,13 +245,17 @@ def share_key(s: Spec, info: dict) -> tuple | None:
 
 
 def rewrite(s: Spec, prefix: str, in_place: bool = False, shared: dict | None = None,
-            key: tuple | None = None) -> tuple[Builder, dict]:
+            key: tuple | None = None, fused: bool = False) -> tuple[Builder, dict]:
     """Build the replacement; returns the builder (its nodes) and output name -> new value. in_place: the
     cache outputs are ScatterND's straight on the cache inputs (bind each to its input's buffer) and the
-    context covers only the columns the step can read (when no output_qk fixes its width)."""
+    context covers only the columns the step can read (when no output_qk fixes its width). fused (with
+    in_place, opset >= 23): the attention itself is one ONNX Attention node where its semantics allow
+    (fused_refusal), else the op-by-op form."""
     b, x, a = Builder(prefix), s.x, s.attrs
-    hd, hkv, h = s.head_size, s.kv_heads, s.heads
     memo = shared.setdefault(key, {}) if shared is not None and key is not None else {}
+    if in_place:
+        return b, rewrite_in_place(s, b, memo, fused)
+    hd, hkv, h = s.head_size, s.kv_heads, s.heads
     if "ix" not in memo:
         memo["ix"] = token_index(b, x["query"], x["cumulative_sequence_length"], x["past_seqlens"],
                                  x.get("query_positions"))
@@ -272,26 +266,13 @@ def rewrite(s: Spec, prefix: str, in_place: bool = False, shared: dict | None = 
     else:
         q, k = qf, b.f(x["key"])
         v = None if s.latent else b.f(x["value"])
-    if in_place:  # token_count from the data (-1): no shape built per node
-        q, k = b.op("Reshape", q, b.i64(-1, h, hd)), b.op("Reshape", k, b.i64(-1, hkv, hd))
-        v = None if v is None else b.op("Reshape", v, b.i64(-1, hkv, hd))
-    else:
-        q, k = b.reshape(q, ix.t, h, hd), b.reshape(k, ix.t, hkv, hd)
-        v = None if v is None else b.reshape(v, ix.t, hkv, hd)
+    q, k = b.reshape(q, ix.t, h, hd), b.reshape(k, ix.t, hkv, hd)
+    v = None if v is None else b.reshape(v, ix.t, hkv, hd)
     # prologue: QK-norm -> RoPE -> rotation; Q rounded to T
     if "q_norm_weight" in x:
         eps = float(a["qk_norm_epsilon"])
         q, k = rms_norm(b, q, x["q_norm_weight"], eps), rms_norm(b, k, x["k_norm_weight"], eps)
-    if int(a["do_rotary"]) and in_place and int(a["rotary_offset"]) == 0:
-        # onnxruntime's own RotaryEmbedding (com.microsoft; the in-place form only ever runs in onnxruntime):
-        # one node per side instead of slices and products
-        if "pos2" not in memo:
-            memo["pos2"] = b.unsq(ix.pos, 0)  # [1, T]
-        tabs = memo.setdefault(("rope_f32", x["cos_cache"].name, x["sin_cache"].name),
-                               (b.f(x["cos_cache"]), b.f(x["sin_cache"])))
-        q = ort_rope(b, q, memo["pos2"], *tabs, h, hd, s.half, bool(int(a["rotary_interleaved"])))
-        k = ort_rope(b, k, memo["pos2"], *tabs, hkv, hd, s.half, bool(int(a["rotary_interleaved"])))
-    elif int(a["do_rotary"]):
+    if int(a["do_rotary"]):
         rk = ("rope", x["cos_cache"].name, x["sin_cache"].name, s.half, int(a["rotary_interleaved"]),
               int(a["rotary_offset"]))
         if rk not in memo or not x["cos_cache"].name:
@@ -308,11 +289,7 @@ def rewrite(s: Spec, prefix: str, in_place: bool = False, shared: dict | None = 
     ks = s.sides["k"]
     if "slots" not in memo:
         memo["slots"] = write_slots(b, ix, x["block_table"], x.get("slot_mapping"), ks.cache)
-        table = x["block_table"]
-        if in_place and int(a["qk_output"]) == 0:
-            table = tight_table(b, ix, table, ks.cache)
-        ctx = context(b, ix, table, ks.cache)
-        memo["ctx"] = readable_rows(b, ctx) if in_place else ctx
+        memo["ctx"] = context(b, ix, x["block_table"], ks.cache)
     slots, keep = memo["slots"]
     ctx = memo["ctx"]
     new = {}
@@ -321,17 +298,11 @@ def rewrite(s: Spec, prefix: str, in_place: bool = False, shared: dict | None = 
         side = s.sides.get(p)
         if side is None:
             continue
-        if in_place:
-            if "where" not in memo:
-                memo["where"] = scatter_index(b, ks.cache, slots, keep)
-            padded, out, scale_padded, scale_out = update_side_in_place(b, side, keep, val, memo["where"])
-        else:
-            padded, out, scale_padded, scale_out = update_side(b, side, ix, slots, keep, val)
+        padded, out, scale_padded, scale_out = update_side(b, side, ix, slots, keep, val)
         new["key_cache_out" if p == "k" else "value_cache_out"] = out
         if scale_out is not None:
             new[f"{p}_scale_cache_out"] = scale_out
-        vals = decode(b, side, ix, ctx, padded, scale_padded)
-        ctx_vals[p] = b.where(b.unsq(ctx.readable, 2, 3), vals, b.f32(0.0)) if in_place else vals
+        ctx_vals[p] = decode(b, side, ix, ctx, padded, scale_padded)
     keys = ctx_vals["k"]
     values = b.slice(keys, 0, s.v_head, 3) if s.latent else ctx_vals["v"]
     scale = float(a["scale"]) or 1.0 / math.sqrt(hd)
@@ -345,8 +316,7 @@ def rewrite(s: Spec, prefix: str, in_place: bool = False, shared: dict | None = 
                      x.get("attention_bias"), x.get("head_sink"))
     if "v" in s.sides and int(a["v_rotation"]):
         out = rotate(b, out, hd)
-    flat_out = b.op("Reshape", out, b.i64(-1, h * s.v_head)) if in_place else b.reshape(out, ix.t, h * s.v_head)
-    new["output"] = b.cast(flat_out, s.t_elem)
+    new["output"] = b.cast(b.reshape(out, ix.t, h * s.v_head), s.t_elem)
     if qk is not None:
         new["output_qk"] = b.cast(b.op("Transpose", qk, perm=[1, 0, 2]), s.qk_elem)
     return b, new
@@ -360,7 +330,10 @@ def _default_opset(model: ir.Model) -> int | None:
     return model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
 
 
-def decompose(model: onnx.ModelProto | ir.Model, *, in_place: bool = False
+FUSED_MIN_OPSET = 23  # ONNX Attention
+
+
+def decompose(model: onnx.ModelProto | ir.Model, *, in_place: bool = False, fused: bool = False
               ) -> tuple[onnx.ModelProto | ir.Model, DecomposeReport]:
     """Rewrite every valid com.microsoft::PagedAttention node of the main graph into standard ONNX ops.
 
@@ -370,6 +343,8 @@ def decompose(model: onnx.ModelProto | ir.Model, *, in_place: bool = False
     in_place: the form the CPU session runs in onnxruntime (runtime/delegate.py): each cache output is a
     ScatterND straight on its cache input, so binding the output to the input's buffer writes only the step's
     rows; the context spans only the block-table columns the step can read; fp8 / bfloat16 caches refused.
+    fused (with in_place, on a model of default opset >= 23): each node's attention is one ONNX Attention node
+    where its semantics allow (no softcap, head_sink or output_qk), the op-by-op form elsewhere.
     """
     as_proto = isinstance(model, onnx.ModelProto)
     proto = model if as_proto else ir.serde.serialize_model(model)
@@ -378,6 +353,7 @@ def decompose(model: onnx.ModelProto | ir.Model, *, in_place: bool = False
     proto_nodes = {tuple(n.output): n for n in proto.graph.node}
     report = DecomposeReport()
     opset = _default_opset(irm)
+    fused = fused and in_place and opset is not None and opset >= FUSED_MIN_OPSET
     shared: dict = {}  # share_key -> the step's bookkeeping values, built by the first node with that key
     for i, node in enumerate(list(irm.graph)):
         if node.op_type != "PagedAttention" or node.domain != DOMAIN:
@@ -396,7 +372,7 @@ def decompose(model: onnx.ModelProto | ir.Model, *, in_place: bool = False
                 why = next((r for r in map(in_place_refusal, spec.sides.values()) if r), None)
                 if why:
                     raise Refused(why)
-            b, new = rewrite(spec, f"{name}/decomposed", in_place, shared, share_key(spec, info))
+            b, new = rewrite(spec, f"{name}/decomposed", in_place, shared, share_key(spec, info), fused)
         except Refused as exc:
             report.skipped.append((name, str(exc)))
             continue

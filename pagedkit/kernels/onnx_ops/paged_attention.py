@@ -114,13 +114,14 @@ def allowed_mask(b: Builder, ix: TokenIndex, ctx: Context, m: Masking) -> ir.Val
     return b.and_(*terms)
 
 
-def bias_rows(b: Builder, bias: ir.Value, ix: TokenIndex, c: ir.Value) -> ir.Value:
-    """attention_bias [Bb, Hb, Qc, Kc] -> [B, Hb, qmax, C] f32: rows [b or 0, :, :qmax] fit to C (cut, or
+def bias_rows(b: Builder, bias: ir.Value, ix: TokenIndex, c: ir.Value, qrows: ir.Value | None = None) -> ir.Value:
+    """attention_bias [Bb, Hb, Qc, Kc] -> [B, Hb, qmax, C] f32 (qrows in place of qmax when given): rows
+    [b or 0, :, :qmax] fit to C (cut, or
     zero-padded: positions beyond Kc are beyond the extent and masked anyway)."""
     bb = b.dim(bias, 0)
     bsel = b.op("Min", b.op("Range", b.scalar_i64(0), b.sq(ix.batch, 0), b.scalar_i64(1)),
                 b.sq(b.op("Sub", bb, b.i64(1)), 0))  # Bb == 1 -> 0, Bb == B -> b
-    rows = b.slice(b.gather(b.f(bias), bsel), b.i64(0), ix.qmax, 2)  # [B, Hb, qmax, Kc]
+    rows = b.slice(b.gather(b.f(bias), bsel), b.i64(0), ix.qmax if qrows is None else qrows, 2)  # [B, Hb, qmax, Kc]
     pad = b.op("Max", b.op("Sub", c, b.dim(bias, 3)), b.i64(0))
     rows = b.op("Pad", rows, b.cat(b.i64(0, 0, 0, 0, 0, 0, 0), pad))  # pads: 4 begins, then ends (0, 0, 0, pad)
     return b.slice(rows, 0, c, 3)
@@ -168,5 +169,17 @@ def attend(b: Builder, q: ir.Value, k: ir.Value, v: ir.Value, allowed: ir.Value,
     return out, qk
 
 
-__all__ = ["Masking", "allowed_mask", "apply_rope", "attend", "from_padded", "rms_norm", "rope_tables", "rotate",
+def fused_refusal(m: Masking, sink: ir.Value | None) -> str | None:
+    """Why one ONNX Attention node (paged_inplace, fused) cannot serve these semantics (None: it can). ONNX Attention applies softcap after the
+    mask (masked keys would get -softcap, not -inf), has no sink logit, and no output_qk matching ours."""
+    if m.softcap > 0:
+        return "softcap"
+    if sink is not None:
+        return "head_sink"
+    if m.qk_mode:
+        return "output_qk"
+    return None
+
+
+__all__ = ["Masking", "allowed_mask", "apply_rope", "attend", "bias_rows", "fused_refusal", "from_padded", "rms_norm", "rope_tables", "rotate",
            "to_padded"]

@@ -230,20 +230,17 @@ def update_side(b: Builder, side: Side, ix: TokenIndex, slots: ir.Value, keep: i
 
 def update_side_in_place(b: Builder, side: Side, keep: ir.Value, x: ir.Value, where: ir.Value):
     """The in-place form of update_side (CPU plan, runtime/delegate.py): encode x [T, Hkv, D] f32 and ScatterND
-    the kept rows straight into the cache [NB, BS, Hkv, Dc] at (block, offset) -> (flat rows [NB*BS, Hkv, Dc] of
-    the updated cache, cache output, flat scale rows or None, scale cache output or None). The ScatterND's
-    output is the node's cache output: bound to the cache input's buffer it writes only the step's rows.
-    Needs the cache dtype as the working dtype (no fp8 / bfloat16 working copy): `in_place_refusal`.
-    where: scatter_index(...) of the step (shared by its nodes)."""
+    the kept rows straight into the cache [NB, BS, Hkv, Dc] at (block, offset) -> (cache output, scale cache
+    output or None). The ScatterND's output is the node's cache output: bound to the cache input's buffer it
+    writes only the step's rows. Needs the cache dtype as the working dtype (no fp8 / bfloat16 working copy):
+    `in_place_refusal`. where: scatter_index(...) of the step (shared by its nodes)."""
     codes, tok_scale = encode(b, side, x)
     out = b.op("ScatterND", side.cache, where, stored(b, side, b.op("Compress", codes, keep, axis=0)))
-    flat = b.op("Reshape", out, b.i64(-1, side.kv_heads, side.width))
-    scale_out = scale_flat = None
+    scale_out = None
     if tok_scale is not None:
         upd = b.cast(b.op("Compress", tok_scale, keep, axis=0), side.scale_elem)
         scale_out = b.op("ScatterND", side.scale_cache, where, upd)
-        scale_flat = b.op("Reshape", scale_out, b.i64(-1, side.kv_heads))
-    return flat, out, scale_flat, scale_out
+    return out, scale_out
 
 
 def scatter_index(b: Builder, cache: ir.Value, slots: ir.Value, keep: ir.Value) -> ir.Value:
@@ -260,11 +257,6 @@ def in_place_refusal(side: Side) -> str | None:
     return None
 
 
-def readable_rows(b: Builder, ctx: Context) -> Context:
-    """ctx with unreadable positions reading row 0 (no zero row appended in place); the caller masks them."""
-    return Context(b.where(ctx.readable, ctx.rows, b.scalar_i64(0)), ctx.readable, ctx.c)
-
-
 def tight_table(b: Builder, ix: TokenIndex, block_table: ir.Value, cache: ir.Value) -> ir.Value:
     """block_table's first ceil(max extent / BS) columns: the context this step can read (>= 1 column)."""
     bs = b.dim(cache, 1)
@@ -273,5 +265,5 @@ def tight_table(b: Builder, ix: TokenIndex, block_table: ir.Value, cache: ir.Val
     return b.slice(block_table, 0, cols, 1)
 
 
-__all__ = ["Context", "Side", "TokenIndex", "context", "decode", "in_place_refusal", "readable_rows", "tight_table",
+__all__ = ["Context", "Side", "TokenIndex", "context", "decode", "in_place_refusal", "tight_table",
            "scatter_index", "token_index", "update_side", "update_side_in_place", "write_slots"]

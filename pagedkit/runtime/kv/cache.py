@@ -77,6 +77,7 @@ class KVCacheManager:
                 }
         self.blocks = {g.name: GroupBlocks(g, self.pools[g.name], self._copier(g)) for g in config.groups}
         self.buffers = PlanBuffers(config)
+        self._feed_names: dict[bool, list[tuple[str, torch.Tensor]]] = {}
         self.seqs: dict[object, _Seq] = {}
         self._open_plan: StepPlan | None = None
         self._plan_count = 0
@@ -85,9 +86,13 @@ class KVCacheManager:
     def cache_feeds(self, present: bool = False) -> dict[str, torch.Tensor]:
         """Persistent cache tensors by model input name (`past_key_values.%d.key` ...); with
         present=True by output name (`present.%d.key` ...), the same tensors (outputs alias inputs)."""
-        names = self.config.present_names if present else self.config.names
-        return {layer_name(names[kind], lid): t for lid, kinds in sorted(self.caches.items())
-                for kind, t in kinds.items()}
+        names = self._feed_names.get(present)
+        if names is None:  # the caches never change: their names are worked out once
+            tmpl = self.config.present_names if present else self.config.names
+            names = self._feed_names[present] = [(layer_name(tmpl[kind], lid), t)
+                                                 for lid, kinds in sorted(self.caches.items())
+                                                 for kind, t in kinds.items()]
+        return dict(names)
 
     def _copier(self, g: GroupConfig):
         tensors = [t for layer in g.layers for t in self.caches[layer.layer_id].values()]
