@@ -16,6 +16,10 @@ the same text) in lockstep. Columns per row:
   decode step reads (every MatMul / Gemm / MatMulNBits weight in its stored dtype, lm_head included, plus one
   embedding row, plus the K/V cache at the mean decode context), times the batch; floor_fraction = decode / floor.
 Each number is the median over --reps runs after one warm-up run (--warmup-tokens new tokens, not counted).
+--rounds R runs the whole selection R times, row after row in each round (a host whose speed drifts, as a
+shared 2-core machine's does by 30% within minutes, then slows every row of a round alike): a row's numbers
+are the medians over all its rounds' runs, a pair's ratio the median of its per-round ratios (the two rows
+of a round ran minutes apart at most), and each round's figures are kept in the row (`rounds`).
 
 Every row runs in its own process (`--row NAME`, this script re-invoked), so its peak RSS is its own and the thread
 count (--threads: torch.set_num_threads, onnxruntime-genai's session intra_op_num_threads, pagedkit's
@@ -283,6 +287,43 @@ def matching_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def round_ratios(a: dict, b: dict) -> dict[str, list[float]]:
+    """pagedkit / genai decode and ttft ratios of every round both rows ran ok (rows without rounds: none)."""
+    out = {"decode": [], "ttft": []}
+    for ra, rb in zip(a.get("rounds") or [], b.get("rounds") or []):
+        if ra.get("status") == "ok" and rb.get("status") == "ok":
+            d, t = _ratio(ra.get("decode_tok_s"), rb.get("decode_tok_s")), _ratio(ra.get("ttft_ms"), rb.get("ttft_ms"))
+            if d is not None and t is not None:
+                out["decode"].append(d)
+                out["ttft"].append(t)
+    return out
+
+
+def merge_rounds(raws: list[dict]) -> dict:
+    """One row from its rounds' raw results: medians over every run of every ok round (ttft, decode, load),
+    the largest peak memory, the first ok round's tokens; each round's own figures under `rounds`."""
+    ok = [r for r in raws if r.get("status") == "ok"]
+    if len(raws) == 1 or not ok:
+        return raws[0] if len(raws) == 1 else raws[-1] | {"rounds": [_round_view(r) for r in raws]}
+    row = dict(ok[0])
+    runs = [x for r in ok for x in (r.get("reps") or [])]
+    row["reps"] = runs
+    row["ttft_ms"] = statistics.median(x["ttft_ms"] for x in runs)
+    dec = [x["decode_tok_s"] for x in runs if x.get("decode_tok_s") is not None]
+    row["decode_tok_s"] = statistics.median(dec) if dec else None
+    for k in ("load_s", "rss_after_load_mb", "warmup_s"):
+        vals = [r[k] for r in ok if isinstance(r.get(k), (int, float))]
+        row[k] = statistics.median(vals) if vals else None
+    row["peak_rss_mb"] = max(r["peak_rss_mb"] for r in ok)
+    row["wall_s"] = sum(r.get("wall_s") or 0 for r in raws)
+    row["rounds"] = [_round_view(r) for r in raws]
+    return row
+
+
+def _round_view(r: dict) -> dict:
+    return {k: r.get(k) for k in ("status", "ttft_ms", "decode_tok_s", "peak_rss_mb", "reason") if k in r}
+
+
 def pair_results(rows: dict[str, dict], pairs: Sequence[Pair] = PAIRS) -> list[dict]:
     """The pagedkit / genai ratios; pass None where a row of the pair did not run."""
     out = []
@@ -301,6 +342,12 @@ def pair_results(rows: dict[str, dict], pairs: Sequence[Pair] = PAIRS) -> list[d
             res["matching_prefix_tokens"] = min(matching_prefix(x, y) for x, y in zip(seqs_a, seqs_b))
         res["decode_ratio"] = _ratio(a["decode_tok_s"], b["decode_tok_s"])
         res["ttft_ratio"] = _ratio(a["ttft_ms"], b["ttft_ms"])
+        per = round_ratios(a, b)
+        if per["decode"]:  # rounds: the median of the per-round ratios (drift of the host cancels within a round)
+            res["ratio_of_medians"] = {"decode": res["decode_ratio"], "ttft": res["ttft_ratio"]}
+            res["round_ratios"] = per
+            res["decode_ratio"] = statistics.median(per["decode"])
+            res["ttft_ratio"] = statistics.median(per["ttft"])
         if p.min_decode is not None:
             res["checks"][f"decode >= {p.min_decode:g}x"] = (res["decode_ratio"] is not None
                                                               and res["decode_ratio"] >= p.min_decode)
@@ -394,6 +441,8 @@ def pair_lines(pairs: list[dict]) -> list[str]:
             continue
         parts = [f"decode {p['decode_ratio']:.2f}x" if p["decode_ratio"] is not None else "decode n/a",
                  f"ttft {p['ttft_ratio']:.2f}x" if p["ttft_ratio"] is not None else "ttft n/a"]
+        if p.get("round_ratios"):
+            parts[0] += " (median of rounds " + " ".join(f"{r:.2f}" for r in p["round_ratios"]["decode"]) + ")"
         checks = ", ".join(f"{k} {'PASS' if v else 'FAIL'}" for k, v in p["checks"].items())
         lines.append(f"  {head}: {', '.join(parts)}" + (f"  [{checks}]" if checks else ""))
     return lines
@@ -934,7 +983,8 @@ def plot(doc: dict, path: Path) -> None:
     ax2.set_xscale("log")
     bw = doc["bandwidth"].get("gb_s")
     fig.suptitle(f"SmolLM2-135M-Instruct, {doc['prompt_tokens']}-token prompt, {doc['max_new_tokens']} greedy tokens, "
-                 f"{doc['threads']} thread(s), median of {doc['reps']}; {doc['machine'].get('cpu_model', '')}"
+                 f"{doc['threads']} thread(s), median of {doc['reps']} x {doc.get('rounds', 1)} round(s); "
+                 f"{doc['machine'].get('cpu_model', '')}"
                  + (f", {bw:.1f} GB/s read" if bw else ""), fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=120)
@@ -947,6 +997,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", nargs="+", metavar="ROW", help=f"rows to run (default: all): {', '.join(ROWS)}")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=3, help="measured runs per row (the median is reported)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the whole selection this many times, interleaved (pairs: median per-round ratio)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch", type=int, default=8, help="sequences of the *-batch rows")
     p.add_argument("--warmup-tokens", type=int, default=8, help="new tokens of the warm-up run (not counted)")
@@ -981,8 +1033,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.rows or []:
         if name not in ROWS:
             p.error(f"unknown row {name!r}; rows: {', '.join(ROWS)}")
-    if args.max_new_tokens < 1 or args.reps < 1 or args.threads < 1 or args.batch < 1:
-        p.error("--max-new-tokens, --reps, --threads and --batch must be >= 1")
+    if args.max_new_tokens < 1 or args.reps < 1 or args.threads < 1 or args.batch < 1 or args.rounds < 1:
+        p.error("--max-new-tokens, --reps, --rounds, --threads and --batch must be >= 1")
     return run_all(args)
 
 
@@ -998,6 +1050,7 @@ def run_all(args) -> int:
     doc = {"schema": SCHEMA_VERSION, "benchmark": "cpu_generate",
            "command": " ".join([Path(sys.executable).name, *[a if " " not in a else repr(a) for a in sys.argv]]),
            "date": _now(), "machine": machine_info(), "threads": args.threads, "reps": args.reps,
+           "rounds": args.rounds,
            "warmup_tokens": args.warmup_tokens, "max_new_tokens": args.max_new_tokens,
            "prompt_tokens": PROMPT_TOKENS, "batch": args.batch, "versions": versions(),
            "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
@@ -1010,10 +1063,12 @@ def run_all(args) -> int:
     doc["prompt_ids"] = prompts[1][0]
 
     bw = measure_bandwidth(args, work)
-    raw_rows, model_bytes = [], {}
-    bar = tqdm(selected, desc="rows", unit="row")
-    for row in bar:
-        bar.set_postfix_str(row.name)
+    by_row: dict[str, list[dict]] = {r.name: [] for r in selected}
+    model_bytes = {}
+    bar = tqdm([(k, r) for k in range(args.rounds) for r in selected], desc="rows", unit="row")
+    for rnd, row in bar:
+        bar.set_postfix_str(row.name if args.rounds == 1 else f"{row.name} (round {rnd + 1}/{args.rounds})")
+        raw_rows = by_row[row.name]
         batch = args.batch if row.batched else 1
         base = {"name": row.name, "engine": row.engine, "model": row.model, "batch": batch, "note": row.note}
         try:
@@ -1026,13 +1081,13 @@ def run_all(args) -> int:
             model_bytes[row.model] = onnx_model_bytes(folder)
         spec = work / f"{row.name}.spec.json"
         spec.write_text(json.dumps({"folder": str(folder), "prompts": prompts[batch]}))
-        result = work / f"{row.name}.result.json"
+        result = work / f"{row.name}.r{rnd}.result.json"
         result.unlink(missing_ok=True)
         t = time.perf_counter()
         rc, tail = _child(["--row", row.name, "--spec", str(spec), "--result", str(result), "--threads",
                            str(args.threads), "--reps", str(args.reps), "--max-new-tokens", str(args.max_new_tokens),
                            "--warmup-tokens", str(args.warmup_tokens)], args.threads, args.row_timeout,
-                          work / f"{row.name}.log")
+                          work / f"{row.name}.r{rnd}.log")
         if result.is_file():
             raw = base | json.loads(result.read_text())
         else:
@@ -1042,7 +1097,8 @@ def run_all(args) -> int:
         raw_rows.append(raw)
         msg = (f"ttft {raw['ttft_ms']:.0f} ms, decode {raw['decode_tok_s'] or 0:.2f} tok/s, "
                f"peak {raw['peak_rss_mb']:.0f} MB" if raw["status"] == "ok" else f"FAILED: {raw['reason'][:200]}")
-        tqdm.write(f"{row.name}: {msg}")
+        tqdm.write(f"{row.name}: {msg}" if args.rounds == 1 else f"{row.name} (round {rnd + 1}): {msg}")
+    raw_rows = [merge_rounds(by_row[r.name]) for r in selected]
 
     bw_end = measure_bandwidth(args, work)
     runs = bw.get("runs_gb_s", []) + bw_end.get("runs_gb_s", [])

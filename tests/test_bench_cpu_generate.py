@@ -227,3 +227,25 @@ def test_list_runs_without_models(bench, capsys):
     assert bench.main(["--list"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in bench.ROWS)
+
+
+def test_rounds_merge_and_pair_by_round(bench):
+    """--rounds: a row's figures are medians over every run of its ok rounds (peak: the largest), a pair's ratio
+    the median of its per-round ratios, which a drifting host does not bias as a ratio of medians can."""
+    def raw(ttft, dec, peak, status="ok"):
+        r = {"name": "x", "status": status, "ttft_ms": ttft, "decode_tok_s": dec, "peak_rss_mb": peak,
+             "reps": [{"ttft_ms": ttft, "decode_tok_s": dec}], "load_s": 1.0, "tokens": [1, 2]}
+        return r if status == "ok" else {"name": "x", "status": status, "reason": "boom"}
+
+    fast, slow = bench.merge_rounds([raw(100, 50, 800), raw(300, 20, 900), raw(110, 60, 700)]), None
+    assert fast["decode_tok_s"] == 50 and fast["ttft_ms"] == 110 and fast["peak_rss_mb"] == 900
+    assert [r["decode_tok_s"] for r in fast["rounds"]] == [50, 20, 60]
+    slow = bench.merge_rounds([raw(200, 40, 500), raw(600, 10, 500), raw(2, 30, 500, status="failed")])
+    assert slow["decode_tok_s"] == 25 and len(slow["rounds"]) == 3 and slow["rounds"][2]["status"] == "failed"
+    per = bench.round_ratios(fast, slow)
+    assert per["decode"] == [50 / 40, 20 / 10] and per["ttft"] == [100 / 200, 300 / 600]
+    (pair,) = bench.pair_results({"a": fast, "b": slow}, [bench.Pair("a", "b", min_decode=0.8)])
+    assert pair["decode_ratio"] == pytest.approx((1.25 + 2.0) / 2) and pair["pass"] is True
+    assert pair["ratio_of_medians"]["decode"] == pytest.approx(50 / 25)
+    one = raw(100, 50, 800)
+    assert bench.merge_rounds([one]) is one  # one round: the child's result as it is

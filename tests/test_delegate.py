@@ -192,3 +192,48 @@ def test_case_files_through_onnx_attention(name):
     feeds = {k: (v.clone() if isinstance(v, torch.Tensor) else torch.as_tensor(v)) for k, v in case.inputs.items()}
     got = sess.run_torch(feeds)
     compare_case(case, {k: v.clone() for k, v in got.items()})
+
+
+def _run_case(case, model):
+    sess = InferenceSession(model, cpu_backend="onnxruntime")
+    feeds = {k: (v.clone() if isinstance(v, torch.Tensor) else torch.as_tensor(v)) for k, v in case.inputs.items()}
+    return sess.delegated["decomposed"], {k: v.clone() for k, v in sess.run_torch(feeds).items()}
+
+
+def test_half_prologue_is_bit_exact(monkeypatch):
+    """The in-place rewrite keeps q / k / v float16 through RoPE and the cache writes where that is exact
+    (paged_inplace._half_prologue): every case file it serves gives outputs and caches bit-identical to the
+    float32 prologue (RoPE in float32, Q rounded to T, K / V rounded by the cache store). Teeth: a 0.1% change of
+    the half path's RoPE input is seen."""
+    from cases import load_cases
+    from test_session_cases import single_node_model
+
+    from pagedkit.kernels.onnx_ops import paged_inplace as P
+
+    real_half, real_rope = P._half_prologue, P.ort_rope
+    served, teeth = 0, False
+    for name in _paged_cases():
+        (case,) = load_cases([name])
+        model = single_node_model(case)
+        model.opset_import[0].version = 23
+        taken = []
+        monkeypatch.setattr(P, "_half_prologue", lambda s: taken.append(real_half(s)) or taken[-1])
+        done, half = _run_case(case, model)
+        if not done or not any(taken):
+            continue
+        served += 1
+        monkeypatch.setattr(P, "_half_prologue", lambda s: False)
+        _, full = _run_case(case, model)
+        assert half.keys() == full.keys()
+        for k in half:
+            assert torch.equal(half[k], full[k]), (name, k)
+        if not teeth and case.attrs.get("do_rotary", 0):  # teeth, on the first rotary case served
+            teeth = True
+            def off_rope(b, x, *rest):
+                return real_rope(b, b.cast(b.op("Mul", b.f(x), b.f32(1.001)), P.FP16), *rest)
+            monkeypatch.setattr(P, "_half_prologue", real_half)
+            monkeypatch.setattr(P, "ort_rope", off_rope)
+            _, bad = _run_case(case, model)
+            assert not torch.equal(bad["output"], full["output"]), name
+            monkeypatch.setattr(P, "ort_rope", real_rope)
+    assert served >= 3 and teeth, (served, teeth)

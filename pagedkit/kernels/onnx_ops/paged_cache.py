@@ -228,12 +228,18 @@ def update_side(b: Builder, side: Side, ix: TokenIndex, slots: ir.Value, keep: i
     return padded, out, scale_padded, scale_out
 
 
-def update_side_in_place(b: Builder, side: Side, keep: ir.Value, x: ir.Value, where: ir.Value):
+def update_side_in_place(b: Builder, side: Side, keep: ir.Value, x: ir.Value, where: ir.Value,
+                         as_stored: bool = False):
     """The in-place form of update_side (CPU plan, runtime/delegate.py): encode x [T, Hkv, D] f32 and ScatterND
     the kept rows straight into the cache [NB, BS, Hkv, Dc] at (block, offset) -> (cache output, scale cache
     output or None). The ScatterND's output is the node's cache output: bound to the cache input's buffer it
     writes only the step's rows. Needs the cache dtype as the working dtype (no fp8 / bfloat16 working copy):
-    `in_place_refusal`. where: scatter_index(...) of the step (shared by its nodes)."""
+    `in_place_refusal`. where: scatter_index(...) of the step (shared by its nodes). as_stored: x is already in
+    the cache's type, unquantized (the in-place rewrite's float16 prologue): written as it is."""
+    if as_stored:
+        if side.fmt is not None:
+            raise ValueError("as_stored needs an unquantized cache")
+        return b.op("ScatterND", side.cache, where, b.op("Compress", x, keep, axis=0)), None
     codes, tok_scale = encode(b, side, x)
     out = b.op("ScatterND", side.cache, where, stored(b, side, b.op("Compress", codes, keep, axis=0)))
     scale_out = None

@@ -25,7 +25,7 @@ import onnx_ir as ir
 from .builder import F32, I64, Builder
 from .paged_attention import (Masking, allowed_mask, apply_rope, attend, bias_rows, fused_refusal, rms_norm,
                               rope_tables, rotate)
-from .paged_cache import (Context, Side, context, decode, scatter_index, tight_table, token_index,
+from .paged_cache import (FP16, Context, Side, context, decode, scatter_index, tight_table, token_index,
                           update_side_in_place, write_slots)
 
 _SHAPES = {"2d": lambda n, d: (-1, n * d), "flat": lambda n, d: (1, -1, n * d), "tok": lambda n, d: (-1, n, d)}
@@ -85,6 +85,21 @@ def _safe_rows(b: Builder, ix, ctx: Context) -> tuple[Context, ir.Value]:
     return Context(rows, ctx.readable, ctx.c), b.gather(ok, ix.seq)  # [T, 1]
 
 
+def _half_prologue(s) -> bool:
+    """Whether q / k / v can stay float16 from the node's inputs to the cache writes, exactly: T and both caches
+    float16 (no quantization: encode is the identity, the write a float16 store), RoPE (if any) by onnxruntime's
+    RotaryEmbedding, whose float16 kernel computes in float32 and rounds once (what the float32 prologue
+    followed by the round to T and the cache store gives, bit for bit; tests/test_delegate.py), and nothing else
+    in the prologue (QK-norm and the rotations work in float32 before one rounding). Saves the Casts T -> float32
+    of q / k / v, Q's round trip to T and the two cache-store Casts: four to five nodes a layer."""
+    a = s.attrs
+    if s.t_elem != FP16 or "q_norm_weight" in s.x or int(a["qk_rotation"]) or int(a["v_rotation"]):
+        return False
+    if int(a["do_rotary"]) and int(a["rotary_offset"]) != 0:
+        return False
+    return all(side.fmt is None and side.elem == FP16 and side.quant == "NONE" for side in s.sides.values())
+
+
 def _pad_rows(b: Builder, s, memo: dict) -> tuple[ir.Value, ir.Value]:
     """(src [B, max(qmax, 1)]: the row of [q; 0] each padded query row reads (padding: the zero row T; at
     least one row, as ONNX Attention needs), unpad [T, 2]: (sequence, offset) of each token in the padded
@@ -132,7 +147,8 @@ def rewrite_in_place(s, b: Builder, memo: dict, fused: bool) -> dict:
     """The in-place replacement of one node (module docstring) -> output name -> new value."""
     x, a = s.x, s.attrs
     hd, hkv, h = s.head_size, s.kv_heads, s.heads
-    tf = (lambda v: v) if s.t_elem == F32 else b.f  # T -> float32
+    half = _half_prologue(s)
+    tf = (lambda v: v) if s.t_elem == F32 or half else b.f  # T -> float32 (the half prologue stays in T)
     _step(b, s, memo)
     ix = memo["ix"]
     if s.packed:
@@ -150,9 +166,13 @@ def rewrite_in_place(s, b: Builder, memo: dict, fused: bool) -> dict:
     interleaved = bool(int(a["rotary_interleaved"]))
     if int(a["do_rotary"]) and int(a["rotary_offset"]) == 0:  # onnxruntime's RotaryEmbedding, one node a side
         pos2 = _memo(memo, "pos2", lambda: b.unsq(ix.pos, 0))  # [1, T]
-        tk = ("rope_f32", x["cos_cache"].name, x["sin_cache"].name)
-        tabs = _memo(memo, tk, lambda: (b.f(x["cos_cache"]), b.f(x["sin_cache"]))) if x["cos_cache"].name \
-            else (b.f(x["cos_cache"]), b.f(x["sin_cache"]))
+        if half:  # T's own tables: onnxruntime's float16 RotaryEmbedding is float32 math rounded once to T
+            tabs = (x["cos_cache"], x["sin_cache"])
+        elif x["cos_cache"].name:
+            tk = ("rope_f32", x["cos_cache"].name, x["sin_cache"].name)
+            tabs = _memo(memo, tk, lambda: (b.f(x["cos_cache"]), b.f(x["sin_cache"])))
+        else:
+            tabs = (b.f(x["cos_cache"]), b.f(x["sin_cache"]))
         q.set(ort_rope(b, q.as_("flat"), pos2, *tabs, h, s.half, interleaved), "flat")
         k.set(ort_rope(b, k.as_("flat"), pos2, *tabs, hkv, s.half, interleaved), "flat")
     elif int(a["do_rotary"]):
@@ -167,7 +187,9 @@ def rewrite_in_place(s, b: Builder, memo: dict, fused: bool) -> dict:
         k.set(rotate(b, k.as_("tok"), hd), "tok")
     if v is not None and int(a["v_rotation"]):
         v.set(rotate(b, v.as_("tok"), hd), "tok")
-    if s.t_elem != F32:
+    if half:  # Q already in T (rounded once, after RoPE); K / V already in the float16 caches' type
+        q.set(b.f(q.v), q.layout)
+    elif s.t_elem != F32:
         q.set(b.f(b.cast(q.v, s.t_elem)), q.layout)
     # cache writes (every token of the step before any attention), then the context reads [B, C, Hkv*D]
     slots, keep = memo["slots"]
@@ -176,7 +198,7 @@ def rewrite_in_place(s, b: Builder, memo: dict, fused: bool) -> dict:
         side = s.sides.get(p)
         if side is None:
             continue
-        out, scale_out = update_side_in_place(b, side, keep, val.as_("tok"), memo["where"])
+        out, scale_out = update_side_in_place(b, side, keep, val.as_("tok"), memo["where"], as_stored=half)
         new["key_cache_out" if p == "k" else "value_cache_out"] = out
         if scale_out is not None:
             new[f"{p}_scale_cache_out"] = scale_out
