@@ -126,10 +126,10 @@ def test_refused_rewrite_falls_back_to_pagedkit_kernels(llama32, monkeypatch):
     _backend(monkeypatch, "onnxruntime")
     real = D._ort_session
 
-    def picky(model, threads, spin=True):
+    def picky(model, threads, spin=True, external_dir=None):
         if any(n.op_type == "ScatterND" for n in model.graph.node):
             raise RuntimeError("refused for the test")
-        return real(model, threads, spin)
+        return real(model, threads, spin, external_dir)
 
     monkeypatch.setattr(D, "_ort_session", picky)
     sess = InferenceSession(str(out / "model.onnx"))
@@ -237,3 +237,32 @@ def test_half_prologue_is_bit_exact(monkeypatch):
             assert not torch.equal(bad["output"], full["output"]), name
             monkeypatch.setattr(P, "ort_rope", real_rope)
     assert served >= 3 and teeth, (served, teeth)
+
+
+def test_external_weights_stay_external(llama32, tmp_path, monkeypatch):
+    """A model whose weights are in external data hands them to onnxruntime by reference (it maps them from
+    the model's folder: no inlined copy in the segment's proto or its serialized bytes), and still matches HF."""
+    import shutil
+
+    import onnx
+    from onnx.external_data_helper import uses_external_data
+
+    hf, out = llama32
+    _backend(monkeypatch, "onnxruntime")
+    for f in out.iterdir():
+        if f.is_file() and not f.name.startswith("model.onnx"):
+            shutil.copy(f, tmp_path / f.name)
+    onnx.save(onnx.load(str(out / "model.onnx")), str(tmp_path / "model.onnx"), save_as_external_data=True,
+              all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
+    seen, real = [], D._ort_session
+
+    def record(m, threads, spin=True, external_dir=None):
+        seen.append((sum(uses_external_data(t) for t in m.graph.initializer), m.ByteSize(), external_dir))
+        return real(m, threads, spin, external_dir)
+
+    monkeypatch.setattr(D, "_ort_session", record)
+    sess = InferenceSession(str(tmp_path / "model.onnx"))
+    assert sess.delegated["decomposed"] and not sess.delegated["torch"], sess.delegated
+    assert seen and all(n > 0 and d == str(tmp_path) for n, _, d in seen), seen
+    assert sum(size for _, size, _ in seen) < (tmp_path / "weights.bin").stat().st_size / 4
+    check_parity(hf, tmp_path, tol=FP32_TOL, prompt_lens=(11, 5), steps=3)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import onnx
 import torch
 from onnx import TensorProto, helper
-from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+from onnx.external_data_helper import uses_external_data
 
 from .graph import static_facts
 from .ops.control import SEGMENTS
@@ -154,7 +154,7 @@ def _value_info(name: str, facts: dict) -> onnx.ValueInfoProto | None:
     return helper.make_tensor_value_info(name, elem, dims)
 
 
-def _ort_session(model: onnx.ModelProto, threads: int, spin: bool = True):
+def _ort_session(model: onnx.ModelProto, threads: int, spin: bool = True, external_dir: str | None = None):
     """An onnxruntime CPU session with its own pool of `threads`. spin: let its workers spin between ops and
     runs (onnxruntime's default; only for a session holding the whole model: several sessions' spinning
     workers, or torch's threads between segments, fight for the cores). No global thread pool: it would
@@ -166,6 +166,8 @@ def _ort_session(model: onnx.ModelProto, threads: int, spin: bool = True):
     so.intra_op_num_threads = max(1, threads)
     so.inter_op_num_threads = 1
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    if external_dir is not None:  # the model's external data, read (memory-mapped) by onnxruntime from there
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path", external_dir)
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
@@ -304,24 +306,23 @@ def _build(name, seg, g, facts, inits, graph_inputs, readers, graph_outputs, bas
     sg.node.extend(g.node[i] for i in seg)
     sg.input.extend(vis[x] for x in ins)
     sg.output.extend(vis[x] for x in outs)
-    size = 0
+    size, external = 0, False
     for x in used_inits:
         t = TensorProto()
         t.CopyFrom(inits[x])
-        if uses_external_data(t):
+        if uses_external_data(t):  # left where it is: onnxruntime maps it from the model's folder
             if base_dir is None:
                 report.kept[name] = f"initializer '{x}' in external data without the model's folder"
                 return None
-            load_external_data_for_tensor(t, base_dir)  # load_model checked location and range
-            t.data_location = TensorProto.DEFAULT
-            del t.external_data[:]
-        size += t.ByteSize()
+            external = True  # load_model checked every location and range
+        else:
+            size += t.ByteSize()
         if size > _MAX_BYTES:
-            report.kept[name] = "over 2 GB of weights in one segment"
+            report.kept[name] = "over 2 GB of inline weights in one segment"
             return None
         sg.initializer.append(t)
     try:
-        session = _ort_session(sub, threads, spin)
+        session = _ort_session(sub, threads, spin, base_dir if external else None)
     except Exception as exc:  # onnxruntime refuses: an op, type or opset it lacks
         report.kept[name] = f"onnxruntime refused it: {str(exc).splitlines()[0][:200]}"
         return None
