@@ -2,8 +2,10 @@
 one call must move (the bandwidth floor) and the one-node ONNX model onnxruntime runs. Pure apart from the
 tensors; tests/test_bench_attention.py checks the byte arithmetic.
 
-A row is one decode step: every sequence adds 1 query token at position past = context - 1 (so it attends to
-`context` keys, the new one included). Inputs: random fp16 Q/K/V, caches filled with random values / codes,
+A row is one step: every sequence adds `query_len` query tokens (1: a decode step; more: a prefill, or with
+context > query_len a chunked prefill over a cached prefix) at positions past .. context - 1, past = context -
+query_len (the last one attends to `context` keys, the new ones included). Decode rows are memory-bound (floor:
+bytes / bandwidth), prefill rows compute-bound (floor: flops() / PEAK_TFLOP_S, the larger of the two). Inputs: random fp16 Q/K/V, caches filled with random values / codes,
 a shuffled block table (a random permutation of the physical blocks, -1 past each sequence's blocks, one
 spare block), attention_metadata [1, max_context, 0] (host int32) when asked for.
 """
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 BANDWIDTH_TB_S = 4.4  # H200 HBM3e peak
+PEAK_TFLOP_S = 790.0  # H200 dense fp16 / bf16 tensor-core peak (about; FlashAttention-3 reaches ~740 forward)
 ELEM_BYTES = {"fp16": 2.0, "int8": 1.0, "fp8": 1.0, "int4": 0.5}
 CACHE_DTYPES = {"fp16": torch.float16, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}
 SCALE_CACHE_DTYPE = torch.float16  # PER_TOKEN scale caches
@@ -38,6 +41,7 @@ class Case:
     features: bool = False  # head_sink + softcap + QK-norm + rotary
     window: int = -1  # local_window_size
     note: str = ""
+    query_len: int = 1  # new tokens per sequence (> 1: a prefill; causal)
 
     @property
     def batch(self) -> int:
@@ -49,7 +53,11 @@ class Case:
                 "block_size": self.block_size, "num_heads": self.num_heads, "kv_num_heads": self.kv_heads,
                 "head_size": self.head_size, "cache": self.cache, "quant": self.quant, "rotation": self.rotation,
                 "features": "head_sink+softcap+qk_norm+rotary" if self.features else None,
-                "local_window_size": self.window, "query_tokens_per_sequence": 1, "note": self.note}
+                "local_window_size": self.window, "query_tokens_per_sequence": self.query_len, "note": self.note}
+
+    @property
+    def prefill(self) -> bool:
+        return self.query_len > 1
 
 
 def _dec(name: str, batch: int, ctx: int, bs: int, **kw) -> Case:
@@ -73,12 +81,19 @@ CASES = {c.name: c for c in (
     _dec("fp16-b16-ctx1k-bs16", 16, 1024, 16, note="plain context 1024: what the window row should cost"),
     _dec("window1k-b16-ctx8k-bs16", 16, 8192, 16, window=1024, note="local_window_size 1024; compare fp16-b16-ctx1k-bs16"),
     Case("ragged-b16-bs16", RAGGED, 16, note="contexts mixed 1 .. 32768"),
+    *(Case(f"prefill-fp16-b4-q4096-bs{bs}", (4096,) * 4, bs, query_len=4096,
+           note="causal prefill of 4 x 4096 tokens, no cached prefix") for bs in (16, 256)),
+    Case("chunk-fp16-b4-q1024-ctx4096-bs16", (4096,) * 4, 16, query_len=1024,
+         note="chunked prefill: 1024 new tokens over a cached 3072-token prefix"),
+    Case("prefill-fp16-b16-q512-bs16", (512,) * 16, 16, query_len=512, note="16 short prompts"),
 )}
 QUICK = ("fp16-b16-ctx4k-bs256", "fp16-b16-ctx4k-bs16", "int8-b16-ctx4k-bs16", "fp16-b64-ctx8k-bs256")
 DRY_CASES = {c.name: c for c in (  # --dry-run: CPU, tiny shapes
     Case("dry-fp16", (64, 64), 16, num_heads=4, kv_heads=2, head_size=32),
     Case("dry-int8-features", (64, 37), 16, num_heads=4, kv_heads=2, head_size=32, cache="int8", quant="PER_TENSOR",
          features=True),
+    Case("dry-prefill", (24, 24), 16, num_heads=4, kv_heads=2, head_size=32, query_len=24),
+    Case("dry-chunk", (40, 30), 16, num_heads=4, kv_heads=2, head_size=32, query_len=12),
 )}
 
 
@@ -93,10 +108,26 @@ def traffic(case: Case) -> dict:
     if case.quant == "PER_TOKEN":
         per_token += case.kv_heads * 2 * SCALE_CACHE_DTYPE.itemsize
     read = sum(min(c, case.window) if case.window > 0 else c for c in case.contexts)
-    t = case.batch  # one query token per sequence
+    t = case.batch * case.query_len
     io = t * (case.num_heads * d * 2 + case.num_heads * d * 2 + case.kv_heads * 2 * d * 2)  # Q, output, new K/V
     return {"tokens_read": read, "kv_bytes_per_token": per_token, "kv": read * per_token, "q_kv_out": io,
             "total": read * per_token + io}
+
+
+def flops(case: Case) -> float:
+    """Tensor-core FLOPs of the attention (QK^T and PV, 2 * D each per admitted (query, key) pair and head):
+    query j of a sequence (position past + j) admits keys 0 .. past + j, or its last `window` of them."""
+    pairs = 0
+    for c in case.contexts:
+        past = c - case.query_len
+        for j in range(case.query_len):
+            keys = past + j + 1
+            pairs += min(keys, case.window) if case.window > 0 else keys
+    return 4.0 * case.head_size * case.num_heads * pairs
+
+
+def compute_floor_ms(total_flops: float, peak_tflop_s: float = PEAK_TFLOP_S) -> float:
+    return total_flops / (peak_tflop_s * 1e12) * 1e3
 
 
 def floor_ms(total_bytes: float, bandwidth_tb_s: float = BANDWIDTH_TB_S) -> float:
@@ -138,10 +169,11 @@ def build_inputs(case: Case, device: torch.device, seed: int = 0, metadata: bool
         table[i, :n] = perm[used:used + n]
         used += n
     width = (d + 1) // 2 if case.cache == "int4" else d
-    x = {"query": randn(b, h * d), "key": randn(b, hkv * d), "value": randn(b, hkv * d),
+    ql = case.query_len
+    x = {"query": randn(b * ql, h * d), "key": randn(b * ql, hkv * d), "value": randn(b * ql, hkv * d),
          "key_cache": codes((num_blocks, bs, hkv, width)), "value_cache": codes((num_blocks, bs, hkv, width)),
-         "cumulative_sequence_length": torch.arange(b + 1, dtype=torch.int32, device=device),
-         "past_seqlens": torch.tensor([c - 1 for c in case.contexts], dtype=torch.int32, device=device),
+         "cumulative_sequence_length": torch.arange(b + 1, dtype=torch.int32, device=device) * ql,
+         "past_seqlens": torch.tensor([c - ql for c in case.contexts], dtype=torch.int32, device=device),
          "block_table": table.to(device)}
     attrs: dict = {"num_heads": h, "kv_num_heads": hkv}
     outputs = ["output", "key_cache_out", "value_cache_out"]
@@ -170,7 +202,7 @@ def build_inputs(case: Case, device: torch.device, seed: int = 0, metadata: bool
     if case.window > 0:
         attrs["local_window_size"] = case.window
     if metadata:
-        x["attention_metadata"] = torch.tensor([1, max(case.contexts), 0], dtype=torch.int32)  # host memory
+        x["attention_metadata"] = torch.tensor([ql, max(case.contexts), 0], dtype=torch.int32)  # host memory
     return x, attrs, outputs
 
 

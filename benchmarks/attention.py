@@ -20,7 +20,12 @@ Arms (each on its own copy of the caches, built from the same seed; see docs/ben
   arm fails at run time): the same without the CUDA graph.
 - torch_sdpa: pagedkit's torch path (validate=False), eager (it reads lengths on the host), a device sync per call.
 - reference (--dry-run, or --arms): the loop-based oracle.
+- sdpa_flash / sdpa_cudnn (prefill rows without a cached prefix): torch's dense scaled_dot_product_attention with
+  one backend (FlashAttention-2 / cuDNN) on the step's own Q / K / V as [B, H, S, D], CUDA events, eager: the
+  reference point for what a fused dense kernel reaches on the shape (not a paged kernel).
 Floor: traffic() bytes / --bandwidth (4.4 TB/s); per arm effective TB/s = bytes / time, fraction = floor / time.
+Prefill rows (query_len > 1) are compute-bound: their floor is the larger of that and flops() / --tflops (790),
+and each arm also reports TFLOP/s; they are plotted apart (attention_prefill.png).
 Parity: max|a - b| / max|b| of the outputs, warned about above 2e-2. Exit code 0 whatever an arm does.
 """
 
@@ -47,14 +52,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(REPO)]
 import _attention_cases as C  # noqa: E402
 
+SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}  # torch.nn.attention.SDPBackend
 ENTRIES = {"triton": "pagedkit.kernels.triton.paged:paged_attention",
            "torch_sdpa": "pagedkit.kernels.paged.torch_sdpa:paged_attention",
            "reference": "pagedkit.kernels.paged.reference:paged_attention"}
-ARMS = ("triton", "ort", "ort_no_graph", "torch_sdpa", "reference")
+ARMS = ("triton", "ort", "ort_no_graph", "torch_sdpa", "reference", "sdpa_flash", "sdpa_cudnn")
 PARITY_PAIRS = (("triton", "ort"), ("triton", "torch_sdpa"), ("triton", "reference"), ("torch_sdpa", "ort"),
-                ("torch_sdpa", "reference"), ("ort_no_graph", "ort"))
+                ("torch_sdpa", "reference"), ("ort_no_graph", "ort"), ("triton", "sdpa_flash"),
+                ("triton", "sdpa_cudnn"))
 RATIO_PAIRS = (("triton", "ort"), ("triton", "ort_no_graph"), ("triton", "torch_sdpa"), ("torch_sdpa", "ort"),
-               ("torch_sdpa", "reference"))
+               ("torch_sdpa", "reference"), ("triton", "sdpa_flash"), ("triton", "sdpa_cudnn"))
 PARITY_WARN = 2e-2
 
 
@@ -227,6 +234,39 @@ def ort_arm(base: dict, attrs: dict, outputs: list[str], args, device, graph: bo
     return res, result
 
 
+def dense_arm(arm: str, case: C.Case, base: dict, attrs: dict, args, device) -> tuple[dict, torch.Tensor]:
+    """torch's dense attention (scaled_dot_product_attention, one SDPA backend) on the step's own Q / K / V as
+    [B, H, S, D]: the same result as the paged call when the row is a prefill with no cached prefix (the
+    keys are the new tokens) and no feature beyond causal GQA. Not a paged kernel: the reference point."""
+    if not case.prefill or any(c != case.query_len for c in case.contexts):
+        raise Skip("dense attention serves prefills without a cached prefix only")
+    if case.cache != "fp16" or case.features or case.rotation or case.window > 0:
+        raise Skip("dense attention: plain float16 causal rows only")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    b, q, h, hkv, d = case.batch, case.query_len, case.num_heads, case.kv_heads, case.head_size
+    qd = base["query"].view(b, q, h, d).transpose(1, 2).contiguous()
+    kd = base["key"].view(b, q, hkv, d).transpose(1, 2).contiguous()
+    vd = base["value"].view(b, q, hkv, d).transpose(1, 2).contiguous()
+    backend = getattr(SDPBackend, SDPA_BACKENDS[arm])
+
+    def call():
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=hkv != h)
+
+    try:
+        for _ in range(args.warmup):
+            out = call()
+        sync(device)
+    except Exception as exc:  # the backend refuses the shape / device
+        raise Skip(f"{SDPA_BACKENDS[arm]}: {one_line(exc)}") from None
+    samples = (time_events(call, args.replays, args.batches) if device.type == "cuda"
+               else time_wall(call, 1, args.eager_reps, device))
+    res = summary(samples, "eager, CUDA events" if device.type == "cuda" else "eager (CPU)")
+    return res, out.transpose(1, 2).reshape(b * q, h * d).clone()
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float().cpu(), b.float().cpu()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
@@ -240,6 +280,10 @@ def run_row(case: C.Case, arms: list[str], args, device: torch.device) -> dict:
     row = {"name": case.name, "config": case.config() | {"attention_metadata": args.metadata},
            "bytes": traffic, "floor_ms": C.floor_ms(traffic["total"], args.bandwidth), "arms": {},
            "ratios": {}, "parity": {}}
+    if case.prefill:  # compute-bound: the floor is the larger of the two
+        row["flops"] = C.flops(case)
+        row["compute_floor_ms"] = C.compute_floor_ms(row["flops"], args.tflops)
+        row["floor_ms"] = max(row["floor_ms"], row["compute_floor_ms"])
     try:
         base, attrs, outputs = C.build_inputs(case, device, args.seed, args.metadata)
         issues = check_inputs(base, attrs, outputs=outputs, node_name=case.name)
@@ -258,6 +302,8 @@ def run_row(case: C.Case, arms: list[str], args, device: torch.device) -> dict:
         try:
             if arm.startswith("ort"):
                 res, out = ort_arm(base, attrs, outputs, args, device, graph=arm == "ort" and device.type == "cuda")
+            elif arm in SDPA_BACKENDS:
+                res, out = dense_arm(arm, case, base, attrs, args, device)
             else:
                 res, out = pagedkit_arm(arm, base, attrs, outputs, args, device)
             outs[arm] = out
@@ -270,6 +316,8 @@ def run_row(case: C.Case, arms: list[str], args, device: torch.device) -> dict:
         if "ms" in res:
             res["tb_s"] = C.effective_tb_s(traffic["total"], res["ms"])
             res["fraction_of_floor"] = row["floor_ms"] / res["ms"]
+            if case.prefill:
+                res["tflop_s"] = row["flops"] / (res["ms"] * 1e-3) / 1e12
         row["arms"][arm] = res
         gc.collect()
         if device.type == "cuda":
@@ -333,6 +381,12 @@ def plot(rows: list[dict], path: Path, bandwidth: float, device_name: str) -> No
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    pre = [r for r in rows if "flops" in r]
+    rows = [r for r in rows if "flops" not in r]
+    if pre:
+        plot_prefill(pre, path.with_name(path.stem.replace("roofline", "prefill") + path.suffix), device_name)
+    if not rows:
+        return
     arms = [a for a in ARMS if any("tb_s" in r["arms"].get(a, {}) for r in rows)]
     fig, ax = plt.subplots(figsize=(max(8.0, 0.55 * len(rows) + 3), 5.5))
     for k, arm in enumerate(arms):
@@ -344,6 +398,31 @@ def plot(rows: list[dict], path: Path, bandwidth: float, device_name: str) -> No
     ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=60, ha="right", fontsize=8)
     ax.set_ylabel("effective TB/s (bytes that must move / time)")
     ax.set_title(f"PagedAttention, one decode call: {device_name}", fontsize=10)
+    ax.grid(True, which="both", axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_prefill(rows: list[dict], path: Path, device_name: str) -> None:
+    """Prefill rows: TFLOP/s per arm against the tensor-core peak."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [a for a in ARMS if any("tflop_s" in r["arms"].get(a, {}) for r in rows)]
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.2 * len(rows) + 3), 5.0))
+    for k, arm in enumerate(arms):
+        pts = [(i + 0.12 * (k - (len(arms) - 1) / 2), r["arms"][arm]["tflop_s"]) for i, r in enumerate(rows)
+               if "tflop_s" in r["arms"].get(arm, {})]
+        ax.scatter(*zip(*pts), label=arm, marker="os^Dv<>"[k % 7], s=36, zorder=3)
+    ax.axhline(C.PEAK_TFLOP_S, ls="--", color="black", label=f"peak: {C.PEAK_TFLOP_S:g} TFLOP/s")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("TFLOP/s (attention FLOPs / time)")
+    ax.set_title(f"PagedAttention, prefill calls: {device_name}", fontsize=10)
     ax.grid(True, which="both", axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -373,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="pass attention_metadata [1, max_context, 0] (host int32) to every arm")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     ap.add_argument("--bandwidth", type=float, default=C.BANDWIDTH_TB_S, help="TB/s of the floor")
+    ap.add_argument("--tflops", type=float, default=C.PEAK_TFLOP_S, help="TFLOP/s of prefill rows' floor")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--replays", type=int, default=20, help="calls per timed batch (graph replays, ORT runs)")
     ap.add_argument("--batches", type=int, default=10, help="timed batches; the median is reported")
@@ -388,8 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         args.replays, args.batches, args.eager_reps, args.warmup = 1, 3, 3, 1
     elif not torch.cuda.is_available():
         sys.exit("no CUDA device: run on the H200, or --dry-run for the CPU plumbing check")
-    arms = args.arms or (["reference", "torch_sdpa", "triton", "ort"] if args.dry_run
-                         else ["triton", "ort", "ort_no_graph", "torch_sdpa"])  # ort_no_graph: see run_row
+    arms = args.arms or (["reference", "torch_sdpa", "triton", "ort", "sdpa_flash"] if args.dry_run
+                         else ["triton", "ort", "ort_no_graph", "torch_sdpa", "sdpa_flash", "sdpa_cudnn"])
     if args.ort_no_graph and "ort_no_graph" not in arms:
         arms.append("ort_no_graph")
     device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -413,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
         cells = []
         for a in arms:
             res = r["arms"].get(a, {})
-            cells.append(f"{res['ms']:.4g} ms {res['tb_s']:.3g} TB/s" if "ms" in res else
+            cells.append(f"{res['ms']:.4g} ms {res['tflop_s']:.3g} TF/s" if "tflop_s" in res else
+                         f"{res['ms']:.4g} ms {res['tb_s']:.3g} TB/s" if "ms" in res else
                          "skipped" if "skipped" in res else "error" if "error" in res else "-")
         parity = " ".join(f"{k}={v:.2g}" for k, v in r["parity"].items())
         print(f"{r['name']:32} {r['floor_ms']:9.4g} " + " ".join(f"{c:>22}" for c in cells) + "   " + parity

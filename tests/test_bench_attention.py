@@ -41,6 +41,13 @@ def test_traffic_and_floor(cases):
     assert (cases.traffic(cases.CASES["window1k-b16-ctx8k-bs16"])["kv"]
             == cases.traffic(cases.CASES["fp16-b16-ctx1k-bs16"])["kv"])
     assert cases.traffic(cases.CASES["ragged-b16-bs16"])["tokens_read"] == sum(cases.RAGGED)
+    # prefill: 4 * D * H FLOPs per admitted (query, key) pair; causal, no prefix: q (q + 1) / 2 pairs a sequence
+    pre = cases.CASES["prefill-fp16-b4-q4096-bs16"]
+    assert cases.flops(pre) == 4 * 128 * 32 * 4 * (4096 * 4097 // 2)
+    assert cases.compute_floor_ms(cases.flops(pre)) == pytest.approx(cases.flops(pre) / 790e12 * 1e3)
+    chunk = cases.CASES["chunk-fp16-b4-q1024-ctx4096-bs16"]  # 1024 queries over a 3072-token prefix
+    assert cases.flops(chunk) == 4 * 128 * 32 * 4 * (1024 * 3072 + 1024 * 1025 // 2)
+    assert cases.traffic(pre)["q_kv_out"] == 4 * 4096 * (32 * 128 * 2 * 2 + 8 * 256 * 2)
 
 
 def test_inputs_are_valid_and_seeded(cases):
@@ -51,7 +58,9 @@ def test_inputs_are_valid_and_seeded(cases):
     for case in cases.DRY_CASES.values():
         x, attrs, outputs = cases.build_inputs(case, torch.device("cpu"), seed=3)
         assert check_inputs(x, attrs, outputs=outputs) == []
-        assert x["attention_metadata"].tolist() == [1, max(case.contexts), 0]
+        assert x["attention_metadata"].tolist() == [case.query_len, max(case.contexts), 0]
+        assert x["query"].shape[0] == case.batch * case.query_len
+        assert x["past_seqlens"].tolist() == [c - case.query_len for c in case.contexts]
         table = x["block_table"]
         assert sorted(table[table >= 0].tolist()) != table[table >= 0].tolist()  # shuffled
         y, _, _ = cases.build_inputs(case, torch.device("cpu"), seed=3)
@@ -71,10 +80,16 @@ def test_dry_run_writes_json_and_plot(tmp_path):
     assert data["dry_run"] is True and data["bandwidth_tb_s"] == 4.4
     assert {"command", "date", "device", "versions", "settings", "rows"} <= set(data)
     assert {"torch", "triton", "onnxruntime"} <= set(data["versions"])
-    assert [r["name"] for r in data["rows"]] == ["dry-fp16", "dry-int8-features"]
+    assert [r["name"] for r in data["rows"]] == ["dry-fp16", "dry-int8-features", "dry-prefill", "dry-chunk"]
     for row in data["rows"]:
         assert "error" not in row, row.get("error")
-        assert row["floor_ms"] == pytest.approx(row["bytes"]["total"] / 4.4e12 * 1e3)
+        bytes_floor = row["bytes"]["total"] / 4.4e12 * 1e3
+        if "flops" in row:  # prefill rows: the larger of the bandwidth and the compute floor
+            assert row["floor_ms"] == pytest.approx(max(bytes_floor, row["flops"] / 790e12 * 1e3))
+            assert row["arms"]["reference"]["tflop_s"] == pytest.approx(
+                row["flops"] / row["arms"]["reference"]["ms"] / 1e9)
+        else:
+            assert row["floor_ms"] == pytest.approx(bytes_floor)
         for arm in ("torch_sdpa", "reference"):
             res = row["arms"][arm]
             assert res["ms"] > 0 and res["tb_s"] > 0
@@ -86,5 +101,11 @@ def test_dry_run_writes_json_and_plot(tmp_path):
         if "ms" in triton:
             assert row["parity"]["triton_vs_reference"] < 2e-2
         assert set(row["arms"]["ort"]) & {"skipped", "ms"}  # onnxruntime's CPU build has no PagedAttention
+        dense = row["arms"]["sdpa_flash"]
+        if row["name"] == "dry-prefill":  # no cached prefix: torch's dense attention computes the same
+            assert "ms" in dense, dense
+            assert row["parity"]["triton_vs_sdpa_flash"] < 2e-2
+        else:
+            assert "skipped" in dense
     png = tmp_path / "attention_roofline.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -145,6 +145,30 @@ def test_forced_splits(splits):
     check(base(past=[100, 4, 0, 20]), num_splits=splits)
 
 
+@pytest.mark.parametrize("lanes,splits", [(1, 1), (2, 1), (3, 2), (7, 1), (40, 3)])
+def test_query_chunk_lanes(lanes, splits):
+    """A prefill's query chunks on parallel programs (lane l takes chunks l, l + L, ...): 1 lane, several, more
+    lanes than chunks, with splits; a chunked prefill over a prefix, a full prefill, a window, a decode token."""
+    spec = base(q_lens=[37, 1, 20], past=[25, 60, 0], attrs={"local_window_size": 24})
+    check(spec, tiles={"block_m": 16, "num_lanes": lanes}, num_splits=splits)
+    causal = base(q_lens=[33, 5], past=[0, 40])
+    check(causal, tiles={"block_m": 16, "num_lanes": lanes}, num_splits=splits)
+
+
+def test_lanes_are_picked_from_the_query_bound_and_give_identical_results():
+    """Lanes from max_query_len: a decode step gets 1, a prefill one per chunk (capped to fill the SMs); the
+    lanes change which program computes a chunk, never the chunk's arithmetic: outputs are bit-identical."""
+    assert decode._pick_lanes(1, 4, 8, 132) == 1
+    assert decode._pick_lanes(4096, 16, 32, 132) == 256
+    assert decode._pick_lanes(4096, 16, 4096, 132) == 2
+    spec = base(q_lens=[29, 3], past=[11, 0])
+    case = build(spec)
+    st = prepare(clone_inputs(case.inputs), case.attrs, None)
+    one, _ = run_kernel(st, {"block_m": 16, "num_lanes": 1}, num_splits=1)
+    many, _ = run_kernel(st, {"block_m": 16, "num_lanes": 4}, num_splits=1)
+    assert torch.equal(one, many)
+
+
 def test_bounds_smaller_than_the_extent_still_exact():
     """max_kv_len / max_query_len are launch-size hints only; too small ones keep the exact result."""
     check(base(q_lens=[6, 1], past=[90, 200]), max_kv_len=8, max_query_len=1)

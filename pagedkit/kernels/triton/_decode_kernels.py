@@ -1,7 +1,9 @@
 """The @triton.jit kernels of the split-KV paged attention (launcher, layouts and heuristics: decode.py).
 
-- `_attn_kernel`   grid (B, Hkv * N_SUB, S): one program per (sequence, KV head [, head sub-group], split);
-                   rows = query tokens x heads of the group; partials (m, l, acc) or, with S == 1, the output.
+- `_attn_kernel`   grid (B, Hkv * N_SUB, S * NCP): one program per (sequence, KV head [, head sub-group],
+                   split, query-chunk lane); rows = query tokens x heads of the group; lane p of NCP takes the
+                   sequence's query chunks p, p + NCP, ... (a prefill's chunks run in parallel, decode has
+                   NCP = 1); partials (m, l, acc) or, with S == 1, the output.
 - `_reduce_kernel` grid (N, H): merges the S partials of one (token, head), head_sink, V output scale,
                    V un-rotation; writes the output (T) and, for qk_output 2, the final (M, L).
 - `_probs_kernel`  grid (H * N, cdiv(C, BLOCK)): raw scores -> probabilities exp(s - M) / L (-inf -> 0).
@@ -97,7 +99,7 @@ def _attn_kernel(
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_kscb, stride_kscs, stride_ksch, stride_vscb, stride_vscs, stride_vsch, stride_btb,
         stride_bb, stride_bh, stride_bq, stride_bk, bias_qcap, bias_kcap,
-        N, NB, MB, num_splits, sm_scale, softcap, window,
+        N, NB, MB, num_splits, n_lanes, sm_scale, softcap, window,
         H: tl.constexpr, G: tl.constexpr, G_TILE: tl.constexpr, N_SUB: tl.constexpr,
         Q_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
         D: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr,
@@ -110,7 +112,8 @@ def _attn_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1) // N_SUB
     sub = tl.program_id(1) % N_SUB
-    s = tl.program_id(2)
+    s = tl.program_id(2) % num_splits
+    lane = tl.program_id(2) // num_splits
     C = MB * BS
 
     q_start = tl.load(csl_ptr + b).to(tl.int32)
@@ -150,7 +153,7 @@ def _attn_kernel(
     k_head = kvh.to(tl.int64) * stride_kh
     v_head = kvh.to(tl.int64) * stride_vh
 
-    for c in range(0, tl.cdiv(n_q, Q_CHUNK)):
+    for c in range(lane, tl.cdiv(n_q, Q_CHUNK), n_lanes):
         j = c * Q_CHUNK + jr
         t = q_start + j
         row_ok = head_ok & (j < n_q) & (t < N) & (t >= 0)

@@ -9,9 +9,11 @@ Layouts (the last dim of every tensor contiguous):
 - sequence b owns tokens [csl[b], csl[b+1]), its KV extent is past[b] + n_b, read through block_table[b];
 - output [N, H * Dv] in T; output_qk [H, N, C] float32, C = block_table.shape[1] * BS.
 
-Split layout: the attention kernel runs on a static grid (B, Hkv * N_SUB, S). A program holds every query
+Split layout: the attention kernel runs on a static grid (B, Hkv * N_SUB, S * L). A program holds every query
 head of its KV-head group (N_SUB sub-groups only for groups > 64 heads) as rows (query tokens x heads,
->= 16 for tl.dot) and loops over its sequence's query tokens in row chunks; for each chunk it takes the
+>= 16 for tl.dot) and loops over its sequence's query tokens in row chunks, lane l of L taking chunks l,
+l + L, ... (L from the host bound max_query_len: a prefill's chunks run side by side, a decode step has
+L = 1; a wrong bound costs speed only); for each chunk it takes the
 tiles [lo, hi) the chunk can see (the window's first tile .. the chunk's last causal position, from the
 run-time extent), and split s of S takes tiles [s * ceil(T / S), (s + 1) * ceil(T / S)) of those T tiles.
 With S > 1 (or v_rotation, or qk_output 2) it writes partials (m in the log2 domain, l, unnormalized acc)
@@ -55,6 +57,8 @@ MIN_TILES_PER_SPLIT = 2  # a split reads at least this many KV tiles
 WAVES = 3
 WAVES_SMALL_TILES = 12
 MAX_SPLITS = 1024
+MAX_LANES_WAVES = 64  # query-chunk lanes: at most this many programs per SM in all (a prefill's grid)
+MAX_GRID_Z = 65535  # CUDA's limit on grid dimension z (splits x lanes)
 # a quantized cache with a grid of >= this many (sequence, KV head) programs per SM takes 128-token tiles
 # (H200, batch 64 / context 8192, attention_tuning.json: int8 256-token blocks 0.63 -> 0.49 ms, fp8 0.58 ->
 # 0.42 ms, int4 0.59 -> 0.54 ms); smaller grids keep the per-block tiles, which fill the SMs with splits
@@ -80,6 +84,14 @@ def _pick_splits(programs: int, tiles: int, rows_bytes: int, num_sms: int, waves
     want = max(1, round(waves * num_sms / max(programs, 1)))
     s = max(1, min(want, tiles // MIN_TILES_PER_SPLIT))
     return max(1, min(s, WORKSPACE_BYTES // max(rows_bytes, 1), MAX_SPLITS))
+
+
+def _pick_lanes(q_bound: int, q_chunk: int, programs: int, num_sms: int) -> int:
+    """Query-chunk lanes per (sequence, KV head, split): every chunk of the longest query its own program, up to
+    enough programs to fill the SMs many times over (a lane loops over chunks p, p + lanes, ...: any bound is
+    correct, a low one only slower)."""
+    chunks = -(-max(q_bound, 1) // q_chunk)
+    return max(1, min(chunks, MAX_LANES_WAVES * num_sms // max(programs, 1) or 1))
 
 
 def paged_decode(q, *, key_cache, value_cache, k_format: SideFormat, v_format: SideFormat | None,
@@ -130,8 +142,9 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
                   block_table, num_heads, kv_num_heads, head_size, v_head_size, scale, k_scale, v_scale,
                   k_scale_cache, v_scale_cache, query_positions, softcap, local_window_size, is_causal, head_sink,
                   attention_bias, qk_output, v_rotation, max_query_len, max_kv_len, num_splits,
-                  block_n: int | None = None, block_m: int | None = None, num_warps: int | None = None):
-    """paged_decode with tile overrides (block_n / block_m / num_warps: tests and tuning)."""
+                  block_n: int | None = None, block_m: int | None = None, num_warps: int | None = None,
+                  num_lanes: int | None = None):
+    """paged_decode with tile overrides (block_n / block_m / num_warps / num_lanes: tests and tuning)."""
     common.require_triton()
     from . import _decode_kernels as K
 
@@ -203,11 +216,14 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
     if window > 0 and is_causal:
         span = min(kv_bound, window + min(q_bound, q_chunk) - 1)
     tiles = -(-span // block_n) + (1 if window > 0 else 0)
+    lanes = _pick_lanes(q_bound, q_chunk, B * Hkv * n_sub, _num_sms(dev)) if num_lanes is None else max(
+        1, int(num_lanes))
     if num_splits is not None:
         S = max(1, min(int(num_splits), MAX_SPLITS))
     else:
-        S = _pick_splits(B * Hkv * n_sub, tiles, n_tok * H * (DV + 2) * 4, _num_sms(dev),
+        S = _pick_splits(B * Hkv * n_sub * lanes, tiles, n_tok * H * (DV + 2) * 4, _num_sms(dev),
                          WAVES_SMALL_TILES if block_n == 16 else WAVES)
+    lanes = max(1, min(lanes, MAX_GRID_Z // S))
     direct = S == 1 and not v_rotation and qk_output != 2
 
     if direct:
@@ -240,7 +256,7 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         b_st, b_cap = (0, 0, 0, 0), (0, 0)
     need_nat = softcap > 0 or bias is not None or qk_output != 0
 
-    K._attn_kernel[(B, Hkv * n_sub, S)](
+    K._attn_kernel[(B, Hkv * n_sub, S * lanes)](
         q, kc_arg, vc_arg, ks if ks is not None else dummy, vs if vs is not None else dummy,
         ksc if ksc is not None else dummy, vsc if vsc is not None else dummy,
         csl, past, table, qpos if qpos is not None else dummy,
@@ -249,7 +265,7 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), *ksc_st, *vsc_st,
         table.stride(0), *b_st, *b_cap,
-        n_tok, NB, MB, S, scale, float(softcap), window,
+        n_tok, NB, MB, S, lanes, scale, float(softcap), window,
         H=H, G=G, G_TILE=g_tile, N_SUB=n_sub, Q_CHUNK=q_chunk, BLOCK_M=block_m, BLOCK_N=block_n, BS=BS,
         D=D, KW=KW, KW_PAD=kw_pad, DV=DV, VW=VW, VW_PAD=vw_pad,
         K_FMT=k_format.fmt, K_SCALE=k_format.scale, V_FMT=v_format.fmt, V_SCALE=v_format.scale,

@@ -7,9 +7,10 @@ place); `attention_metadata` (host int32 [2 or 3]: max_query_len, max_kv_len[, l
 only sizes the launch (the number of KV splits), never a mask: the split ranges come from each sequence's
 real extent in the kernel, so a wrong bound costs speed, not correctness.
 
-Serves every PagedAttention feature on CUDA for T in {float16, bfloat16}. The attention kernel is built for
-few query tokens per sequence (decode, speculative drafts); a long prefill is correct but slow on it
-(the varlen prefill kernel is the next GPU-kernel issue).
+Serves every PagedAttention feature on CUDA for T in {float16, bfloat16}. The attention kernel tiles rows of
+(query tokens x the KV head's query heads); a prefill's row chunks run as parallel programs (query-chunk
+lanes, sized from attention_metadata's max_query_len), each walking only the KV tiles its causal / window
+range reaches.
 """
 
 from __future__ import annotations
@@ -50,10 +51,10 @@ VARIANT = KernelVariant(
     supports=_supports,
     plans=("mixed",),
     description="Triton: one cache-write launch (split, QK-norm, RoPE, rotation, quantization, scatter) and "
-                "split-KV attention over the block table (one program per sequence x KV head x split, every "
-                "query head of the group, in-kernel dequantization) with a reduce. CUDA-graph capturable.",
-    limits=f"head_size <= {MAX_HEAD_SIZE} ({MAX_LATENT_HEAD_SIZE} with LATENT); needs triton; long prefills "
-           "run correctly but slowly (built for decode)",
+                "split-KV attention over the block table (one program per sequence x KV head x split x query-chunk "
+                "lane, every query head of the group, in-kernel dequantization) with a reduce. CUDA-graph "
+                "capturable.",
+    limits=f"head_size <= {MAX_HEAD_SIZE} ({MAX_LATENT_HEAD_SIZE} with LATENT); needs triton",
 )
 
 
