@@ -155,6 +155,11 @@ def test_query_chunk_lanes(lanes, splits):
     check(causal, tiles={"block_m": 16, "num_lanes": lanes}, num_splits=splits)
 
 
+def test_prefill_tiles_by_default():
+    """A prefill-sized query bound picks 128-row tiles (32-key tiles on 16-token blocks) and several lanes."""
+    check(base(q_lens=[70, 2, 64], past=[0, 30, 9]), max_query_len=70)
+
+
 def test_lanes_are_picked_from_the_query_bound_and_give_identical_results():
     """Lanes from max_query_len: a decode step gets 1, a prefill one per chunk (capped to fill the SMs); the
     lanes change which program computes a chunk, never the chunk's arithmetic: outputs are bit-identical."""

@@ -108,6 +108,28 @@ def test_features(name, kw):
     _check(case, got, name)
 
 
+PREFILLS = [
+    ("fp16", {}),
+    ("bf16", dict(dtype=torch.bfloat16)),
+    ("features", dict(sink=True, qk_norm=True, rotary="half", attrs=dict(softcap=30.0, local_window_size=200))),
+    ("bidirectional", dict(attrs=dict(is_causal=0))),
+    ("int8_token", dict(cache="int8", k_quant="PER_TOKEN", v_quant="PER_TOKEN")),
+]
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("name,kw", PREFILLS, ids=[p[0] for p in PREFILLS])
+def test_prefills_on_query_chunk_lanes(name, kw, block_size):
+    """Prefills run their query chunks on parallel programs with 128-row tiles (float caches): full prefills,
+    one over a cached prefix (chunked prefill) and a decode token in one ragged step."""
+    kw = dict(kw)
+    spec = Spec(q_lens=[300, 1, 517, 64], past=[0, 2000, 211, 0], num_heads=H, kv_num_heads=HKV, head_size=D,
+                block_size=block_size, seed=5, **kw)
+    case = build(spec)
+    _, got = _run(case, metadata=[517, 2001, 0])
+    _check(case, got, f"prefill {name} block {block_size}")
+
+
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_ragged_long_contexts(block_size):
     past = [1, 100, 1000, 8000, 16383, 32767]

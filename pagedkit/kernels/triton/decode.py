@@ -57,6 +57,7 @@ MIN_TILES_PER_SPLIT = 2  # a split reads at least this many KV tiles
 WAVES = 3
 WAVES_SMALL_TILES = 12
 MAX_SPLITS = 1024
+PREFILL_BLOCK_M = 128  # rows of a prefill's tiles (query tokens x the group's heads), head sizes <= 128
 MAX_LANES_WAVES = 64  # query-chunk lanes: at most this many programs per SM in all (a prefill's grid)
 MAX_GRID_Z = 65535  # CUDA's limit on grid dimension z (splits x lanes)
 # a quantized cache with a grid of >= this many (sequence, KV head) programs per SM takes 128-token tiles
@@ -197,13 +198,19 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
     wide = max(kw_pad, vw_pad)
     # rows per chunk from the per-sequence query bound (unknown: the mean tokens per sequence)
     q_bound = min(int(max_query_len) or -(-n_tok // B), n_tok)
-    if block_m is None:
-        block_m = min(max(16, g_tile * next_pow2(q_bound)), 64 if wide <= 128 else 32)
+    quant = k_format.fmt != common.FMT_FLOAT or (v_format is not None and v_format.fmt != common.FMT_FLOAT)
+    if block_m is None:  # prefill-sized queries on float caches take 128-row tiles (H200, 4 x 4096 causal, head
+        # 128, one split: 64 rows 123 TFLOP/s, 128 rows 201 with 16-token blocks, 306 with 256-token blocks:
+        # benchmarks/results/prefill_tuning.json); quantized caches keep 64 (their dequantization's registers)
+        cap = (64 if quant else PREFILL_BLOCK_M) if wide <= 128 else 32
+        block_m = min(max(16, g_tile * next_pow2(q_bound)), cap)
     block_m = max(int(block_m), g_tile, 16)
     q_chunk = block_m // g_tile
-    quant = k_format.fmt != common.FMT_FLOAT or (v_format is not None and v_format.fmt != common.FMT_FLOAT)
     if block_n is None and quant and wide <= 128 and B * Hkv * n_sub >= QUANT_WIDE_PROGRAMS * _num_sms(dev):
         block_n = 128  # quantized caches are issue-bound per tile: wide tiles once the grid fills the SMs
+    prefill_tiles = block_m >= PREFILL_BLOCK_M and not quant and block_n is None and num_warps is None
+    if prefill_tiles:  # (same sweep) 64-key tiles over 8 warps on large blocks; 32 keys, 4 warps on small ones
+        block_n, num_warps = (64, 8) if BS >= 64 else (32, 4)
     if block_n is None:  # one block per tile when blocks are small: a scalar block-table read per tile
         block_n = min(BS, 32 if wide <= 256 else 16)
     _check(block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n should be a power of two >= 16, got {block_n}")
