@@ -107,13 +107,18 @@ def _attn_kernel(
         K_FMT: tl.constexpr, K_SCALE: tl.constexpr, V_FMT: tl.constexpr, V_SCALE: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_SINK: tl.constexpr, QK_MODE: tl.constexpr, HAS_QPOS: tl.constexpr, DIRECT: tl.constexpr,
-        NEED_NAT: tl.constexpr, INTERP: tl.constexpr):
+        NEED_NAT: tl.constexpr, INTERP: tl.constexpr, LANES: tl.constexpr):
     DT = q_ptr.dtype.element_ty
     b = tl.program_id(0)
     kvh = tl.program_id(1) // N_SUB
     sub = tl.program_id(1) % N_SUB
-    s = tl.program_id(2) % num_splits
-    lane = tl.program_id(2) // num_splits
+    if LANES:  # grid axis 2 = lane * S + split
+        s = tl.program_id(2) % num_splits
+        lane = tl.program_id(2) // num_splits
+    else:  # (decode: the axis is the split, the same code as before lanes; an H200 decode row ran 30% slower
+        # when the split index was derived through % num_splits, which the compiler then knew to be 0)
+        s = tl.program_id(2)
+        lane = 0
     C = MB * BS
 
     q_start = tl.load(csl_ptr + b).to(tl.int32)
@@ -153,7 +158,13 @@ def _attn_kernel(
     k_head = kvh.to(tl.int64) * stride_kh
     v_head = kvh.to(tl.int64) * stride_vh
 
-    for c in range(lane, tl.cdiv(n_q, Q_CHUNK), n_lanes):
+    if LANES:  # several query-chunk lanes: this program's chunks are lane, lane + n_lanes, ...
+        c_first = lane
+        c_step = n_lanes
+    else:  # one lane (decode): a unit-stride loop, compiled as before lanes existed
+        c_first = 0
+        c_step = 1
+    for c in range(c_first, tl.cdiv(n_q, Q_CHUNK), c_step):
         j = c * Q_CHUNK + jr
         t = q_start + j
         row_ok = head_ok & (j < n_q) & (t < N) & (t >= 0)

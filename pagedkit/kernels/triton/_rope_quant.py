@@ -4,6 +4,8 @@ cast, int8 / fp8 E4M3 / packed int4 codes with a static or per-token scale).
 
 Rounding is done with plain float32 / integer arithmetic so the interpreter and the GPU give the same
 bits (the interpreter's float32 -> bfloat16 cast truncates; it has no float8; libdevice rint is avoided):
+- divisions by a scale: `tl.math.div_rn` (IEEE round to nearest, as numpy / torch on the CPU; the GPU's
+  float32 `/` is approximate);
 - `rint`: round half to even by adding and subtracting 1.5 * 2**23 (exact for |x| <= 2**22; callers clamp
   to the code range first, which commutes with rint for integer bounds);
 - `bf16_bits`: float32 -> bfloat16 bit pattern, round to nearest even (stored through an int16 view);
@@ -142,13 +144,15 @@ def encode_store(x, rows, nrows, D, write, cache, cs0, cs1, cs2, cs3, blk, off,
     else:
         if SCALE == 3:  # PER_TOKEN: amax / qmax (0 -> 1), rounded to the scale cache's dtype first
             amax = tl.max(tl.abs(x), axis=1)
-            st = tl.where(amax > 0, amax / QMAX, 1.0).to(scache.dtype.element_ty)
+            st = tl.where(amax > 0, tl.math.div_rn(amax, QMAX + 0.0 * amax), 1.0).to(scache.dtype.element_ty)
             tl.store(scache + blk * ss0 + off * ss1 + rows.to(tl.int64) * ss2, st, mask=rm)
             s = st.to(tl.float32)[:, None]
         else:  # PER_TENSOR / PER_CHANNEL: float32 [Hkv * D]
             s = tl.load(scale_vec + rows[:, None] * D + cols[None, :],
                         mask=(rows[:, None] < nrows) & (cols[None, :] < D), other=1.0)
-        r = tl.where(s != 0, x / tl.where(s != 0, s, 1.0), 0.0)
+        # IEEE division (div_rn): the GPU's plain float32 `/` is approximate (div.full, 2 ulp), which rounds a
+        # code the other way near a tie (an H200 prefill of int8 PER_TOKEN K / V: 0.7% off the reference)
+        r = tl.where(s != 0, tl.math.div_rn(x, tl.where(s != 0, s, 1.0) + 0.0 * x), 0.0)
         if FMT == 1:  # int8
             code = rint(tl.minimum(tl.maximum(r, -128.0), 127.0)).to(tl.int8)
             tl.store(cache + base[:, None] + cols[None, :] * cs3, code, mask=rm[:, None] & (cols[None, :] < D))

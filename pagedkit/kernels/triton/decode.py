@@ -278,7 +278,7 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         K_FMT=k_format.fmt, K_SCALE=k_format.scale, V_FMT=v_format.fmt, V_SCALE=v_format.scale,
         CAUSAL=bool(is_causal), HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_BIAS=bias is not None,
         HAS_SINK=sink is not None, QK_MODE=qk_output, HAS_QPOS=qpos is not None,
-        DIRECT=direct, NEED_NAT=need_nat, INTERP=common.INTERPRET, num_warps=num_warps)
+        DIRECT=direct, NEED_NAT=need_nat, INTERP=common.INTERPRET, LANES=lanes > 1, num_warps=num_warps)
     if direct:
         return out, qk
 
