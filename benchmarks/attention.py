@@ -375,59 +375,43 @@ def versions() -> dict:
     return out
 
 
-def plot(rows: list[dict], path: Path, bandwidth: float, device_name: str) -> None:
+def _scatter(rows: list[dict], path: Path, key: str, line: float, line_label: str, ylabel: str, title: str,
+             rotation: int) -> None:
+    """One point per (row, arm) of `key`, a dashed line at `line`, log scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pre = [r for r in rows if "flops" in r]
-    rows = [r for r in rows if "flops" not in r]
-    if pre:
-        plot_prefill(pre, path.with_name(path.stem.replace("roofline", "prefill") + path.suffix), device_name)
-    if not rows:
-        return
-    arms = [a for a in ARMS if any("tb_s" in r["arms"].get(a, {}) for r in rows)]
+    arms = [a for a in ARMS if any(key in r["arms"].get(a, {}) for r in rows)]
     fig, ax = plt.subplots(figsize=(max(8.0, 0.55 * len(rows) + 3), 5.5))
     for k, arm in enumerate(arms):
-        pts = [(i + 0.12 * (k - (len(arms) - 1) / 2), r["arms"][arm]["tb_s"]) for i, r in enumerate(rows)
-               if "tb_s" in r["arms"].get(arm, {})]
-        ax.scatter(*zip(*pts), label=arm, marker="os^Dv"[k % 5], s=36, zorder=3)
-    ax.axhline(bandwidth, ls="--", color="black", label=f"floor: {bandwidth} TB/s")
-    ax.set_yscale("log")
-    ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=60, ha="right", fontsize=8)
-    ax.set_ylabel("effective TB/s (bytes that must move / time)")
-    ax.set_title(f"PagedAttention, one decode call: {device_name}", fontsize=10)
-    ax.grid(True, which="both", axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_prefill(rows: list[dict], path: Path, device_name: str) -> None:
-    """Prefill rows: TFLOP/s per arm against the tensor-core peak."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    arms = [a for a in ARMS if any("tflop_s" in r["arms"].get(a, {}) for r in rows)]
-    fig, ax = plt.subplots(figsize=(max(7.0, 1.2 * len(rows) + 3), 5.0))
-    for k, arm in enumerate(arms):
-        pts = [(i + 0.12 * (k - (len(arms) - 1) / 2), r["arms"][arm]["tflop_s"]) for i, r in enumerate(rows)
-               if "tflop_s" in r["arms"].get(arm, {})]
+        pts = [(i + 0.12 * (k - (len(arms) - 1) / 2), r["arms"][arm][key]) for i, r in enumerate(rows)
+               if key in r["arms"].get(arm, {})]
         ax.scatter(*zip(*pts), label=arm, marker="os^Dv<>"[k % 7], s=36, zorder=3)
-    ax.axhline(C.PEAK_TFLOP_S, ls="--", color="black", label=f"peak: {C.PEAK_TFLOP_S:g} TFLOP/s")
+    ax.axhline(line, ls="--", color="black", label=line_label)
     ax.set_yscale("log")
-    ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("TFLOP/s (attention FLOPs / time)")
-    ax.set_title(f"PagedAttention, prefill calls: {device_name}", fontsize=10)
+    ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=rotation, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot(rows: list[dict], path: Path, bandwidth: float, device_name: str) -> None:
+    """Decode rows on the bandwidth roofline (`path`); prefill rows in TFLOP/s beside it (attention_prefill.png)."""
+    pre = [r for r in rows if "flops" in r]
+    dec = [r for r in rows if "flops" not in r]
+    if pre:
+        _scatter(pre, path.with_name(path.stem.replace("roofline", "prefill") + path.suffix), "tflop_s",
+                 C.PEAK_TFLOP_S, f"peak: {C.PEAK_TFLOP_S:g} TFLOP/s", "TFLOP/s (attention FLOPs / time)",
+                 f"PagedAttention, prefill calls: {device_name}", 30)
+    if dec:
+        _scatter(dec, path, "tb_s", bandwidth, f"floor: {bandwidth} TB/s",
+                 "effective TB/s (bytes that must move / time)", f"PagedAttention, one decode call: {device_name}", 60)
 
 
 def pick_cases(args) -> list[C.Case]:
