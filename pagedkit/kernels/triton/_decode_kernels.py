@@ -1,9 +1,9 @@
 """The @triton.jit kernels of the split-KV paged attention (launcher, layouts and heuristics: decode.py).
 
-- `_attn_kernel`   grid (B, Hkv * N_SUB, S * NCP): one program per (sequence, KV head [, head sub-group],
-                   split, query-chunk lane); rows = query tokens x heads of the group; lane p of NCP takes the
-                   sequence's query chunks p, p + NCP, ... (a prefill's chunks run in parallel, decode has
-                   NCP = 1); partials (m, l, acc) or, with S == 1, the output.
+- `_attn_kernel`   grid (B, Hkv * N_SUB, S * L): one program per (sequence, KV head [, head sub-group],
+                   split, query-chunk lane); rows = query tokens x heads of the group; lane l of L takes the
+                   sequence's query chunks l, l + L, ... (a prefill's chunks run in parallel, decode has
+                   L = 1); partials (m, l, acc) or, with S == 1, the output.
 - `_reduce_kernel` grid (N, H): merges the S partials of one (token, head), head_sink, V output scale,
                    V un-rotation; writes the output (T) and, for qk_output 2, the final (M, L).
 - `_probs_kernel`  grid (H * N, cdiv(C, BLOCK)): raw scores -> probabilities exp(s - M) / L (-inf -> 0).
@@ -112,13 +112,15 @@ def _attn_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1) // N_SUB
     sub = tl.program_id(1) % N_SUB
-    if LANES:  # grid axis 2 = lane * S + split
+    if LANES:  # grid axis 2 = lane * S + split; this program's query chunks are lane, lane + n_lanes, ...
         s = tl.program_id(2) % num_splits
-        lane = tl.program_id(2) // num_splits
-    else:  # (decode: the axis is the split, the same code as before lanes; an H200 decode row ran 30% slower
-        # when the split index was derived through % num_splits, which the compiler then knew to be 0)
+        c_first = tl.program_id(2) // num_splits
+        c_step = n_lanes
+    else:  # decode: the axis is the split and the chunk loop unit-stride, the code as before lanes (an H200
+        # decode row ran 30% slower when the split index was derived through % num_splits)
         s = tl.program_id(2)
-        lane = 0
+        c_first = 0
+        c_step = 1
     C = MB * BS
 
     q_start = tl.load(csl_ptr + b).to(tl.int32)
@@ -158,12 +160,6 @@ def _attn_kernel(
     k_head = kvh.to(tl.int64) * stride_kh
     v_head = kvh.to(tl.int64) * stride_vh
 
-    if LANES:  # several query-chunk lanes: this program's chunks are lane, lane + n_lanes, ...
-        c_first = lane
-        c_step = n_lanes
-    else:  # one lane (decode): a unit-stride loop, compiled as before lanes existed
-        c_first = 0
-        c_step = 1
     for c in range(c_first, tl.cdiv(n_q, Q_CHUNK), c_step):
         j = c * Q_CHUNK + jr
         t = q_start + j
