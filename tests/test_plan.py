@@ -65,6 +65,31 @@ def test_prepacked_products_match_onnxruntime(op, dtype, attrs, rows):
     assert _rel(wrong.run(None, {"a": a})[0], ref) > 5 * tol  # teeth: a 2% wrong weight fails the bound
 
 
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("rows", [1, 8, 61])
+def test_half_products_on_both_paths_match_onnxruntime(native, rows, monkeypatch):
+    """float16 products with and without native float16 kernels (HALF_MATMUL_NATIVE): without, 8+ rows take the
+    float32 path with B converted in row slices (CONVERT_ELEMENTS small here: 4 slices, the last partial)."""
+    from pagedkit.runtime.ops import math as ops_math
+
+    monkeypatch.setattr(ops_math, "HALF_MATMUL_NATIVE", native)
+    monkeypatch.setattr(ops_math, "CONVERT_ELEMENTS", 96 * 48)
+    calls = []
+    real = ops_math._Linear._float32_product
+    monkeypatch.setattr(ops_math._Linear, "_float32_product", lambda self, a: calls.append(a.shape) or real(self, a))
+    k, n = 96, 160
+    w = (RNG.standard_normal((k, n)) / np.sqrt(k)).astype(np.float16)
+    a = RNG.standard_normal((rows, k)).astype(np.float16)
+    model = _product_model("MatMul", w)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"a": a})[0]
+    got = InferenceSession(model).run(None, {"a": a})[0]
+    assert bool(calls) == (not native and rows >= ops_math.HALF_ROWS)
+    assert got.dtype == np.float16 and got.shape == (rows, n)
+    assert _rel(got, ref) <= 2e-3
+    wrong = InferenceSession(_product_model("MatMul", (w.astype(np.float32) * 1.02).astype(np.float16)))
+    assert _rel(wrong.run(None, {"a": a})[0], ref) > 1e-2  # teeth: a 2% wrong weight fails the bound
+
+
 def test_a_weight_shared_by_two_products_is_packed_once():
     w = RNG.standard_normal((64, 96)).astype(np.float32)
     nodes = [helper.make_node("MatMul", ["a", "w"], ["y1"]), helper.make_node("MatMul", ["b", "w"], ["y2"])]

@@ -8,9 +8,15 @@ once for its kernel, replacing the stored tensor (`PackedLinear`, packed.py):
 - float32: oneDNN's packed layout (torch.ops.mkldnn._reorder_linear_weight, run by _linear_pointwise):
   measured on 2 cores at SmolLM2-135M's shapes, 30 layers at M=1 in ~19 ms vs ~22-28 ms for x @ B, and
   ~54 ms vs ~107 ms at M=61; the 49152 x 576 lm_head 3.9 ms vs 9.6 ms;
-- float16: [N, K] (B transposed once): F.linear in float16 (float32 accumulation, one rounding, as the
-  float32 product rounded) for up to HALF_ROWS rows, ~9 ms for the 30 layers at M=1 against ~22 ms in float32;
-  more rows run in float32 (x and B converted per call: a prefill, where the product dominates);
+- float16: [N, K] (B transposed once). Where oneDNN has float16 kernels (AVX512-FP16 / AMX-FP16:
+  `HALF_MATMUL_NATIVE`), F.linear in float16 at every M (float32 accumulation, one rounding: the same
+  values as the float32 product rounded); measured on 2 cores with torch 2.13 it is as fast as float32 or
+  faster at every shape tried (DeepSeek-V3's 7168 x 129280 lm_head at M=8: 150 ms vs 352 ms float32), and
+  it needs no float32 copy. Elsewhere, F.linear in float16 up to HALF_ROWS rows; more rows run in
+  float32 (a prefill, where the product dominates), B converted slice by slice into one scratch buffer
+  and the product written into one output, so a call allocates two tensors whatever the vocabulary (per-
+  slice temporaries had left a float32 copy of the whole lm_head resident and faulted it in page by page:
+  +3.7 GB and 5.5 s at DeepSeek-V3's lm_head);
 - bfloat16: [N, K], F.linear in bfloat16 (oneDNN; fast at every M).
 Same values as the unpacked path up to summation order."""
 
@@ -25,8 +31,18 @@ from .packed import RELEASE_BYTES, PackedLinear, transpose_releasing
 from .registry import prepack, register
 from .util import HALF_TYPES, opt
 
-HALF_ROWS = 8  # float16 products with fewer rows than this run in float16 (see the module docstring)
+HALF_ROWS = 8  # without native float16 kernels, products with fewer rows run in float16 (module docstring)
 CONVERT_ELEMENTS = 1 << 22  # larger float16 products convert B to float32 this many elements at a time
+
+
+def _native_half() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):  # pragma: no cover - builds without oneDNN
+        return False
+
+
+HALF_MATMUL_NATIVE = _native_half()  # oneDNN runs float16 products natively on this CPU
 
 _F32: dict[int, tuple[weakref.ref, torch.Tensor, int]] = {}  # id(tensor) -> (ref, float32 copy, version)
 
@@ -76,12 +92,24 @@ class _Linear(PackedLinear):
         if self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(a.reshape(-1, self.in_features), self.packed, None, "none", [], "")
             return y.reshape(*lead, self.out_features)
-        if self.dtype == torch.float16 and a.numel() >= HALF_ROWS * self.in_features:
-            af = a.float()  # float32 in slices of B's rows, so the float32 copy of B stays small
-            step = max(1, CONVERT_ELEMENTS // self.in_features)
-            parts = [F.linear(af, self.weight[n0:n0 + step].float()) for n0 in range(0, self.out_features, step)]
-            return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(self.dtype)
+        if self.dtype == torch.float16 and not HALF_MATMUL_NATIVE and a.numel() >= HALF_ROWS * self.in_features:
+            return self._float32_product(a.reshape(-1, self.in_features)).reshape(*lead, self.out_features)
         return F.linear(a, self.weight)
+
+    def _float32_product(self, a_mk: torch.Tensor) -> torch.Tensor:
+        """a [M, K] float16 -> [M, N] float16 through float32: B [N, K] converted in row slices into one
+        scratch [step, K] buffer, y^T [N, M] written slice by slice (contiguous rows), no per-slice tensors."""
+        n, k = self.out_features, self.in_features
+        step = min(n, max(1, CONVERT_ELEMENTS // k))
+        a_km = a_mk.T.float()  # [K, M]
+        scratch = torch.empty((step, k), dtype=torch.float32)  # B rows [step, K] in float32
+        y_nm = torch.empty((n, a_mk.shape[0]), dtype=torch.float32)  # y^T [N, M]
+        for n0 in range(0, n, step):
+            rows = min(step, n - n0)
+            b = scratch[:rows]
+            b.copy_(self.weight[n0:n0 + rows])
+            torch.mm(b, a_km, out=y_nm[n0:n0 + rows])
+        return y_nm.T.to(self.dtype)
 
 
 def _packable(b) -> bool:
