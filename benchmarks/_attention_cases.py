@@ -42,6 +42,8 @@ class Case:
     window: int = -1  # local_window_size
     note: str = ""
     query_len: int = 1  # new tokens per sequence (> 1: a prefill; causal)
+    latent: bool = False  # kv_cache_layout LATENT (MLA): one cache [NB, BS, 1, head_size], V its leading v_head
+    v_head: int = 0  # v_head_size of a LATENT row
 
     @property
     def batch(self) -> int:
@@ -53,7 +55,8 @@ class Case:
                 "block_size": self.block_size, "num_heads": self.num_heads, "kv_num_heads": self.kv_heads,
                 "head_size": self.head_size, "cache": self.cache, "quant": self.quant, "rotation": self.rotation,
                 "features": "head_sink+softcap+qk_norm+rotary" if self.features else None,
-                "local_window_size": self.window, "query_tokens_per_sequence": self.query_len, "note": self.note}
+                "local_window_size": self.window, "query_tokens_per_sequence": self.query_len, "note": self.note,
+                **({"kv_cache_layout": "LATENT", "v_head_size": self.v_head} if self.latent else {})}
 
     @property
     def prefill(self) -> bool:
@@ -64,6 +67,8 @@ def _dec(name: str, batch: int, ctx: int, bs: int, **kw) -> Case:
     return Case(name, (ctx,) * batch, bs, **kw)
 
 
+# DeepSeek's absorbed MLA: 16 heads over one latent cache of 512 latent + 64 rope channels
+_MLA = dict(num_heads=16, kv_heads=1, head_size=576, latent=True, v_head=512)
 _Q8 = {"int8": dict(cache="int8", quant="PER_TENSOR"), "fp8": dict(cache="fp8", quant="PER_TENSOR"), "fp16": {}}
 CASES = {c.name: c for c in (
     _dec("fp16-b16-ctx4k-bs256", 16, 4096, 256),
@@ -86,6 +91,10 @@ CASES = {c.name: c for c in (
     Case("chunk-fp16-b4-q1024-ctx4096-bs16", (4096,) * 4, 16, query_len=1024,
          note="chunked prefill: 1024 new tokens over a cached 3072-token prefix"),
     Case("prefill-fp16-b16-q512-bs16", (512,) * 16, 16, query_len=512, note="16 short prompts"),
+    *(_dec(f"mla-{c}-b64-ctx4k-bs{bs}", 64, 4096, bs, **_MLA, **_Q8[c])
+      for c in ("fp16", "fp8") for bs in (16, 64)),
+    _dec("mla128-fp16-b64-ctx4k-bs64", 64, 4096, 64, **(_MLA | {"num_heads": 128}),
+         note="DeepSeek-V3's 128 heads: compute-bound (~256 FLOPs per byte)"),
 )}
 QUICK = ("fp16-b16-ctx4k-bs256", "fp16-b16-ctx4k-bs16", "int8-b16-ctx4k-bs16", "fp16-b64-ctx8k-bs256")
 DRY_CASES = {c.name: c for c in (  # --dry-run: CPU, tiny shapes
@@ -94,6 +103,7 @@ DRY_CASES = {c.name: c for c in (  # --dry-run: CPU, tiny shapes
          features=True),
     Case("dry-prefill", (24, 24), 16, num_heads=4, kv_heads=2, head_size=32, query_len=24),
     Case("dry-chunk", (40, 30), 16, num_heads=4, kv_heads=2, head_size=32, query_len=12),
+    Case("dry-mla", (64, 37), 16, num_heads=4, kv_heads=1, head_size=48, latent=True, v_head=32),
 )}
 
 
@@ -104,18 +114,20 @@ def traffic(case: Case) -> dict:
     plus the step's Q, new K / V and output (fp16)."""
     d = case.head_size
     side = math.ceil(d * ELEM_BYTES[case.cache])  # bytes of one token's head on one side (int4: packed pairs)
-    per_token = case.kv_heads * 2 * side
+    sides = 1 if case.latent else 2  # LATENT: one cache (V is its leading channels)
+    per_token = case.kv_heads * sides * side
     if case.quant == "PER_TOKEN":
-        per_token += case.kv_heads * 2 * SCALE_CACHE_DTYPE.itemsize
+        per_token += case.kv_heads * sides * SCALE_CACHE_DTYPE.itemsize
     read = sum(min(c, case.window) if case.window > 0 else c for c in case.contexts)
     t = case.batch * case.query_len
-    io = t * (case.num_heads * d * 2 + case.num_heads * d * 2 + case.kv_heads * 2 * d * 2)  # Q, output, new K/V
+    dv = case.v_head if case.latent else d
+    io = t * (case.num_heads * d * 2 + case.num_heads * dv * 2 + case.kv_heads * sides * d * 2)  # Q, output, new K/V
     return {"tokens_read": read, "kv_bytes_per_token": per_token, "kv": read * per_token, "q_kv_out": io,
             "total": read * per_token + io}
 
 
 def flops(case: Case) -> float:
-    """Tensor-core FLOPs of the attention (QK^T and PV, 2 * D each per admitted (query, key) pair and head):
+    """Tensor-core FLOPs of the attention (QK^T and PV, 2 * D and 2 * Dv per admitted (query, key) pair and head):
     query j of a sequence (position past + j) admits keys 0 .. past + j, or its last `window` of them."""
     pairs = 0
     for c in case.contexts:
@@ -123,7 +135,8 @@ def flops(case: Case) -> float:
         for j in range(case.query_len):
             keys = past + j + 1
             pairs += min(keys, case.window) if case.window > 0 else keys
-    return 4.0 * case.head_size * case.num_heads * pairs
+    dv = case.v_head if case.latent else case.head_size
+    return 2.0 * (case.head_size + dv) * case.num_heads * pairs
 
 
 def compute_floor_ms(total_flops: float, peak_tflop_s: float = PEAK_TFLOP_S) -> float:
@@ -177,9 +190,13 @@ def build_inputs(case: Case, device: torch.device, seed: int = 0, metadata: bool
          "block_table": table.to(device)}
     attrs: dict = {"num_heads": h, "kv_num_heads": hkv}
     outputs = ["output", "key_cache_out", "value_cache_out"]
+    if case.latent:  # one latent cache; the scale is explicit (DeepSeek: 1 / sqrt(192))
+        del x["value"], x["value_cache"]
+        attrs.update(kv_cache_layout="LATENT", v_head_size=case.v_head, scale=1 / math.sqrt(192))
+        outputs.remove("value_cache_out")
     if case.quant != "NONE":
         step = {"int8": (1 / 64, 1 / 48), "fp8": (0.25, 0.3), "int4": (0.25, 0.3)}[case.cache]
-        for s in ("k", "v"):
+        for s in ("k",) if case.latent else ("k", "v"):
             attrs[f"{s}_quant_type"] = case.quant
             if case.cache == "int4":
                 attrs[f"{s}_cache_dtype"] = "int4"

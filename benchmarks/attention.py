@@ -54,14 +54,17 @@ import _attention_cases as C  # noqa: E402
 
 SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}  # torch.nn.attention.SDPBackend
 ENTRIES = {"triton": "pagedkit.kernels.triton.paged:paged_attention",
+           "triton_mla": "pagedkit.kernels.triton.mla:paged_attention",
            "torch_sdpa": "pagedkit.kernels.paged.torch_sdpa:paged_attention",
            "reference": "pagedkit.kernels.paged.reference:paged_attention"}
-ARMS = ("triton", "ort", "ort_no_graph", "torch_sdpa", "reference", "sdpa_flash", "sdpa_cudnn")
-PARITY_PAIRS = (("triton", "ort"), ("triton", "torch_sdpa"), ("triton", "reference"), ("torch_sdpa", "ort"),
+ARMS = ("triton", "triton_mla", "ort", "ort_no_graph", "torch_sdpa", "reference", "sdpa_flash", "sdpa_cudnn")
+PARITY_PAIRS = (("triton", "ort"), ("triton_mla", "ort"), ("triton_mla", "reference"), ("triton_mla", "triton"),
+                ("triton", "torch_sdpa"), ("triton", "reference"), ("torch_sdpa", "ort"),
                 ("torch_sdpa", "reference"), ("ort_no_graph", "ort"), ("triton", "sdpa_flash"),
                 ("triton", "sdpa_cudnn"))
-RATIO_PAIRS = (("triton", "ort"), ("triton", "ort_no_graph"), ("triton", "torch_sdpa"), ("torch_sdpa", "ort"),
-               ("torch_sdpa", "reference"), ("triton", "sdpa_flash"), ("triton", "sdpa_cudnn"))
+RATIO_PAIRS = (("triton", "ort"), ("triton_mla", "ort"), ("triton_mla", "triton"), ("triton", "ort_no_graph"),
+               ("triton", "torch_sdpa"), ("torch_sdpa", "ort"), ("torch_sdpa", "reference"), ("triton", "sdpa_flash"),
+               ("triton", "sdpa_cudnn"))
 PARITY_WARN = 2e-2
 
 
@@ -203,8 +206,9 @@ def ort_arm(base: dict, attrs: dict, outputs: list[str], args, device, graph: bo
         raise Skip(f"session: {one_line(exc)}") from None
     if device.type == "cuda" and sess.get_providers()[0] != "CUDAExecutionProvider":
         raise Skip(f"the session runs on {sess.get_providers()}")
-    out = torch.full((x["query"].shape[0], attrs["num_heads"] * base["value"].shape[1] // attrs["kv_num_heads"]),
-                     float("nan"), dtype=x["query"].dtype, device=device)
+    dv = attrs.get("v_head_size") or base["value"].shape[1] // attrs["kv_num_heads"]
+    out = torch.full((x["query"].shape[0], attrs["num_heads"] * dv), float("nan"), dtype=x["query"].dtype,
+                     device=device)
     binding = sess.io_binding()
     for name, t in x.items():
         kind = "cuda" if t.is_cuda else "cpu"  # attention_metadata stays in host memory
@@ -240,7 +244,7 @@ def dense_arm(arm: str, case: C.Case, base: dict, attrs: dict, args, device) -> 
     keys are the new tokens) and no feature beyond causal GQA. Not a paged kernel: the reference point."""
     if not case.prefill or any(c != case.query_len for c in case.contexts):
         raise Skip("dense attention serves prefills without a cached prefix only")
-    if case.cache != "fp16" or case.features or case.rotation or case.window > 0:
+    if case.cache != "fp16" or case.features or case.rotation or case.window > 0 or case.latent:
         raise Skip("dense attention: plain float16 causal rows only")
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
@@ -280,7 +284,7 @@ def run_row(case: C.Case, arms: list[str], args, device: torch.device) -> dict:
     row = {"name": case.name, "config": case.config() | {"attention_metadata": args.metadata},
            "bytes": traffic, "floor_ms": C.floor_ms(traffic["total"], args.bandwidth), "arms": {},
            "ratios": {}, "parity": {}}
-    if case.prefill:  # compute-bound: the floor is the larger of the two
+    if case.prefill or case.latent:  # compute-bound (MLA at many heads too): the floor is the larger of the two
         row["flops"] = C.flops(case)
         row["compute_floor_ms"] = C.compute_floor_ms(row["flops"], args.tflops)
         row["floor_ms"] = max(row["floor_ms"], row["compute_floor_ms"])
@@ -316,7 +320,7 @@ def run_row(case: C.Case, arms: list[str], args, device: torch.device) -> dict:
         if "ms" in res:
             res["tb_s"] = C.effective_tb_s(traffic["total"], res["ms"])
             res["fraction_of_floor"] = row["floor_ms"] / res["ms"]
-            if case.prefill:
+            if "flops" in row:
                 res["tflop_s"] = row["flops"] / (res["ms"] * 1e-3) / 1e12
         row["arms"][arm] = res
         gc.collect()
@@ -403,8 +407,8 @@ def _scatter(rows: list[dict], path: Path, key: str, line: float, line_label: st
 
 def plot(rows: list[dict], path: Path, bandwidth: float, device_name: str) -> None:
     """Decode rows on the bandwidth roofline (`path`); prefill rows in TFLOP/s beside it (attention_prefill.png)."""
-    pre = [r for r in rows if "flops" in r]
-    dec = [r for r in rows if "flops" not in r]
+    pre = [r for r in rows if r["config"].get("query_tokens_per_sequence", 1) > 1]
+    dec = [r for r in rows if r not in pre]
     if pre:
         _scatter(pre, path.with_name(path.stem.replace("roofline", "prefill") + path.suffix), "tflop_s",
                  C.PEAK_TFLOP_S, f"peak: {C.PEAK_TFLOP_S:g} TFLOP/s", "TFLOP/s (attention FLOPs / time)",
@@ -430,7 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(C.QUICK)}")
     ap.add_argument("--list", action="store_true", help="list the rows and exit")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, eager timing: the plumbing only")
-    ap.add_argument("--arms", nargs="+", choices=ARMS, help="default: triton ort torch_sdpa (+ reference on --dry-run)")
+    ap.add_argument("--arms", nargs="+", choices=ARMS,
+                    help="default: triton triton_mla ort torch_sdpa sdpa_flash sdpa_cudnn (ort_no_graph when ORT's "
+                         "graph fails; --dry-run: reference instead of sdpa_cudnn)")
     ap.add_argument("--ort-no-graph", action="store_true", help="also time onnxruntime without its CUDA graph")
     ap.add_argument("--metadata", action=argparse.BooleanOptionalAction, default=True,
                     help="pass attention_metadata [1, max_context, 0] (host int32) to every arm")
@@ -452,8 +458,9 @@ def main(argv: list[str] | None = None) -> int:
         args.replays, args.batches, args.eager_reps, args.warmup = 1, 3, 3, 1
     elif not torch.cuda.is_available():
         sys.exit("no CUDA device: run on the H200, or --dry-run for the CPU plumbing check")
-    arms = args.arms or (["reference", "torch_sdpa", "triton", "ort", "sdpa_flash"] if args.dry_run
-                         else ["triton", "ort", "ort_no_graph", "torch_sdpa", "sdpa_flash", "sdpa_cudnn"])
+    arms = args.arms or (["reference", "torch_sdpa", "triton", "triton_mla", "ort", "sdpa_flash"] if args.dry_run
+                         else ["triton", "triton_mla", "ort", "ort_no_graph", "torch_sdpa", "sdpa_flash",
+                               "sdpa_cudnn"])
     if args.ort_no_graph and "ort_no_graph" not in arms:
         arms.append("ort_no_graph")
     device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"

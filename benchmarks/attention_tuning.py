@@ -5,28 +5,14 @@ import itertools, json, os, statistics, sys, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 import _attention_cases as C
+import _timing
 from pagedkit.kernels.triton import common, ops, paged, decode, cache_write
 from pagedkit.kernels.attention_math import default_scale
 
 dev = torch.device("cuda")
 
 def time_graph(fn, reps=30, batches=5):
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3): fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay(); torch.cuda.synchronize()
-    ts = []
-    for _ in range(batches):
-        a = torch.cuda.Event(enable_timing=True); b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps): g.replay()
-        b.record(); torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / reps)
-    return statistics.median(ts)
+    return _timing.time_graph(fn, reps, batches)
 
 names = sys.argv[1].split(",") if len(sys.argv) > 1 else ["fp16-b16-ctx4k-bs256", "fp16-b16-ctx4k-bs16", "int8-b16-ctx4k-bs16", "fp16-b64-ctx8k-bs256", "fp16-b64-ctx8k-bs16", "fp16-b1-ctx32k-bs16", "int4-channel-b64-ctx8k-bs16"]
 res = {}

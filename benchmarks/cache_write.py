@@ -13,9 +13,13 @@ import datetime
 import json
 import os
 import platform
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import time_graph  # noqa: E402
 
 ROWS = [("decode-b16", 16, 1, "fp16"), ("decode-b64", 64, 1, "fp16"), ("decode-b64-int8", 64, 1, "int8"),
         ("decode-b64-int4-token", 64, 1, "int4"), ("prefill-4x4096", 4, 4096, "fp16")]
@@ -57,19 +61,7 @@ def _row(name, b, qlen, cache, replays):
                         past_seqlens=past, block_table=bt, key_cache=kc, value_cache=vc, k_format=fmt,
                         v_format=fmt, cos_cache=cos, sin_cache=sin, **extra)
 
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / replays
+    ms = time_graph(call, reps=replays, batches=1)
     code_bytes = n * HKV * 2 * width * kc.element_size()
     moved = n * (H + 2 * HKV) * D * 2 + n * H * D * 2 + code_bytes
     floor_ms = moved / 4.4e12 * 1e3

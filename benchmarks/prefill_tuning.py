@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import _attention_cases as C  # noqa: E402
+import _timing  # noqa: E402
 from pagedkit.kernels.attention_math import default_scale  # noqa: E402
 from pagedkit.kernels.triton import cache_write, common, decode, paged  # noqa: E402
 
@@ -21,27 +22,7 @@ dev = torch.device("cuda")
 
 
 def time_graph(fn, reps=10, batches=5):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(batches):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / reps)
-    return statistics.median(ts)
+    return _timing.time_graph(fn, reps, batches)
 
 
 def main():

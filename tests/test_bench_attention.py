@@ -48,6 +48,14 @@ def test_traffic_and_floor(cases):
     chunk = cases.CASES["chunk-fp16-b4-q1024-ctx4096-bs16"]  # 1024 queries over a 3072-token prefix
     assert cases.flops(chunk) == 4 * 128 * 32 * 4 * (1024 * 3072 + 1024 * 1025 // 2)
     assert cases.traffic(pre)["q_kv_out"] == 4 * 4096 * (32 * 128 * 2 * 2 + 8 * 256 * 2)
+    # MLA (LATENT): one 576-channel latent cache row per token (V is its leading 512 channels); 2 * (576 + 512)
+    # FLOPs per (query, key) pair and head
+    mla = cases.CASES["mla-fp16-b64-ctx4k-bs64"]
+    t = cases.traffic(mla)
+    assert t["kv_bytes_per_token"] == 576 * 2 and t["kv"] == 64 * 4096 * 576 * 2
+    assert t["q_kv_out"] == 64 * (16 * 576 * 2 + 16 * 512 * 2 + 576 * 2)  # Q, output, the new latent row
+    assert cases.flops(mla) == 2 * (576 + 512) * 16 * 64 * 4096
+    assert cases.traffic(cases.CASES["mla-fp8-b64-ctx4k-bs64"])["kv"] * 2 == t["kv"]
 
 
 def test_inputs_are_valid_and_seeded(cases):
@@ -80,7 +88,8 @@ def test_dry_run_writes_json_and_plot(tmp_path):
     assert data["dry_run"] is True and data["bandwidth_tb_s"] == 4.4
     assert {"command", "date", "device", "versions", "settings", "rows"} <= set(data)
     assert {"torch", "triton", "onnxruntime"} <= set(data["versions"])
-    assert [r["name"] for r in data["rows"]] == ["dry-fp16", "dry-int8-features", "dry-prefill", "dry-chunk"]
+    assert [r["name"] for r in data["rows"]] == ["dry-fp16", "dry-int8-features", "dry-prefill", "dry-chunk",
+                                                 "dry-mla"]
     for row in data["rows"]:
         assert "error" not in row, row.get("error")
         bytes_floor = row["bytes"]["total"] / 4.4e12 * 1e3
@@ -100,6 +109,11 @@ def test_dry_run_writes_json_and_plot(tmp_path):
         assert ("ms" in triton) or set(triton) & {"skipped", "error"}
         if "ms" in triton:
             assert row["parity"]["triton_vs_reference"] < 2e-2
+        mla = row["arms"]["triton_mla"]  # the fused MLA kernel serves the LATENT row only
+        if row["name"] == "dry-mla":
+            assert ("ms" in mla and row["parity"]["triton_mla_vs_reference"] < 2e-2) or "skipped" in mla, mla
+        else:
+            assert "skipped" in mla and "LATENT" in mla["skipped"], mla
         assert set(row["arms"]["ort"]) & {"skipped", "ms"}  # onnxruntime's CPU build has no PagedAttention
         dense = row["arms"]["sdpa_flash"]
         if row["name"] == "dry-prefill":  # no cached prefix: torch's dense attention computes the same

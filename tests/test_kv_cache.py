@@ -104,6 +104,13 @@ def test_plan_writes_every_step_input_into_persistent_buffers():
     assert set(p2.feeds()) == {"cumulative_sequence_lengths", "past_sequence_lengths", "attention_metadata",
                                "block_table", "slot_mapping"}
     assert set(p2.feeds(names=["block_table", "input_ids"], query_positions=True)) == {"block_table"}
+    assert p.hint == "prefill" and p2.hint == "decode"  # the plan kind run_torch(plan=...) takes
+    m.commit(p2)
+    m.add_sequence("c", 4)
+    p3 = m.plan([("a", 9), ("b", 1)])
+    assert p3.hint == "chunked_prefill"  # more than DECODE_TOKENS over a prefix
+    m.abort(p3)
+    assert m.plan([("a", 1), ("c", 4)]).hint is None  # a decode and a first prompt in one step: mixed
 
 
 def test_fixed_bounds_are_written_and_checked():

@@ -241,3 +241,64 @@ def test_a_session_on_cuda_runs_triton_and_refuses_what_no_gpu_kernel_serves():
         InferenceSession(gqa_model, providers=["CUDAExecutionProvider"])
     with pytest.warns(UserWarning, match="loop-based reference"):
         InferenceSession(gqa_model, providers=["CUDAExecutionProvider"], allow_reference_fallback=True)
+
+
+# --- fused MLA decode (variant triton_mla) at DeepSeek's shapes -------------------------------------------------
+MLA = dict(num_heads=16, kv_num_heads=1, head_size=576, latent=True, v_head_size=512, rotary="half", rotary_dim=64,
+           rotary_offset=512, attrs=dict(scale=0.07))
+MLA_CACHES = [
+    ("fp16", dict(cache="same")),
+    ("bf16", dict(cache="same", dtype=torch.bfloat16)),
+    ("fp8_tensor", dict(cache="float8e4m3fn", k_quant="PER_TENSOR")),
+    ("int8_token", dict(cache="int8", k_quant="PER_TOKEN")),
+]
+
+
+def _mla():
+    from pagedkit.kernels.triton import mla
+
+    return mla
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("name,kw", MLA_CACHES, ids=[c[0] for c in MLA_CACHES])
+def test_fused_mla_decode(name, kw, block_size):
+    """triton_mla's entry (its cache write + the fused kernel) against the float64 oracle: contexts 1 .. 4096,
+    16 and 128 heads (two head sub-groups), speculative drafts of 3 tokens."""
+    for heads, q_lens in ((16, [1] * len(RAGGED)), (128, [1] * len(RAGGED)), (16, [3] * len(RAGGED))):
+        spec = Spec(q_lens=q_lens, past=RAGGED, block_size=block_size, seed=block_size + heads,
+                    **(MLA | {"num_heads": heads} | kw))
+        case = build(spec)
+        x = _cuda(case.inputs)
+        got = _mla().paged_attention(x, outputs=["output", "key_cache_out"], validate=False, **case.attrs)
+        torch.cuda.synchronize()
+        _check(case, got, f"mla {name} block {block_size} heads {heads} q {q_lens[0]}")
+
+
+def test_fused_mla_decode_captures_and_replays_exactly():
+    """8 decode steps with a growing context, captured once as a CUDA graph (sync debug mode 'error' while
+    capturing), replayed: the same outputs as eager, bit for bit."""
+    spec = Spec(q_lens=[1] * 4, past=[100, 2000, 1, 700], block_size=64, seed=3, **MLA)
+    case = build(spec)
+    eager_x, graph_x = _cuda(clone_inputs(case.inputs)), _cuda(clone_inputs(case.inputs))
+    graph_x["attention_metadata"] = torch.tensor([1, 2100, 0], dtype=torch.int32)
+    eager_x["attention_metadata"] = graph_x["attention_metadata"]
+    call = _mla().paged_attention
+    call(clone_inputs(graph_x), outputs=["output"], validate=False, **case.attrs)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            out = call(graph_x, outputs=["output"], validate=False, **case.attrs)["output"]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for step in range(8):
+        for x in (eager_x, graph_x):
+            x["past_seqlens"] += 1
+            x["query"].normal_(generator=torch.Generator("cuda").manual_seed(step))
+            x["key"].normal_(generator=torch.Generator("cuda").manual_seed(100 + step))
+        graph.replay()
+        want = call(eager_x, outputs=["output"], validate=False, **case.attrs)["output"]
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"step {step}: replay differs from eager"

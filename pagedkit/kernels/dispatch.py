@@ -50,6 +50,7 @@ CACHE_ALIASES = {op: c.cache_aliases for op, c in CONTRACTS.items()}
 # every variant, in priority order ("module:VARIANT"; "." modules are relative to pagedkit.kernels).
 # A new variant is one new file plus one line here. The loop-based reference of each op comes last.
 VARIANTS: list[str] = [
+    ".triton.mla:VARIANT",
     ".triton.paged:VARIANT",
     ".paged.torch_planned:VARIANT",
     ".paged.torch_sdpa:VARIANT",

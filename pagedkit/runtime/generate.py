@@ -276,7 +276,7 @@ class _PagedState:
             feeds[self.gen.config.input(N.INPUT_IDS)] = torch.tensor(
                 chunk, dtype=torch.int64, device=sess.device)
             try:
-                out = sess.run_torch(feeds, [self.gen.logits_name])[self.gen.logits_name]
+                out = sess.run_torch(feeds, [self.gen.logits_name], plan=plan.hint)[self.gen.logits_name]
             except BaseException:
                 mgr.abort(plan)
                 raise

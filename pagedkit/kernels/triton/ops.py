@@ -64,7 +64,21 @@ def _paged_decode(q: Tensor, key_cache: Tensor, value_cache: Optional[Tensor], c
                   attention_bias: Optional[Tensor], k_fmt: int, k_scale_mode: int, v_fmt: int, v_scale_mode: int,
                   num_heads: int, kv_num_heads: int, head_size: int, v_head_size: int, scale: float,
                   softcap: float, local_window_size: int, is_causal: bool, qk_output: int, v_rotation: bool,
-                  max_query_len: int, max_kv_len: int) -> tuple[Tensor, Tensor]:
+                  max_query_len: int, max_kv_len: int, fused_mla: bool = False) -> tuple[Tensor, Tensor]:
+    if fused_mla:  # variant triton_mla (LATENT): the fused kernel (mla.py), no output_qk
+        from .mla import mla_decode
+
+        if (value_cache is not None or softcap > 0 or attention_bias is not None or qk_output
+                or head_sink is not None):
+            raise NotImplementedError("triton_mla: LATENT without softcap, attention_bias, output_qk or head_sink")
+        out = mla_decode(
+            q, key_cache=key_cache, k_format=_side(k_fmt, k_scale_mode),
+            cumulative_sequence_length=cumulative_sequence_length, past_seqlens=past_seqlens,
+            block_table=block_table, num_heads=num_heads, head_size=head_size,
+            v_head_size=v_head_size, scale=scale, k_scale=k_scale, k_scale_cache=k_scale_cache,
+            query_positions=query_positions, local_window_size=local_window_size, is_causal=is_causal,
+            max_query_len=max_query_len, max_kv_len=max_kv_len)
+        return out, torch.empty(0, dtype=torch.float32, device=q.device)
     from .decode import paged_decode
 
     out, qk = paged_decode(
@@ -85,7 +99,8 @@ def _paged_decode(q: Tensor, key_cache: Tensor, value_cache: Optional[Tensor], c
 def _paged_decode_fake(q, key_cache, value_cache, cumulative_sequence_length, past_seqlens, block_table, k_scale,
                        v_scale, k_scale_cache, v_scale_cache, query_positions, head_sink, attention_bias, k_fmt,
                        k_scale_mode, v_fmt, v_scale_mode, num_heads, kv_num_heads, head_size, v_head_size, scale,
-                       softcap, local_window_size, is_causal, qk_output, v_rotation, max_query_len, max_kv_len):
+                       softcap, local_window_size, is_causal, qk_output, v_rotation, max_query_len, max_kv_len,
+                       fused_mla=False):
     n = q.shape[0]
     out = q.new_empty((n, num_heads * v_head_size))
     if qk_output:

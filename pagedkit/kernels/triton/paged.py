@@ -78,6 +78,13 @@ def _bounds(meta: torch.Tensor | None) -> tuple[int, int]:
 def paged_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] | None = None, validate: bool = True,
                     **attributes: Any) -> dict[str, torch.Tensor]:
     """com.microsoft::PagedAttention on the Triton kernels; same results as the reference."""
+    return run(inputs, outputs=outputs, validate=validate, fused_mla=False, **attributes)
+
+
+def run(inputs: Mapping[str, Any], *, outputs: Sequence[str] | None, validate: bool, fused_mla: bool,
+        **attributes: Any) -> dict[str, torch.Tensor]:
+    """The cache-write prologue then the attention: the general split-KV kernel, or with fused_mla (variant
+    triton_mla, LATENT only) the fused MLA kernel (mla.py)."""
     from . import ops
 
     if validate:
@@ -88,6 +95,8 @@ def paged_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] | None 
     a = _DEFAULTS | attributes
     nh, hkv = int(a["num_heads"]), int(a["kv_num_heads"])
     latent = a["kv_cache_layout"] == "LATENT"
+    if fused_mla and not latent:
+        raise NotImplementedError("triton_mla serves kv_cache_layout LATENT only")
     query = x["query"]
     packed = not latent and "key" not in x and "value" not in x
     d = query.shape[1] // (nh + 2 * hkv if packed else nh) if not latent else x["key"].shape[1] // hkv
@@ -124,7 +133,7 @@ def paged_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] | None 
         v_head_size=dv, scale=default_scale(float(a["scale"]), d), softcap=float(a["softcap"]),
         local_window_size=int(a["local_window_size"]), is_causal=bool(int(a["is_causal"])),
         qk_output=qk_output, v_rotation=bool(int(a["v_rotation"])) and not latent,
-        max_query_len=max_q, max_kv_len=max_kv)
+        max_query_len=max_q, max_kv_len=max_kv, fused_mla=fused_mla)
     result = {"output": out, "key_cache_out": kc}
     if vc is not None:
         result["value_cache_out"] = vc

@@ -62,6 +62,20 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(self.query_lens)
 
+    @property
+    def hint(self) -> str | None:
+        """The step's plan kind for `InferenceSession.run_torch(plan=...)` (kernels/variant.py PLANS), from host
+        facts only: "prefill" (no sequence has a cached prefix), "decode" (every sequence adds at most
+        DECODE_TOKENS tokens over a cached context: decode, speculative drafts), "chunked_prefill" (every
+        sequence has a cached prefix, some add more), None (a mix: any variant)."""
+        if not self.query_lens:
+            return None
+        if all(p == 0 for p in self.past_lens):
+            return "prefill"
+        if any(p == 0 for p in self.past_lens):
+            return None
+        return "decode" if max(self.query_lens) <= DECODE_TOKENS else "chunked_prefill"
+
     def feeds(self, names=None, slot_mapping: bool = True, query_positions: bool = False) -> dict[str, torch.Tensor]:
         """Model inputs by name. `names` (e.g. a session's input names) keeps only those the model has."""
         out = {CU_SEQLENS: self.cumulative_sequence_length, PAST_SEQLENS: self.past_seqlens,
@@ -77,6 +91,9 @@ class StepPlan:
             keep = set(names)
             out = {k: v for k, v in out.items() if k in keep}
         return out
+
+
+DECODE_TOKENS = 8  # a step whose sequences each add at most this many tokens over a cached context is "decode"
 
 
 def step_metadata(query_lens, kv_lens, bounds) -> list[int]:
