@@ -33,7 +33,8 @@ def main():
         q = x["query"].view(-1, case.num_heads, case.head_size)
         kv = max(case.contexts)
         common_kw = dict(key_cache=x["key_cache"], k_format=kf,
-                         cumulative_sequence_length=x["cumulative_sequence_length"], past_seqlens=x["past_seqlens"], block_table=x["block_table"], num_heads=case.num_heads,
+                         cumulative_sequence_length=x["cumulative_sequence_length"], past_seqlens=x["past_seqlens"],
+                         block_table=x["block_table"], num_heads=case.num_heads,
                          head_size=case.head_size, v_head_size=case.v_head, scale=float(a["scale"]), k_scale=ks,
                          k_scale_cache=x.get("k_scale_cache"), max_query_len=1, max_kv_len=kv)
         traffic = C.traffic(case)["total"]
