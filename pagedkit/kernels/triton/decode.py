@@ -190,12 +190,14 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
     # tiles
     G = H // Hkv
     g_pad = next_pow2(G)
-    g_tile = min(g_pad, 64)
-    n_sub = g_pad // g_tile
     KW = D // 2 if k_int4 else D
     VW = DV // 2 if v_int4 else DV
     kw_pad, vw_pad = max(16, next_pow2(KW)), max(16, next_pow2(VW))
     wide = max(kw_pad, vw_pad)
+    # heads per program: 64, or 16 on heads padded past 512 channels (LATENT 576 -> 1024: 64 rows of Q and its
+    # tiles need 278 KB of shared memory, over the H200's 227 KB, at DeepSeek-V3's 128 heads)
+    g_tile = min(g_pad, 64 if wide <= 512 else 16)
+    n_sub = g_pad // g_tile
     # rows per chunk from the per-sequence query bound (unknown: the mean tokens per sequence)
     q_bound = min(int(max_query_len) or -(-n_tok // B), n_tok)
     quant = k_format.fmt != common.FMT_FLOAT or (v_format is not None and v_format.fmt != common.FMT_FLOAT)

@@ -25,6 +25,9 @@ from .common import FMT_FLOAT, FMT_FP8, FMT_INT8, SCALE_NONE, SCALE_TENSOR, SCAL
 
 NAME = "triton_mla"
 MAX_GROUP_TILE = 64  # query heads per program; more heads run as sub-groups (each re-reads the cache)
+# programs per SM the splits aim for: at batch 64 / context 4096 / 16 heads (64 programs before splitting) 4 splits
+# beat 8 and 16 (H200, benchmarks/results/mla_tuning.json)
+MLA_WAVES = 2
 _FORMATS = {FMT_FLOAT, FMT_INT8, FMT_FP8}
 _SCALES = {SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN}
 _CACHE_FORMATS = ("float16", "bfloat16", "int8", "float8e4m3fn")
@@ -141,10 +144,12 @@ def mla_decode(q, *, key_cache, k_format, cumulative_sequence_length, past_seqle
     q_bound = min(int(max_query_len) or -(-n_tok // B), n_tok)
     block_m = max(16, min(MAX_GROUP_TILE, g_tile * next_pow2(q_bound)))
     q_chunk = block_m // g_tile
-    if block_n is None:
-        block_n = min(BS, 64 if block_m <= 16 else 32)
+    if block_n is None:  # H200 sweep (benchmarks/results/mla_tuning.json): 32-key tiles at 16 heads
+        block_n = min(BS, 32 if block_m <= 16 else 16)
     if num_warps is None:
         num_warps = 4 if block_m <= 16 else 8
+    if num_stages is None:  # 3 stages on float caches, 2 on int8 / fp8 (their conversion's registers)
+        num_stages = 3 if k_format.fmt == FMT_FLOAT and block_m <= 16 else 2
     kv_bound = min(int(max_kv_len), MB * BS) if int(max_kv_len) > 0 else MB * BS
     if window > 0 and is_causal:
         kv_bound = min(kv_bound, window + q_chunk)
@@ -152,7 +157,7 @@ def mla_decode(q, *, key_cache, k_format, cumulative_sequence_length, past_seqle
     if num_splits is not None:
         S = max(1, int(num_splits))
     else:
-        S = _pick_splits(B * n_sub, tiles, n_tok * H * (DL + 2) * 4, _num_sms(dev))
+        S = _pick_splits(B * n_sub, tiles, n_tok * H * (DL + 2) * 4, _num_sms(dev), MLA_WAVES)
     direct = S == 1
     wacc = wml = out
     if not direct:
@@ -173,7 +178,6 @@ def mla_decode(q, *, key_cache, k_format, cumulative_sequence_length, past_seqle
     csl, past = cumulative_sequence_length.contiguous(), past_seqlens.contiguous()
     table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     qpos = None if query_positions is None else query_positions.contiguous()
-    extra = {} if num_stages is None else {"num_stages": int(num_stages)}
     K._mla_kernel[(B, n_sub, S)](
         q, c_arg, ks if ks is not None else dummy, ksc if ksc is not None else dummy, csl, past, table,
         qpos if qpos is not None else dummy, out, wacc, wml,
@@ -182,7 +186,8 @@ def mla_decode(q, *, key_cache, k_format, cumulative_sequence_length, past_seqle
         n_tok, NB, MB, S, float(scale) or 1.0 / math.sqrt(D), window,
         H=H, G_TILE=g_tile, Q_CHUNK=q_chunk, BLOCK_M=block_m, BLOCK_N=block_n, BS=BS, DL=DL, DR=DR,
         FMT=k_format.fmt, SCALE=k_format.scale, CAUSAL=bool(is_causal), HAS_WINDOW=window > 0,
-        HAS_QPOS=qpos is not None, DIRECT=direct, INTERP=common.INTERPRET, num_warps=num_warps, **extra)
+        HAS_QPOS=qpos is not None, DIRECT=direct, INTERP=common.INTERPRET, num_warps=num_warps,
+        num_stages=int(num_stages))
     if direct:
         return out
     KD._reduce_kernel[(n_tok, H)](
