@@ -242,8 +242,8 @@ def onnx_model(inputs: dict, attrs: dict, outputs: list[str]):
 
     info = {n: (onnx_dtype_of(t), tuple(t.shape)) for n, t in inputs.items()}
     q = inputs["query"]
-    info["output"] = (onnx_dtype_of(q), (q.shape[0], attrs["num_heads"] * inputs["value"].shape[1]
-                                         // attrs["kv_num_heads"]))
+    dv = attrs.get("v_head_size") or inputs["value"].shape[1] // attrs["kv_num_heads"]
+    info["output"] = (onnx_dtype_of(q), (q.shape[0], attrs["num_heads"] * dv))
     for o in outputs[1:]:
         info[o] = info[o[:-len("_out")]]
     node = make_paged_attention_node({n: n for n in inputs}, {n: n for n in outputs}, name="paged_attention",

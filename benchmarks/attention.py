@@ -136,7 +136,7 @@ def pagedkit_arm(arm: str, base: dict, attrs: dict, outputs: list[str], args, de
     except (NotImplementedError, ImportError) as exc:  # a refusal, or a kernel module that is not there yet
         raise Skip(one_line(exc)) from None
     sync(device)
-    if arm != "triton" or device.type != "cuda":
+    if not arm.startswith("triton") or device.type != "cuda":
         eager = time_wall(call, 1, args.eager_reps, device)
         res = summary(eager, "eager, wall clock, a device sync per call" if device.type == "cuda" else "eager (CPU)")
         return res, out["output"].clone()

@@ -144,8 +144,8 @@ def mla_decode(q, *, key_cache, k_format, cumulative_sequence_length, past_seqle
     q_bound = min(int(max_query_len) or -(-n_tok // B), n_tok)
     block_m = max(16, min(MAX_GROUP_TILE, g_tile * next_pow2(q_bound)))
     q_chunk = block_m // g_tile
-    if block_n is None:  # H200 sweep (benchmarks/results/mla_tuning.json): 32-key tiles at 16 heads
-        block_n = min(BS, 32 if block_m <= 16 else 16)
+    if block_n is None:  # H200 sweep (benchmarks/results/mla_tuning.json): 32-key tiles at 16 heads, 64 at 128
+        block_n = min(BS, 32 if block_m <= 16 else 64)
     if num_warps is None:
         num_warps = 4 if block_m <= 16 else 8
     if num_stages is None:  # 3 stages on float caches, 2 on int8 / fp8 (their conversion's registers)
