@@ -58,7 +58,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_builtin_variants_are_declarations_in_priority_order():
     paged = dispatch.variants("PagedAttention")
     assert [v.name for v in paged] == ["triton_mla", "triton_paged", "torch_planned", "torch_sdpa", "reference"]
-    assert [v.name for v in dispatch.variants("GroupQueryAttention")] == ["reference"]
+    assert [v.name for v in dispatch.variants("GroupQueryAttention")] == ["triton_gqa", "reference"]
     for v in dispatch.variants():
         assert isinstance(v, KernelVariant) and callable(v.load())
         assert set(v.features) <= set(OP_FEATURES[v.op]) <= set(FEATURES)

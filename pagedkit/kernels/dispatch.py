@@ -55,6 +55,7 @@ VARIANTS: list[str] = [
     ".paged.torch_planned:VARIANT",
     ".paged.torch_sdpa:VARIANT",
     ".paged.reference:VARIANT",
+    ".triton.gqa:VARIANT",
     ".gqa.reference:VARIANT",
 ]
 _extra: list[tuple[str, str | None]] = []  # register_variant(): (spec, name of the variant it goes before)

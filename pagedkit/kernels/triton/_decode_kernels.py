@@ -98,7 +98,7 @@ def _attn_kernel(
         out_ptr, wacc_ptr, wml_ptr, qk_ptr,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_kscb, stride_kscs, stride_ksch, stride_vscb, stride_vscs, stride_vsch, stride_btb,
-        stride_bb, stride_bh, stride_bq, stride_bk, bias_qcap, bias_kcap,
+        stride_bb, stride_bh, stride_bq, stride_bk, bias_qcap, bias_kcap, stride_kz, stride_vz, kv_cap, row_pad,
         N, NB, MB, num_splits, n_lanes, sm_scale, softcap, window,
         H: tl.constexpr, G: tl.constexpr, G_TILE: tl.constexpr, N_SUB: tl.constexpr,
         Q_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
@@ -107,7 +107,8 @@ def _attn_kernel(
         K_FMT: tl.constexpr, K_SCALE: tl.constexpr, V_FMT: tl.constexpr, V_SCALE: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_SINK: tl.constexpr, QK_MODE: tl.constexpr, HAS_QPOS: tl.constexpr, DIRECT: tl.constexpr,
-        NEED_NAT: tl.constexpr, INTERP: tl.constexpr, LANES: tl.constexpr):
+        NEED_NAT: tl.constexpr, INTERP: tl.constexpr, LANES: tl.constexpr, PADDED: tl.constexpr,
+        BIAS_AFTER: tl.constexpr):
     DT = q_ptr.dtype.element_ty
     b = tl.program_id(0)
     kvh = tl.program_id(1) // N_SUB
@@ -123,10 +124,14 @@ def _attn_kernel(
         c_step = 1
     C = MB * BS
 
-    q_start = tl.load(csl_ptr + b).to(tl.int32)
-    n_q = tl.load(csl_ptr + b + 1).to(tl.int32) - q_start
+    if PADDED:  # GroupQueryAttention's padded batch: sequence b's rows start at b * row_pad, csl holds n_q [B]
+        q_start = b * row_pad
+        n_q = tl.minimum(tl.maximum(tl.load(csl_ptr + b).to(tl.int32), 0), row_pad)
+    else:
+        q_start = tl.load(csl_ptr + b).to(tl.int32)
+        n_q = tl.load(csl_ptr + b + 1).to(tl.int32) - q_start
     past = tl.load(past_ptr + b).to(tl.int32)
-    kv_len = tl.minimum(tl.maximum(past + n_q, 0), C)  # clamped to the block table's capacity
+    kv_len = tl.minimum(tl.maximum(past + n_q, 0), kv_cap)  # clamped to the cache's capacity
 
     r = tl.arange(0, BLOCK_M)
     g = sub * G_TILE + r % G_TILE
@@ -157,8 +162,8 @@ def _attn_kernel(
             vsa = tl.load(vs_ptr + kvh * D + vch, mask=vw_ok, other=0.0)
             vsb = tl.load(vs_ptr + kvh * D + vch + 1, mask=vw_ok, other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    k_head = kvh.to(tl.int64) * stride_kh
-    v_head = kvh.to(tl.int64) * stride_vh
+    k_head = kvh.to(tl.int64) * stride_kh + b.to(tl.int64) * stride_kz  # stride_kz: the BNSH accessor's batch
+    v_head = kvh.to(tl.int64) * stride_vh + b.to(tl.int64) * stride_vz
 
     for c in range(c_first, tl.cdiv(n_q, Q_CHUNK), c_step):
         j = c * Q_CHUNK + jr
@@ -229,9 +234,14 @@ def _attn_kernel(
                     b_ptr = (bias_ptr + b.to(tl.int64) * stride_bb + h64[:, None] * stride_bh
                              + j.to(tl.int64)[:, None] * stride_bq + kp.to(tl.int64)[None, :] * stride_bk)
                     b_ok = (row_ok & (j < bias_qcap))[:, None] & (kp < bias_kcap)[None, :]
-                    sc += tl.load(b_ptr, mask=b_ok, other=0.0).to(tl.float32)
+                    bias = tl.load(b_ptr, mask=b_ok, other=0.0).to(tl.float32)
+                    if not BIAS_AFTER:  # PagedAttention: bias before softcap
+                        sc += bias
                 if HAS_SOFTCAP:
                     sc = softcap * _tanh(sc / softcap)
+                if HAS_BIAS:
+                    if BIAS_AFTER:  # GroupQueryAttention (onnxruntime): bias after softcap
+                        sc += bias
                 if QK_MODE != 0:
                     if QK_MODE == 1:
                         qv = tl.where(allowed, sc, 0.0)

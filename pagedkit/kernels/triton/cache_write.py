@@ -88,7 +88,7 @@ def _token_slot(t, csl_ptr, past_ptr, bt_ptr, bt_s0, bt_s1, slotmap_ptr, qpos_pt
 @triton.jit
 def _write_kernel(q_ptr, q_rs, k_ptr, k_rs, v_ptr, v_rs, out_ptr, state_ptr, N,
                   csl_ptr, past_ptr, bt_ptr, bt_s0, bt_s1, slotmap_ptr, qpos_ptr, MB, NB, P,
-                  qw_ptr, kw_ptr, eps, cos_ptr, sin_ptr, cos_rs, sin_rs,
+                  qw_ptr, kw_ptr, eps, eps_k, cos_ptr, sin_ptr, cos_rs, sin_rs,
                   kc_ptr, kc0, kc1, kc2, kc3, vc_ptr, vc0, vc1, vc2, vc3,
                   ksv_ptr, vsv_ptr, ksc_ptr, ks0, ks1, ks2, vsc_ptr, vs0, vs1, vs2,
                   H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -98,7 +98,8 @@ def _write_kernel(q_ptr, q_rs, k_ptr, k_rs, v_ptr, v_rs, out_ptr, state_ptr, N,
                   ROT_OFF: tl.constexpr, INTERLEAVED: tl.constexpr, QK_ROT: tl.constexpr, V_ROT: tl.constexpr,
                   KB: tl.constexpr, INV_SQRT_D: tl.constexpr, OUT_BF16: tl.constexpr,
                   K_FMT: tl.constexpr, K_SCALE: tl.constexpr, K_BF16: tl.constexpr, K_QMAX: tl.constexpr,
-                  V_FMT: tl.constexpr, V_SCALE: tl.constexpr, V_BF16: tl.constexpr, V_QMAX: tl.constexpr):
+                  V_FMT: tl.constexpr, V_SCALE: tl.constexpr, V_BF16: tl.constexpr, V_QMAX: tl.constexpr,
+                  DEDUP: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     slot, pos = _token_slot(t, csl_ptr, past_ptr, bt_ptr, bt_s0, bt_s1, slotmap_ptr, qpos_ptr, MB, NB, P,
@@ -120,20 +121,23 @@ def _write_kernel(q_ptr, q_rs, k_ptr, k_rs, v_ptr, v_rs, out_ptr, state_ptr, N,
         S = NB * BS
         ok = slot >= 0
         sc = tl.where(ok, slot, 0)
-        epoch = tl.load(state_ptr + 2 * S + 1)
-        tag = (epoch << 32) | t
-        old = tl.atomic_max(state_ptr + sc, tag, mask=ok, sem="acq_rel")
-        write = ok & (old < tag)
-        target = tl.where(write & (old >= (epoch << 32)), old, 0)  # this call's previous owner, else none
-        seen = target * 0
-        while seen < target:  # that owner is running (it claimed): wait until its bytes are written
-            seen = tl.atomic_add(state_ptr + S + sc, 0, sem="acquire")
-        tl.debug_barrier()
+        if DEDUP:
+            epoch = tl.load(state_ptr + 2 * S + 1)
+            tag = (epoch << 32) | t
+            old = tl.atomic_max(state_ptr + sc, tag, mask=ok, sem="acq_rel")
+            write = ok & (old < tag)
+            target = tl.where(write & (old >= (epoch << 32)), old, 0)  # this call's previous owner, else none
+            seen = target * 0
+            while seen < target:  # that owner is running (it claimed): wait until its bytes are written
+                seen = tl.atomic_add(state_ptr + S + sc, 0, sem="acquire")
+            tl.debug_barrier()
+        else:  # the caller promises distinct slots (GroupQueryAttention: one row per position)
+            write = ok
         blk = sc // BS
         off = sc % BS
         for h0 in tl.static_range(0, HKV, KH):
             rows = h0 + tl.arange(0, KH)
-            k = side_rows(k_ptr + t * k_rs, rows, HKV, D, eps, kw_ptr, cos_row, sin_row, KH, BLOCK_D,
+            k = side_rows(k_ptr + t * k_rs, rows, HKV, D, eps_k, kw_ptr, cos_row, sin_row, KH, BLOCK_D,
                           HAS_NORM, HAS_ROPE, HALF, ROT_OFF, INTERLEAVED, QK_ROT, KB, INV_SQRT_D)
             encode_store(k, rows, HKV, D, write, kc_ptr, kc0, kc1, kc2, kc3, blk, off, ksv_ptr, ksc_ptr,
                          ks0, ks1, ks2, KH, BLOCK_D, K_FMT, K_SCALE, K_BF16, K_QMAX)
@@ -142,11 +146,12 @@ def _write_kernel(q_ptr, q_rs, k_ptr, k_rs, v_ptr, v_rs, out_ptr, state_ptr, N,
                               False, False, HALF, ROT_OFF, INTERLEAVED, V_ROT, KB, INV_SQRT_D)
                 encode_store(v, rows, HKV, D, write, vc_ptr, vc0, vc1, vc2, vc3, blk, off, vsv_ptr,
                              vsc_ptr, vs0, vs1, vs2, KH, BLOCK_D, V_FMT, V_SCALE, V_BF16, V_QMAX)
-        tl.debug_barrier()
-        tl.atomic_max(state_ptr + S + sc, tag, mask=write, sem="release")
-        if tl.atomic_add(state_ptr + 2 * S, 1, sem="acq_rel") == N - 1:  # the last K/V program of the call
-            tl.atomic_xchg(state_ptr + 2 * S, 0)
-            tl.atomic_add(state_ptr + 2 * S + 1, 1)
+        if DEDUP:
+            tl.debug_barrier()
+            tl.atomic_max(state_ptr + S + sc, tag, mask=write, sem="release")
+            if tl.atomic_add(state_ptr + 2 * S, 1, sem="acq_rel") == N - 1:  # the last K/V program of the call
+                tl.atomic_xchg(state_ptr + 2 * S, 0)
+                tl.atomic_add(state_ptr + 2 * S + 1, 1)
 
 
 def _fail(name: str, msg: str) -> None:
@@ -224,13 +229,15 @@ def write_kv(query, key, value, *, num_heads: int, kv_num_heads: int, head_size:
              key_cache, value_cache, k_format: SideFormat, v_format: SideFormat | None,
              slot_mapping=None, query_positions=None,
              cos_cache=None, sin_cache=None, rotary_interleaved: bool = False, rotary_offset: int = 0,
-             q_norm_weight=None, k_norm_weight=None, qk_norm_epsilon: float = 1e-6,
+             q_norm_weight=None, k_norm_weight=None, qk_norm_epsilon: float = 1e-6, k_norm_epsilon: float | None = None,
              qk_rotation: bool = False, v_rotation: bool = False,
              k_scale=None, v_scale=None,
              k_scale_cache=None, v_scale_cache=None,
-             latent: bool = False) -> torch.Tensor:
+             latent: bool = False, unique_slots: bool = False) -> torch.Tensor:
     """Run the prologue of one PagedAttention call and write its K/V into the caches (in place); returns
-    q [N, H, D] in query's dtype. See the module docstring. Raises ValueError naming a bad input."""
+    q [N, H, D] in query's dtype. See the module docstring. Raises ValueError naming a bad input.
+    unique_slots: the caller guarantees no two tokens share a slot (GroupQueryAttention's BNSH write, gqa.py):
+    no dedup state, plain stores. k_norm_epsilon: K's QK-norm epsilon when it differs from Q's (GQA)."""
     H, HKV, D = int(num_heads), int(kv_num_heads), int(head_size)
     if H < 1 or HKV < 1 or D < 1 or H % HKV:
         _fail("attributes", f"num_heads ({H}) should be a positive multiple of kv_num_heads ({HKV}), head_size "
@@ -321,8 +328,8 @@ def write_kv(query, key, value, *, num_heads: int, kv_num_heads: int, head_size:
     out = torch.empty((N, H, D), dtype=T, device=dev)
     if N == 0:
         return out
-    state = _state(dev, NB * BS)
     dummy = out
+    state = dummy if unique_slots else _state(dev, NB * BS)
     csl, past = cumulative_sequence_length.contiguous(), past_seqlens.contiguous()
 
     block_d = max(next_pow2(D), 16 if rotate_any else 2)
@@ -343,6 +350,7 @@ def write_kv(query, key, value, *, num_heads: int, kv_num_heads: int, head_size:
         dummy if slot_mapping is None else slot_mapping.contiguous(),
         dummy if query_positions is None else query_positions.contiguous(), block_table.shape[1], NB, P,
         q_norm_weight if has_norm else dummy, k_norm_weight if has_norm else dummy, float(qk_norm_epsilon),
+        float(qk_norm_epsilon if k_norm_epsilon is None else k_norm_epsilon),
         cos_cache if has_rope else dummy, sin_cache if has_rope else dummy,
         cos_cache.stride(0) if has_rope else 0, sin_cache.stride(0) if has_rope else 0,
         kc, *kc.stride(), vc, *vc.stride(),
@@ -356,5 +364,5 @@ def write_kv(query, key, value, *, num_heads: int, kv_num_heads: int, head_size:
         KB=min(block_d, 32), INV_SQRT_D=float(1.0 / math.sqrt(D)), OUT_BF16=T == torch.bfloat16,
         K_FMT=k_format.fmt, K_SCALE=k_format.scale, K_BF16=k_bf16, K_QMAX=QMAX.get(k_format.fmt, 1.0),
         V_FMT=vfmt.fmt, V_SCALE=vfmt.scale, V_BF16=v_bf16, V_QMAX=QMAX.get(vfmt.fmt, 1.0),
-        num_warps=4)
+        DEDUP=not unique_slots, num_warps=4)
     return out

@@ -34,6 +34,12 @@ scale, kept in the fp16 range), PER_TENSOR / PER_CHANNEL V scale the output. int
 nibbles, odd from the high ones, two dots each way. A float cache of another float type than T is rounded to T.
 Head sizes are padded to powers of two >= 16 (masked; e.g. 80 -> 128, LATENT 576 -> 1024).
 
+Two accessors, one kernel (design §14.3): the paged one above, and GroupQueryAttention's (gqa.py, `bnsh=True`):
+contiguous caches [B, Hkv, C, Dc] read as virtual blocks of BNSH_BLOCK positions (sequence b's block j at
+b * stride_z + j * BS rows, an identity block table with batch stride 0, extents clamped to C), with a
+padded batch (`row_pad`: sequence b's query rows at [b * row_pad, b * row_pad + n_b)) and attention_bias added
+after softcap as onnxruntime's GQA does.
+
 Capture-safety: no host reads of device tensors (no .item() / .tolist() / bool(tensor)), static grids and
 workspace sizes (torch.empty / zeros / full), so a call is CUDA-graph capturable.
 """
@@ -64,6 +70,7 @@ MAX_GRID_Z = 65535  # CUDA's limit on grid dimension z (splits x lanes)
 # (H200, batch 64 / context 8192, attention_tuning.json: int8 256-token blocks 0.63 -> 0.49 ms, fp8 0.58 ->
 # 0.42 ms, int4 0.59 -> 0.54 ms); smaller grids keep the per-block tiles, which fill the SMs with splits
 QUANT_WIDE_PROGRAMS = 2
+BNSH_BLOCK = 256  # positions per virtual block of the contiguous (BNSH) accessor
 _POISON = False  # tests: fill outputs and workspaces with NaN instead of leaving them uninitialized
 
 
@@ -78,6 +85,28 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 132  # an H200's SM count: the interpreter runs the GPU heuristics
+
+
+_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def bnsh_block(capacity: int) -> int:
+    """Positions per virtual block of the BNSH accessor for a cache of `capacity` rows."""
+    return min(BNSH_BLOCK, max(16, next_pow2(capacity)))
+
+
+def bnsh_capacity(capacity: int) -> int:
+    """Key positions the BNSH accessor's virtual block table spans (output_qk's last dim): >= capacity."""
+    bs = bnsh_block(capacity)
+    return -(-capacity // bs) * bs
+
+
+def _identity_table(device: torch.device, n: int) -> torch.Tensor:
+    """int32 [1, n] = 0 .. n-1 (the BNSH accessor's block table), one persistent tensor per (device, n)."""
+    key = (str(device), n)
+    if key not in _TABLES:
+        _TABLES[key] = torch.arange(n, dtype=torch.int32, device=device)[None]
+    return _TABLES[key]
 
 
 def _pick_splits(programs: int, tiles: int, rows_bytes: int, num_sms: int, waves: int = WAVES) -> int:
@@ -103,6 +132,7 @@ def paged_decode(q, *, key_cache, value_cache, k_format: SideFormat, v_format: S
                  query_positions=None, softcap: float = 0.0, local_window_size: int = 0, is_causal: bool = True,
                  head_sink=None, attention_bias=None, qk_output: int = 0, v_rotation: bool = False,
                  max_query_len: int = 0, max_kv_len: int = 0, num_splits: int | None = None,
+                 bnsh: bool = False, row_pad: int = 0, bias_after_softcap: bool = False,
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Paged attention over the (already written) caches -> (output [N, H*Dv] in q's dtype, output_qk
     [H, N, C] float32 or None). See the module docstring for layouts, splits and bounds."""
@@ -114,7 +144,8 @@ def paged_decode(q, *, key_cache, value_cache, k_format: SideFormat, v_format: S
         v_scale_cache=v_scale_cache, query_positions=query_positions, softcap=softcap,
         local_window_size=local_window_size, is_causal=is_causal, head_sink=head_sink,
         attention_bias=attention_bias, qk_output=qk_output, v_rotation=v_rotation, max_query_len=max_query_len,
-        max_kv_len=max_kv_len, num_splits=num_splits)
+        max_kv_len=max_kv_len, num_splits=num_splits, bnsh=bnsh, row_pad=row_pad,
+        bias_after_softcap=bias_after_softcap)
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -144,8 +175,13 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
                   k_scale_cache, v_scale_cache, query_positions, softcap, local_window_size, is_causal, head_sink,
                   attention_bias, qk_output, v_rotation, max_query_len, max_kv_len, num_splits,
                   block_n: int | None = None, block_m: int | None = None, num_warps: int | None = None,
-                  num_lanes: int | None = None):
-    """paged_decode with tile overrides (block_n / block_m / num_warps / num_lanes: tests and tuning)."""
+                  num_lanes: int | None = None, bnsh: bool = False, row_pad: int = 0,
+                  bias_after_softcap: bool = False):
+    """paged_decode with tile overrides (block_n / block_m / num_warps / num_lanes: tests and tuning) and the
+    GroupQueryAttention accessors (gqa.py): `bnsh` reads contiguous caches [B, Hkv, C, Dc] instead of the paged
+    ones (block_table is then ignored: sequence b reads its own rows, virtual blocks of BNSH_BLOCK positions);
+    `row_pad` > 0 takes a padded batch, sequence b's rows at [b * row_pad, b * row_pad + n_b) with
+    cumulative_sequence_length holding n_b [B]; `bias_after_softcap` adds attention_bias after softcap."""
     common.require_triton()
     from . import _decode_kernels as K
 
@@ -164,16 +200,34 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         _check(DV <= D, f"v_head_size {DV} should be <= head_size {D} with LATENT")
     else:
         _check(DV == D, f"v_head_size {DV} should equal head_size {D} (LATENT only differs)")
-    NB, BS, hkv_c, dc = key_cache.shape
-    _check(hkv_c == Hkv, f"key_cache dimension 2 should be kv_num_heads {Hkv}, got {hkv_c}")
+    if bnsh:  # [B, Hkv, C, Dc] read as virtual blocks of BS positions: block j of sequence b at b * stride_z + j * BS
+        bz, hkv_c, kv_cap, dc = key_cache.shape
+        _check(value_cache is not None and value_cache.shape[:3] == key_cache.shape[:3],
+               "value_cache should match key_cache's first 3 dims")
+        _check(bz == past_seqlens.shape[0], f"key_cache dimension 0 should be batch_size {past_seqlens.shape[0]}")
+        BS = bnsh_block(kv_cap)
+        NB = -(-kv_cap // BS)
+        block_table = _identity_table(dev, NB).expand(bz, NB)  # stride 0 over the batch
+        k_st = (BS * key_cache.stride(2), key_cache.stride(2), key_cache.stride(1), key_cache.stride(0))
+        v_st = (BS * value_cache.stride(2), value_cache.stride(2), value_cache.stride(1), value_cache.stride(0))
+    else:
+        NB, BS, hkv_c, dc = key_cache.shape
+        kv_cap = None
+        k_st = (*key_cache.stride()[:3], 0)
+        v_st = None
+    _check(hkv_c == Hkv, f"key_cache's KV-head dimension should be kv_num_heads {Hkv}, got {hkv_c}")
     k_int4, v_int4 = k_format.fmt == FMT_INT4, v_format.fmt == FMT_INT4
     _check(dc == (D // 2 if k_int4 else D), f"key_cache dimension 3 should be {D // 2 if k_int4 else D}, got {dc}")
     _check(value_cache.shape[:3] == key_cache.shape[:3], "value_cache should match key_cache's first 3 dims")
     _check(key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, "caches need a contiguous last dim")
     _check(BS >= 16 and BS & (BS - 1) == 0, f"block_size should be a power of two >= 16, got {BS}")
     _check(not (v_rotation and (latent or DV & (DV - 1))), "v_rotation needs a non-LATENT power-of-two head")
+    if not bnsh:
+        v_st = (*value_cache.stride()[:3], 0)
     B, MB = past_seqlens.shape[0], block_table.shape[1]
     C = MB * BS
+    kv_cap = C if kv_cap is None else kv_cap
+    row_pad = int(row_pad)
     qk_output, window = int(qk_output), int(local_window_size)
     scale = float(scale) or 1.0 / math.sqrt(D)
 
@@ -199,7 +253,7 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
     g_tile = min(g_pad, 64 if wide <= 512 else 16)
     n_sub = g_pad // g_tile
     # rows per chunk from the per-sequence query bound (unknown: the mean tokens per sequence)
-    q_bound = min(int(max_query_len) or -(-n_tok // B), n_tok)
+    q_bound = min(int(max_query_len) or -(-n_tok // B), row_pad or n_tok, n_tok)
     quant = k_format.fmt != common.FMT_FLOAT or (v_format is not None and v_format.fmt != common.FMT_FLOAT)
     if block_m is None:  # prefill-sized queries on float caches take 128-row tiles (H200, 4 x 4096 causal, head
         # 128, one split: 64 rows 123 TFLOP/s, 128 rows 201 with 16-token blocks, 306 with 256-token blocks:
@@ -220,7 +274,7 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         num_warps = (2 if block_n == 16 else 4) if wide <= 256 else 8
 
     # splits (static: shapes and host bounds only)
-    kv_bound = min(int(max_kv_len), C) if int(max_kv_len) > 0 else C
+    kv_bound = min(int(max_kv_len), kv_cap) if int(max_kv_len) > 0 else kv_cap
     span = kv_bound
     if window > 0 and is_causal:
         span = min(kv_bound, window + min(q_bound, q_chunk) - 1)
@@ -271,16 +325,16 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         csl, past, table, qpos if qpos is not None else dummy,
         sink if sink is not None else dummy, bias if bias is not None else dummy,
         out, wacc, wml, qk if qk is not None else dummy,
-        q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), *ksc_st, *vsc_st,
-        table.stride(0), *b_st, *b_cap,
+        q.stride(0), q.stride(1), *k_st[:3], *v_st[:3], *ksc_st, *vsc_st,
+        table.stride(0), *b_st, *b_cap, k_st[3], v_st[3], kv_cap, row_pad,
         n_tok, NB, MB, S, lanes, scale, float(softcap), window,
         H=H, G=G, G_TILE=g_tile, N_SUB=n_sub, Q_CHUNK=q_chunk, BLOCK_M=block_m, BLOCK_N=block_n, BS=BS,
         D=D, KW=KW, KW_PAD=kw_pad, DV=DV, VW=VW, VW_PAD=vw_pad,
         K_FMT=k_format.fmt, K_SCALE=k_format.scale, V_FMT=v_format.fmt, V_SCALE=v_format.scale,
         CAUSAL=bool(is_causal), HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_BIAS=bias is not None,
         HAS_SINK=sink is not None, QK_MODE=qk_output, HAS_QPOS=qpos is not None,
-        DIRECT=direct, NEED_NAT=need_nat, INTERP=common.INTERPRET, LANES=lanes > 1, num_warps=num_warps)
+        DIRECT=direct, NEED_NAT=need_nat, INTERP=common.INTERPRET, LANES=lanes > 1, PADDED=row_pad > 0,
+        BIAS_AFTER=bool(bias_after_softcap) and bias is not None, num_warps=num_warps)
     if direct:
         return out, qk
 

@@ -32,7 +32,7 @@ def _write_kv(query: Tensor, key: Optional[Tensor], value: Optional[Tensor], cum
               v_scale_cache: Optional[Tensor], num_heads: int, kv_num_heads: int, head_size: int, k_fmt: int,
               k_scale_mode: int, v_fmt: int, v_scale_mode: int, rotary: bool, rotary_interleaved: bool,
               rotary_offset: int, qk_norm_epsilon: float, qk_rotation: bool, v_rotation: bool,
-              latent: bool) -> Tensor:
+              latent: bool, unique_slots: bool = False, k_norm_epsilon: float = -1.0) -> Tensor:
     from .cache_write import write_kv
 
     return write_kv(
@@ -44,7 +44,8 @@ def _write_kv(query: Tensor, key: Optional[Tensor], value: Optional[Tensor], cum
         rotary_interleaved=rotary_interleaved, rotary_offset=rotary_offset, q_norm_weight=q_norm_weight,
         k_norm_weight=k_norm_weight, qk_norm_epsilon=qk_norm_epsilon, qk_rotation=qk_rotation,
         v_rotation=v_rotation, k_scale=k_scale, v_scale=v_scale, k_scale_cache=k_scale_cache,
-        v_scale_cache=v_scale_cache, latent=latent)
+        v_scale_cache=v_scale_cache, latent=latent, unique_slots=unique_slots,
+        k_norm_epsilon=None if k_norm_epsilon < 0 else k_norm_epsilon)
 
 
 @_write_kv.register_fake
@@ -52,7 +53,7 @@ def _write_kv_fake(query, key, value, cumulative_sequence_length, past_seqlens, 
                    slot_mapping, query_positions, cos_cache, sin_cache, q_norm_weight, k_norm_weight, k_scale,
                    v_scale, k_scale_cache, v_scale_cache, num_heads, kv_num_heads, head_size, k_fmt, k_scale_mode,
                    v_fmt, v_scale_mode, rotary, rotary_interleaved, rotary_offset, qk_norm_epsilon, qk_rotation,
-                   v_rotation, latent):
+                   v_rotation, latent, unique_slots=False, k_norm_epsilon=-1.0):
     return query.new_empty((query.shape[0], num_heads, head_size))
 
 
@@ -64,7 +65,8 @@ def _paged_decode(q: Tensor, key_cache: Tensor, value_cache: Optional[Tensor], c
                   attention_bias: Optional[Tensor], k_fmt: int, k_scale_mode: int, v_fmt: int, v_scale_mode: int,
                   num_heads: int, kv_num_heads: int, head_size: int, v_head_size: int, scale: float,
                   softcap: float, local_window_size: int, is_causal: bool, qk_output: int, v_rotation: bool,
-                  max_query_len: int, max_kv_len: int, fused_mla: bool = False) -> tuple[Tensor, Tensor]:
+                  max_query_len: int, max_kv_len: int, fused_mla: bool = False, bnsh: bool = False,
+                  row_pad: int = 0, bias_after_softcap: bool = False) -> tuple[Tensor, Tensor]:
     if fused_mla:  # variant triton_mla (LATENT): the fused kernel (mla.py), no output_qk
         from .mla import mla_decode
 
@@ -89,7 +91,7 @@ def _paged_decode(q: Tensor, key_cache: Tensor, value_cache: Optional[Tensor], c
         k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache, query_positions=query_positions,
         softcap=softcap, local_window_size=local_window_size, is_causal=is_causal, head_sink=head_sink,
         attention_bias=attention_bias, qk_output=qk_output, v_rotation=v_rotation, max_query_len=max_query_len,
-        max_kv_len=max_kv_len)
+        max_kv_len=max_kv_len, bnsh=bnsh, row_pad=row_pad, bias_after_softcap=bias_after_softcap)
     if qk is None:
         qk = torch.empty(0, dtype=torch.float32, device=q.device)
     return out, qk
@@ -100,11 +102,17 @@ def _paged_decode_fake(q, key_cache, value_cache, cumulative_sequence_length, pa
                        v_scale, k_scale_cache, v_scale_cache, query_positions, head_sink, attention_bias, k_fmt,
                        k_scale_mode, v_fmt, v_scale_mode, num_heads, kv_num_heads, head_size, v_head_size, scale,
                        softcap, local_window_size, is_causal, qk_output, v_rotation, max_query_len, max_kv_len,
-                       fused_mla=False):
+                       fused_mla=False, bnsh=False, row_pad=0, bias_after_softcap=False):
     n = q.shape[0]
     out = q.new_empty((n, num_heads * v_head_size))
     if qk_output:
-        qk = q.new_empty((num_heads, n, block_table.shape[1] * key_cache.shape[1]), dtype=torch.float32)
+        if bnsh:
+            from .decode import bnsh_capacity
+
+            width = bnsh_capacity(key_cache.shape[2])
+        else:
+            width = block_table.shape[1] * key_cache.shape[1]
+        qk = q.new_empty((num_heads, n, width), dtype=torch.float32)
     else:
         qk = q.new_empty((0,), dtype=torch.float32)
     return out, qk

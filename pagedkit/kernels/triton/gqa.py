@@ -1,0 +1,206 @@
+"""GroupQueryAttention on the PagedAttention Triton kernels (variant "triton_gqa"): one kernel, two accessors
+(design §14.3). The same cache-write prologue (`cache_write.write_kv`) and split-KV attention
+(`decode.paged_decode`) run over GQA's contiguous BNSH caches instead of the block table, so the two operators
+cannot drift.
+
+Layouts: query [B, S, H*D] (packed [B, S, (H + 2*Hkv)*D]), key / value [B, S, Hkv*D] in T (float16 /
+bfloat16); past_key / past_value [B, Hkv, Cp, Dc] (Dc = D, or D / 2 uint8 bytes for int4); output
+[B, S, H*D]; present_* [B, Hkv, C, Dc] with C = max(Cp, total_sequence_length): the past buffer itself,
+updated in place, when Cp >= total (onnxruntime's shared past/present buffer), else a new tensor holding the
+past rows; output_qk [B, H, S, total] in T.
+
+Per batch entry b (the reference's semantics, kernels/gqa/reference.py): T_b = seqlens_k[b] + 1, Q_b =
+query_seqlens[b] or min(S, T_b) valid rows, P_b = T_b - Q_b cached before; row s sits at position P_b + s.
+All of it is computed on the device (no host reads): the write goes through an explicit slot per row (row s
+of b to flat row b * Hkv * C + P_b + s of a [rows, 1, Hkv, Dc] view of the cache, -1 for padding rows); RoPE
+positions are position_ids (a first prompt, no query_seqlens and S == total, reads position_ids[0, 0] + s, as
+onnxruntime's CPU kernel does) or P_b + s. The attention reads the BNSH cache through virtual blocks
+(decode.py `bnsh`), rows of a padded batch (`row_pad`), attention_bias after softcap, smooth_softmax as a
+zero head sink. Output rows [Q_b, S) are zero.
+
+Refuses (static): sliding_window_cache=1 (the windowed ring of buffers), key / value with 0 rows (shared KV),
+T float32, a float cache of another type than T, head_size > 256.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from pagedkit.validators.contract import GROUP_QUERY_ATTENTION as _C
+
+from ..attention_math import default_scale
+from ..variant import OP_FEATURES, KernelVariant
+from . import common
+
+NAME = "triton_gqa"
+MAX_HEAD_SIZE = 256
+_DEFAULTS = {a.name: a.default for a in _C.attributes}
+_FEATURES = tuple(f for f in OP_FEATURES["GroupQueryAttention"] if f != "shared_kv")
+
+
+def _supports(info: Any) -> str | None:
+    if not common.HAVE_TRITON:
+        return "triton is not installed (pip install 'pagedkit[gpu]')"
+    if int(info.attr("sliding_window_cache") or 0):
+        return "sliding_window_cache=1 (windowed past / present buffers) is served by the reference only"
+    if info.head_size is not None and info.head_size > MAX_HEAD_SIZE:
+        return f"head_size {info.head_size} > {MAX_HEAD_SIZE}"
+    cache = info.dtypes.get("past_key")
+    if str(info.attr("k_quant_type")) == "NONE" and cache is not None and info.t_dtype and cache != info.t_dtype:
+        return f"a {cache} cache with T {info.t_dtype} (expected the cache in T)"
+    return None
+
+
+VARIANT = KernelVariant(
+    name=NAME,
+    op="GroupQueryAttention",
+    entry=f"{__name__}:group_query_attention",
+    devices=("cuda",),
+    dtypes=("float16", "bfloat16"),
+    capturable=True,
+    features=_FEATURES,
+    supports=_supports,
+    plans=("mixed",),
+    description="Triton: PagedAttention's cache-write prologue and split-KV attention kernels through a "
+                "contiguous (BNSH) cache accessor: in-place writes into a shared past / present buffer, padded "
+                "batches, attention_bias after softcap, smooth_softmax. CUDA-graph capturable.",
+    limits=f"head_size <= {MAX_HEAD_SIZE}; no sliding_window_cache, no shared KV, a float cache in T; needs triton",
+)
+
+
+def supports(info: Any) -> str | None:
+    return VARIANT.refusal(info)
+
+
+def _side(cache: torch.Tensor | None, quant_type: str, bits: int) -> common.SideFormat:
+    scale = {"NONE": common.SCALE_NONE, "PER_TENSOR": common.SCALE_TENSOR, "PER_CHANNEL": common.SCALE_CHANNEL}
+    if quant_type not in scale:
+        raise ValueError(f"attribute 'k_quant_type' / 'v_quant_type': expected one of {sorted(scale)}, "
+                         f"got {quant_type!r}")
+    if quant_type == "NONE":
+        return common.SideFormat(common.FMT_FLOAT, common.SCALE_NONE)
+    if bits == 4:
+        fmt = common.FMT_INT4
+    else:
+        dt = cache.dtype if cache is not None else torch.int8
+        fmt = common.FMT_FP8 if dt == torch.float8_e4m3fn else common.FMT_INT8
+    return common.SideFormat(fmt, scale[quant_type])
+
+
+def _present(past: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """The present buffer [B, Hkv, C, Dc]: the past itself when it holds C rows (in place), else a new one."""
+    if past is not None and past.shape[2] >= shape[2] and past.is_contiguous():
+        return past
+    present = torch.zeros(shape, dtype=dtype, device=device)
+    if past is not None:
+        keep = min(past.shape[2], shape[2])
+        present[:, :, :keep] = past[:, :, :keep]
+    return present
+
+
+def _host_total(t: torch.Tensor) -> int:
+    if t.device.type != "cpu":
+        raise ValueError("input 'total_sequence_length': expected a CPU (host) tensor, got one on "
+                         f"{t.device} (reading it would sync with the device)")
+    return int(t.reshape(-1)[0])
+
+
+def group_query_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] | None = None,
+                          validate: bool = True, **attributes: Any) -> dict[str, torch.Tensor]:
+    """com.microsoft::GroupQueryAttention on the Triton kernels; same results as kernels/gqa/reference.py."""
+    from . import ops
+
+    if validate:
+        from pagedkit.validators.checks import require_valid_inputs
+
+        require_valid_inputs(inputs, attributes, op_type="GroupQueryAttention", outputs=outputs)
+    x = {k: v for k, v in inputs.items() if v is not None}
+    a = _DEFAULTS | {k: (v.decode() if isinstance(v, bytes) else v) for k, v in attributes.items()}
+    h, hkv = int(a["num_heads"]), int(a["kv_num_heads"])
+    query = x["query"]  # [B, S, W]
+    bsz, s, width = query.shape
+    dev, t_dtype = query.device, query.dtype
+    packed = "key" not in x
+    d = width // (h + 2 * hkv) if packed else width // h
+    if not packed and x["key"].shape[1] == 0:
+        raise NotImplementedError("triton_gqa: key / value with 0 rows (shared KV) is served by the reference")
+    if int(a["sliding_window_cache"]):
+        raise NotImplementedError("triton_gqa: sliding_window_cache=1 is served by the reference")
+    total = _host_total(x["total_sequence_length"])
+    bits = int(a["kv_cache_bit_width"] or 0)
+    past_k, past_v = x.get("past_key"), x.get("past_value")
+    kf = _side(past_k, str(a["k_quant_type"]), bits)
+    vf = _side(past_v, str(a["v_quant_type"]), bits)
+
+    # per-entry lengths, on the device: T_b, Q_b (valid rows), P_b (cached before)
+    t_len = x["seqlens_k"].to(torch.int32) + 1
+    q_len = (x["query_seqlens"].to(torch.int32) if "query_seqlens" in x else torch.clamp(t_len, max=s))
+    past = t_len - q_len
+    rows = torch.arange(s, dtype=torch.int32, device=dev)
+    valid = rows[None, :] < q_len[:, None]  # [B, S]
+    pos = past[:, None] + rows[None, :]  # [B, S] absolute positions
+
+    # presents (in place into a shared buffer) and the write slots of a flat [rows, 1, Hkv, Dc] view
+    cap = max(past_k.shape[2] if past_k is not None else 0, total)
+    cache_dtype = lambda past, f: (past.dtype if past is not None else  # noqa: E731
+                                   {common.FMT_INT4: torch.uint8, common.FMT_INT8: torch.int8,
+                                    common.FMT_FP8: torch.float8_e4m3fn}.get(f.fmt, t_dtype))
+    dck, dcv = (d // 2 if kf.fmt == common.FMT_INT4 else d), (d // 2 if vf.fmt == common.FMT_INT4 else d)
+    present_k = _present(past_k, (bsz, hkv, cap, dck), cache_dtype(past_k, kf), dev)
+    present_v = _present(past_v, (bsz, hkv, cap, dcv), cache_dtype(past_v, vf), dev)
+    n_rows = ((bsz - 1) * hkv + 1) * cap  # row b * Hkv * C + p of the view is position p of entry b, head 0
+    flat_k = present_k.as_strided((n_rows, 1, hkv, dck), (dck, dck, cap * dck, 1))
+    flat_v = present_v.as_strided((n_rows, 1, hkv, dcv), (dcv, dcv, cap * dcv, 1))
+    entry = torch.arange(bsz, dtype=torch.int32, device=dev)[:, None] * (hkv * cap)
+    slots = torch.where(valid & (pos < cap), entry + pos, -1).reshape(-1)
+    csl = torch.arange(bsz + 1, dtype=torch.int32, device=dev) * s  # the write's row ranges (padded)
+
+    qpos = None
+    rotary = bool(int(a["do_rotary"]))
+    if rotary and "position_ids" in x:
+        pid = x["position_ids"]
+        if "query_seqlens" not in x and s == total:  # a first prompt reads position_ids[0, 0] only (ORT CPU)
+            pid = (pid.reshape(-1)[:1] + rows.to(pid.dtype)).expand(bsz, s)
+        qpos = pid.reshape(-1).to(torch.int32)
+    ks = common.static_scale_vector(x.get("k_scale"), hkv, d) if kf.quantized else None
+    vs = common.static_scale_vector(x.get("v_scale"), hkv, d) if vf.quantized else None
+    eps_q = a["q_norm_epsilon"] if a["q_norm_epsilon"] is not None else a["qk_norm_epsilon"]
+    eps_k = a["k_norm_epsilon"] if a["k_norm_epsilon"] is not None else a["qk_norm_epsilon"]
+    n_tok = bsz * s
+    key = None if packed else x["key"].reshape(n_tok, hkv * d)
+    value = None if packed else x["value"].reshape(n_tok, hkv * d)
+    dummy_table = csl[:bsz, None]  # [B, 1] (unused: every row has an explicit slot)
+    q = ops.write_kv(
+        query.reshape(n_tok, width), key, value, csl, past, dummy_table, flat_k, flat_v, slots, qpos,
+        x.get("cos_cache") if rotary else None, x.get("sin_cache") if rotary else None, x.get("q_norm_weight"),
+        x.get("k_norm_weight"), ks, vs, None, None,
+        num_heads=h, kv_num_heads=hkv, head_size=d, k_fmt=kf.fmt, k_scale_mode=kf.scale, v_fmt=vf.fmt,
+        v_scale_mode=vf.scale, rotary=rotary, rotary_interleaved=bool(int(a["rotary_interleaved"])),
+        rotary_offset=0, qk_norm_epsilon=float(eps_q), qk_rotation=False, v_rotation=False, latent=False,
+        unique_slots=True, k_norm_epsilon=float(eps_k))
+
+    sink = x.get("head_sink")
+    if sink is None and int(a["smooth_softmax"]) == 1:  # exp(0) in every denominator: a zero sink
+        sink = torch.zeros(h, dtype=t_dtype, device=dev)
+    qk_output = int(a["qk_output"])
+    want = set(outputs) if outputs is not None else None
+    if want is not None and "output_qk" in want and not qk_output:
+        raise ValueError("output 'output_qk' requested but attribute 'qk_output' is 0 (expected 1 or 2)")
+    out, qk = ops.paged_decode(
+        q, present_k, present_v, q_len, past, dummy_table, ks, vs, None, None, None, sink, x.get("attention_bias"),
+        k_fmt=kf.fmt, k_scale_mode=kf.scale, v_fmt=vf.fmt, v_scale_mode=vf.scale, num_heads=h, kv_num_heads=hkv,
+        head_size=d, v_head_size=d, scale=default_scale(float(a["scale"]), d), softcap=float(a["softcap"]),
+        local_window_size=max(int(a["local_window_size"]), 0), is_causal=bool(int(a["causal"])),
+        qk_output=qk_output, v_rotation=False, max_query_len=s, max_kv_len=total, bnsh=True, row_pad=s,
+        bias_after_softcap=True)
+    out = out.view(bsz, s, h * d)
+    if s > 1:  # padding rows [Q_b, S): zero, like the reference
+        out = torch.where(valid[:, :, None], out, torch.zeros((), dtype=out.dtype, device=dev))
+    result = {"output": out, "present_key": present_k, "present_value": present_v}
+    if qk_output:
+        result["output_qk"] = qk.view(h, bsz, s, -1).permute(1, 0, 2, 3)[..., :total].to(t_dtype)
+    if want is not None:
+        result = {n: t for n, t in result.items() if n in want}
+    return result

@@ -1,0 +1,168 @@
+"""GroupQueryAttention on the Triton kernels (variant `triton_gqa`: PagedAttention's cache-write prologue and
+split-KV attention through the BNSH accessor), through Triton's interpreter on the CPU (TRITON_INTERPRET=1,
+tests/conftest.py) or compiled on CUDA, against the float64 loop oracle that shares no code with pagedkit
+(tests/paged_oracle.py `gqa_oracle`).
+
+Every configuration of tests/test_gqa_vs_ort.py and tests/test_gqa_oracle.py the variant serves, on fresh
+random inputs in float16 and bfloat16 (seeds no other test uses): outputs, presents (quantized: within one
+code), output_qk. Bounds: norm-relative, the case files' float16 / bfloat16 tolerances (5e-3 / 2e-2), as for
+triton_paged. A shared buffer is updated in place. What the variant refuses (sliding_window_cache, shared KV)
+is refused by dispatch with the reason. Teeth: a 2% wrong scale, a dropped head sink, smooth_softmax off,
+bias before softcap, a window one longer fail the bound.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from paged_gqa import GqaSpec, make_gqa_inputs
+from paged_oracle import gqa_oracle
+from test_gqa_oracle import ALL, compare_with_oracle
+
+triton = pytest.importorskip("triton") if not os.environ.get("CI") else __import__("triton")  # CI: never skip
+
+from pagedkit.kernels import dispatch  # noqa: E402
+from pagedkit.kernels.triton import decode, gqa  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
+REFUSED = {n for n, c in ALL.items() if c.get("shared_kv") or c.get("attrs", {}).get("sliding_window_cache")}
+SERVED = [n for n in ALL if n not in REFUSED]
+
+
+def _seed(name: str, dtype: torch.dtype) -> int:
+    return 70_000 + sum((i + 5) * ord(c) for i, c in enumerate(name + str(dtype))) % 10_000
+
+
+def _spec(name: str, dtype: torch.dtype) -> GqaSpec:
+    return GqaSpec(**{**ALL[name], "dtype": dtype})
+
+
+def _run(inputs: dict, attrs: dict, **override) -> dict:
+    # total_sequence_length is a host input (CPU-resident, like onnxruntime's)
+    dev = {k: v if k == "total_sequence_length" else v.to(DEVICE) for k, v in inputs.items()}
+    got = gqa.group_query_attention(dev, validate=False, **(attrs | override))
+    return {k: v.cpu() for k, v in got.items()}
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(decode, "_POISON", True)  # uninitialized outputs / workspaces read as NaN
+
+
+def _dtype_names(names):
+    return [pytest.param(n, dt, id=f"{n}-{str(dt).split('.')[-1]}") for n in names
+            for dt in (torch.float16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("name,dtype", _dtype_names(SERVED))
+def test_matches_the_oracle(name, dtype):
+    spec = _spec(name, dtype)
+    inputs, attrs, _ = make_gqa_inputs(spec, _seed(name, dtype))
+    exp = gqa_oracle(inputs, attrs)
+    got = _run({k: v.clone() for k, v in inputs.items()}, attrs)
+    errs = compare_with_oracle(got, inputs, attrs, TOL[dtype], exp)
+    print(f"{name} {dtype}: {errs}")
+
+
+LONG = {  # contexts past one 256-position virtual block, several KV splits, a prefill's query-chunk lanes
+    "long_decode_shared": dict(past=(300, 40, 517), seq=1, capacity=640, rotary="half", head_sink=True),
+    "long_decode_int8_window": dict(past=(290, 600), seq=1, capacity=700, cache="int8", k_quant="PER_CHANNEL",
+                                    v_quant="PER_TENSOR", attrs={"local_window_size": 100}),
+    "long_chunk_padded": dict(past=(0, 260), seq=70, q=(70, 33), capacity=400, query_seqlens=True,
+                              rotary="interleaved", bias=(2, 1), attrs={"softcap": 3.0}),
+    # a non-dyadic int4 step: with the default (a power of two) float16 keys sit exactly on code ties, where the
+    # float64 oracle and any float32 kernel (the reference too: 0.9-3.9% at 60-300 tokens) round to other codes
+    "long_prompt_growing_int4": dict(past=(0,), seq=300, has_past=False, cache="int4", k_quant="PER_TENSOR",
+                                     v_quant="PER_CHANNEL", quant_scale=0.37),
+}
+
+
+@pytest.mark.parametrize("name,dtype", [pytest.param(n, dt, id=f"{n}-{str(dt).split('.')[-1]}") for n in LONG
+                                        for dt in (torch.float16, torch.bfloat16)])
+def test_long_contexts_match_the_oracle(name, dtype):
+    spec = GqaSpec(**{**LONG[name], "dtype": dtype})
+    inputs, attrs, _ = make_gqa_inputs(spec, _seed(name, dtype))
+    got = _run({k: v.clone() for k, v in inputs.items()}, attrs)
+    errs = compare_with_oracle(got, inputs, attrs, TOL[dtype])
+    print(f"{name} {dtype}: {errs}")
+
+
+def test_shared_buffer_is_updated_in_place():
+    spec = _spec("decode_shared_buffer", torch.float16)
+    inputs, attrs, _ = make_gqa_inputs(spec, 1234)
+    dev = {k: v if k == "total_sequence_length" else v.to(DEVICE) for k, v in inputs.items()}
+    got = gqa.group_query_attention(dev, validate=False, **attrs)
+    assert got["present_key"].data_ptr() == dev["past_key"].data_ptr()
+    assert got["present_value"].data_ptr() == dev["past_value"].data_ptr()
+    compare_with_oracle({k: v.cpu() for k, v in got.items()}, inputs, attrs, TOL[torch.float16])
+
+
+@pytest.mark.parametrize("name,change", [
+    ("custom_scale", {"scale": 0.306}),  # a 2% wrong scale
+    ("softcap_prompt", {"softcap": 0.0}),  # softcap removed
+    ("window_decode", {"local_window_size": 5}),  # a window one longer
+    ("smooth_softmax_decode", {"smooth_softmax": 0}),  # smooth softmax removed
+    ("rotary_interleaved_decode", {"rotary_interleaved": 0}),  # the other rotary layout
+    ("qk_norm_separate_eps", {"k_norm_epsilon": 1e-3}),  # K normed with Q's epsilon
+])
+def test_teeth_a_wrong_attribute_fails(name, change):
+    spec = _spec(name, torch.float16)
+    inputs, attrs, _ = make_gqa_inputs(spec, _seed(name, torch.float16))
+    got = _run({k: v.clone() for k, v in inputs.items()}, attrs, **change)
+    with pytest.raises(AssertionError):
+        compare_with_oracle(got, inputs, attrs, TOL[torch.float16])
+
+
+def test_teeth_dropping_head_sink_fails():
+    spec = _spec("head_sink_smooth_softmax_off", torch.float16)
+    inputs, attrs, _ = make_gqa_inputs(spec, 4321)
+    got = _run({k: v.clone() for k, v in inputs.items() if k != "head_sink"}, attrs)
+    with pytest.raises(AssertionError):
+        compare_with_oracle(got, inputs, attrs, TOL[torch.float16])
+
+
+def test_teeth_bias_before_softcap_fails(monkeypatch):
+    """PagedAttention's order (bias, then softcap) does not pass for GQA's (softcap, then bias)."""
+    spec = _spec("bias_per_head_softcap", torch.float16)
+    inputs, attrs, _ = make_gqa_inputs(spec, 999)
+    real = decode._paged_decode
+    monkeypatch.setattr(decode, "_paged_decode", lambda *a, **k: real(*a, **{**k, "bias_after_softcap": False}))
+    got = _run({k: v.clone() for k, v in inputs.items()}, attrs)
+    with pytest.raises(AssertionError):
+        compare_with_oracle(got, inputs, attrs, TOL[torch.float16])
+
+
+def _info(attrs: dict, present: set[str], dtype="float16", past="float16", key_rows=None):
+    shapes = {"key": (1, key_rows, 32)} if key_rows is not None else {}
+    return dispatch.NodeInfo("GroupQueryAttention", attrs, present, {"output"}, torch.device("cuda"),
+                             node_name="gqa", dtypes={"query": dtype, "past_key": past}, shapes=shapes,
+                             t_dtype=dtype, num_heads=4, kv_num_heads=2, head_size=16, v_head_size=16,
+                             k_cache_format=past, v_cache_format=past)
+
+
+BASE_IN = {"query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"}
+
+
+@pytest.mark.parametrize("attrs,present,kw,reason", [
+    ({"sliding_window_cache": 1, "local_window_size": 4}, BASE_IN, {}, "sliding_window_cache"),
+    ({}, BASE_IN, {"key_rows": 0}, "shared_kv"),
+    ({}, BASE_IN, {"dtype": "float", "past": "float"}, "float"),
+    ({}, BASE_IN, {"past": "float"}, "cache with T"),
+])
+def test_what_the_variant_refuses_is_named(attrs, present, kw, reason):
+    info = _info({"num_heads": 4, "kv_num_heads": 2, **attrs}, present, **kw)
+    why = gqa.VARIANT.refusal(info)
+    assert why is not None and reason in why, why
+
+
+def test_dispatch_serves_a_gqa_node_with_triton_gqa_on_cuda():
+    info = _info({"num_heads": 4, "kv_num_heads": 2, "do_rotary": 1, "softcap": 2.0, "smooth_softmax": 1},
+                 BASE_IN | {"cos_cache", "sin_cache", "attention_bias", "head_sink"})
+    if not gqa.common.HAVE_TRITON:
+        pytest.skip("no triton")
+    assert gqa.VARIANT.refusal(info) is None
+    assert dispatch.serving_variants(info)[0][0].name == "triton_gqa"
