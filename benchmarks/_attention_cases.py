@@ -44,6 +44,7 @@ class Case:
     query_len: int = 1  # new tokens per sequence (> 1: a prefill; causal)
     latent: bool = False  # kv_cache_layout LATENT (MLA): one cache [NB, BS, 1, head_size], V its leading v_head
     v_head: int = 0  # v_head_size of a LATENT row
+    dtype: str = "float16"  # T (query, output; the float caches): float16 | bfloat16
 
     @property
     def batch(self) -> int:
@@ -56,6 +57,7 @@ class Case:
                 "head_size": self.head_size, "cache": self.cache, "quant": self.quant, "rotation": self.rotation,
                 "features": "head_sink+softcap+qk_norm+rotary" if self.features else None,
                 "local_window_size": self.window, "query_tokens_per_sequence": self.query_len, "note": self.note,
+                **({"dtype": self.dtype} if self.dtype != "float16" else {}),
                 **({"kv_cache_layout": "LATENT", "v_head_size": self.v_head} if self.latent else {})}
 
     @property
@@ -86,8 +88,9 @@ CASES = {c.name: c for c in (
     _dec("fp16-b16-ctx1k-bs16", 16, 1024, 16, note="plain context 1024: what the window row should cost"),
     _dec("window1k-b16-ctx8k-bs16", 16, 8192, 16, window=1024, note="local_window_size 1024; compare fp16-b16-ctx1k-bs16"),
     Case("ragged-b16-bs16", RAGGED, 16, note="contexts mixed 1 .. 32768"),
-    *(Case(f"prefill-fp16-b4-q4096-bs{bs}", (4096,) * 4, bs, query_len=4096,
-           note="causal prefill of 4 x 4096 tokens, no cached prefix") for bs in (16, 256)),
+    *(Case(f"prefill-{t}-b4-q4096-bs{bs}", (4096,) * 4, bs, query_len=4096, dtype=dt,
+           note="causal prefill of 4 x 4096 tokens, no cached prefix")
+      for t, dt in (("fp16", "float16"), ("bf16", "bfloat16")) for bs in (16, 256)),
     Case("chunk-fp16-b4-q1024-ctx4096-bs16", (4096,) * 4, 16, query_len=1024,
          note="chunked prefill: 1024 new tokens over a cached 3072-token prefix"),
     Case("prefill-fp16-b16-q512-bs16", (512,) * 16, 16, query_len=512, note="16 short prompts"),
@@ -157,10 +160,11 @@ def build_inputs(case: Case, device: torch.device, seed: int = 0, metadata: bool
     """(inputs by contract name, attributes, requested outputs) of the row; the same seed gives the same values."""
     gcpu = torch.Generator().manual_seed(seed)
     gdev = torch.Generator(device=device).manual_seed(seed)
+    t_dtype = getattr(torch, case.dtype)
     b, h, hkv, d, bs = case.batch, case.num_heads, case.kv_heads, case.head_size, case.block_size
 
     def randn(*shape, scale=1.0):
-        return torch.randn(shape, generator=gdev, device=device, dtype=torch.float16) * scale
+        return torch.randn(shape, generator=gdev, device=device, dtype=t_dtype) * scale
 
     def uniform(*shape, lo, hi, dtype=torch.float32):
         return (torch.rand(shape, generator=gdev, device=device) * (hi - lo) + lo).to(dtype)
@@ -214,7 +218,7 @@ def build_inputs(case: Case, device: torch.device, seed: int = 0, metadata: bool
         x["q_norm_weight"] = 1 + randn(d, scale=0.1)
         x["k_norm_weight"] = 1 + randn(d, scale=0.1)
         angle = uniform(max(case.contexts) + 1, d // 2, lo=0.0, hi=6.28)
-        x["cos_cache"], x["sin_cache"] = angle.cos().half(), angle.sin().half()
+        x["cos_cache"], x["sin_cache"] = angle.cos().to(t_dtype), angle.sin().to(t_dtype)
         attrs.update(do_rotary=1, softcap=SOFTCAP)
     if case.window > 0:
         attrs["local_window_size"] = case.window

@@ -12,6 +12,10 @@ Arms (each on its own copy of the caches, built from the same seed; see docs/ben
 - triton: `pagedkit.kernels.triton.paged:paged_attention` (imported lazily; skipped with the reason if it does not
   import), warmed up eagerly, one call captured with torch.cuda.graph, replayed: --batches batches of --replays
   replays between CUDA events, the median per replay. `eager_ms`: the same call eagerly, a device sync per batch.
+- sdpa_prefill (prefill rows without a cached prefix): `pagedkit.kernels.triton.sdpa_prefill:paged_attention`, the
+  variant dispatch picks for the plan hint "prefill": triton_paged's cache-write prologue, then torch's fused
+  attention (cuDNN, else FlashAttention-2) on the prompts gathered from the cache; timed like triton, its `route`
+  recorded. The paged call itself, cache write included (unlike sdpa_flash / sdpa_cudnn below).
 - ort: a one-node PagedAttention model (pagedkit's node builder) in onnxruntime's CUDAExecutionProvider with
   enable_cuda_graph=1, every tensor bound with IOBinding (attention_metadata a CPU input, the cache outputs bound
   to the cache buffers), warm-up runs, then batches of run_with_iobinding (ORT replays its graph) without ORT's
@@ -55,17 +59,21 @@ import _attention_cases as C  # noqa: E402
 SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}  # torch.nn.attention.SDPBackend
 ENTRIES = {"triton": "pagedkit.kernels.triton.paged:paged_attention",
            "triton_mla": "pagedkit.kernels.triton.mla:paged_attention",
+           "sdpa_prefill": "pagedkit.kernels.triton.sdpa_prefill:paged_attention",
            "torch_sdpa": "pagedkit.kernels.paged.torch_sdpa:paged_attention",
            "reference": "pagedkit.kernels.paged.reference:paged_attention"}
-ARMS = ("triton", "triton_mla", "ort", "ort_no_graph", "torch_sdpa", "reference", "sdpa_flash", "sdpa_cudnn")
-PARITY_PAIRS = (("triton", "ort"), ("triton_mla", "ort"), ("triton_mla", "reference"), ("triton_mla", "triton"),
+ARMS = ("triton", "triton_mla", "sdpa_prefill", "ort", "ort_no_graph", "torch_sdpa", "reference", "sdpa_flash", "sdpa_cudnn")
+PARITY_PAIRS = (("triton", "ort"), ("sdpa_prefill", "ort"), ("sdpa_prefill", "triton"), ("sdpa_prefill", "reference"),
+                ("triton_mla", "ort"), ("triton_mla", "reference"), ("triton_mla", "triton"),
                 ("triton", "torch_sdpa"), ("triton", "reference"), ("torch_sdpa", "ort"),
                 ("torch_sdpa", "reference"), ("ort_no_graph", "ort"), ("triton", "sdpa_flash"),
                 ("triton", "sdpa_cudnn"))
-RATIO_PAIRS = (("triton", "ort"), ("triton_mla", "ort"), ("triton_mla", "triton"), ("triton", "ort_no_graph"),
+RATIO_PAIRS = (("triton", "ort"), ("sdpa_prefill", "ort"), ("sdpa_prefill", "triton"), ("sdpa_prefill", "sdpa_cudnn"),
+               ("triton_mla", "ort"), ("triton_mla", "triton"), ("triton", "ort_no_graph"),
                ("triton", "torch_sdpa"), ("torch_sdpa", "ort"), ("torch_sdpa", "reference"), ("triton", "sdpa_flash"),
                ("triton", "sdpa_cudnn"))
 PARITY_WARN = 2e-2
+GRAPH_ARMS = ("triton", "triton_mla", "sdpa_prefill")  # timed as CUDA-graph replays (capturable variants)
 
 
 class Skip(Exception):
@@ -114,8 +122,8 @@ def summary(samples: list[float], timing: str) -> dict:
 
 
 def load_entry(arm: str, device: torch.device):
-    if arm == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise Skip("on the CPU the Triton arm needs TRITON_INTERPRET=1")
+    if arm in GRAPH_ARMS and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise Skip(f"on the CPU the {arm} arm needs TRITON_INTERPRET=1")
     mod, _, fn = ENTRIES[arm].partition(":")
     try:
         return getattr(importlib.import_module(mod), fn)
@@ -123,7 +131,11 @@ def load_entry(arm: str, device: torch.device):
         raise Skip(f"{ENTRIES[arm]} does not import: {one_line(exc)}") from None
 
 
-def pagedkit_arm(arm: str, base: dict, attrs: dict, outputs: list[str], args, device) -> tuple[dict, torch.Tensor]:
+def pagedkit_arm(arm: str, base: dict, attrs: dict, outputs: list[str], args, device,
+                 case: C.Case | None = None) -> tuple[dict, torch.Tensor]:
+    if arm == "sdpa_prefill" and case is not None and (not case.prefill or any(c != case.query_len
+                                                                               for c in case.contexts)):
+        raise Skip("sdpa_prefill serves first prompts (plan prefill) only")
     fn = load_entry(arm, device)
     x = C.arm_copy(base)
 
@@ -136,12 +148,15 @@ def pagedkit_arm(arm: str, base: dict, attrs: dict, outputs: list[str], args, de
     except (NotImplementedError, ImportError) as exc:  # a refusal, or a kernel module that is not there yet
         raise Skip(one_line(exc)) from None
     sync(device)
-    if not arm.startswith("triton") or device.type != "cuda":
+    route = {}
+    if arm == "sdpa_prefill":
+        route = {"route": importlib.import_module(ENTRIES[arm].partition(":")[0]).LAST_ROUTE}
+    if arm not in GRAPH_ARMS or device.type != "cuda":
         eager = time_wall(call, 1, args.eager_reps, device)
         res = summary(eager, "eager, wall clock, a device sync per call" if device.type == "cuda" else "eager (CPU)")
-        return res, out["output"].clone()
+        return res | route, out["output"].clone()
     eager = time_wall(call, args.replays, args.batches, device)
-    res = {"eager_ms": statistics.median(eager)}
+    res = {"eager_ms": statistics.median(eager)} | route
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -309,7 +324,7 @@ def run_row(case: C.Case, arms: list[str], args, device: torch.device) -> dict:
             elif arm in SDPA_BACKENDS:
                 res, out = dense_arm(arm, case, base, attrs, args, device)
             else:
-                res, out = pagedkit_arm(arm, base, attrs, outputs, args, device)
+                res, out = pagedkit_arm(arm, base, attrs, outputs, args, device, case)
             outs[arm] = out
         except Skip as exc:
             res = {"skipped": str(exc)}
@@ -435,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="list the rows and exit")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, eager timing: the plumbing only")
     ap.add_argument("--arms", nargs="+", choices=ARMS,
-                    help="default: triton triton_mla ort torch_sdpa sdpa_flash sdpa_cudnn (ort_no_graph when ORT's "
+                    help="default: triton triton_mla sdpa_prefill ort torch_sdpa sdpa_flash sdpa_cudnn (ort_no_graph when ORT's "
                          "graph fails; --dry-run: reference instead of sdpa_cudnn)")
     ap.add_argument("--ort-no-graph", action="store_true", help="also time onnxruntime without its CUDA graph")
     ap.add_argument("--metadata", action=argparse.BooleanOptionalAction, default=True,
@@ -458,9 +473,9 @@ def main(argv: list[str] | None = None) -> int:
         args.replays, args.batches, args.eager_reps, args.warmup = 1, 3, 3, 1
     elif not torch.cuda.is_available():
         sys.exit("no CUDA device: run on the H200, or --dry-run for the CPU plumbing check")
-    arms = args.arms or (["reference", "torch_sdpa", "triton", "triton_mla", "ort", "sdpa_flash"] if args.dry_run
-                         else ["triton", "triton_mla", "ort", "ort_no_graph", "torch_sdpa", "sdpa_flash",
-                               "sdpa_cudnn"])
+    arms = args.arms or (["reference", "torch_sdpa", "triton", "triton_mla", "sdpa_prefill", "ort", "sdpa_flash"]
+                         if args.dry_run else ["triton", "triton_mla", "sdpa_prefill", "ort", "ort_no_graph",
+                                               "torch_sdpa", "sdpa_flash", "sdpa_cudnn"])
     if args.ort_no_graph and "ort_no_graph" not in arms:
         arms.append("ort_no_graph")
     device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"

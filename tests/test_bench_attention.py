@@ -115,6 +115,12 @@ def test_dry_run_writes_json_and_plot(tmp_path):
         else:
             assert "skipped" in mla and "LATENT" in mla["skipped"], mla
         assert set(row["arms"]["ort"]) & {"skipped", "ms"}  # onnxruntime's CPU build has no PagedAttention
+        routed = row["arms"]["sdpa_prefill"]  # first prompts only: the fused route of the plan hint "prefill"
+        if row["name"] == "dry-prefill":
+            assert "ms" in routed and routed["route"] == "math", routed
+            assert row["parity"]["sdpa_prefill_vs_reference"] < 2e-2
+        else:
+            assert "skipped" in routed and "first prompts" in routed["skipped"], routed
         dense = row["arms"]["sdpa_flash"]
         if row["name"] == "dry-prefill":  # no cached prefix: torch's dense attention computes the same
             assert "ms" in dense, dense

@@ -57,14 +57,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_builtin_variants_are_declarations_in_priority_order():
     paged = dispatch.variants("PagedAttention")
-    assert [v.name for v in paged] == ["triton_mla", "triton_paged", "torch_planned", "torch_sdpa", "reference"]
+    assert [v.name for v in paged] == ["triton_mla", "sdpa_prefill", "triton_paged", "torch_planned", "torch_sdpa", "reference"]
     assert [v.name for v in dispatch.variants("GroupQueryAttention")] == ["triton_gqa", "reference"]
     for v in dispatch.variants():
         assert isinstance(v, KernelVariant) and callable(v.load())
         assert set(v.features) <= set(OP_FEATURES[v.op]) <= set(FEATURES)
-        assert v.capturable == v.name.startswith("triton_")  # the Triton kernels only
+        assert v.capturable == (v.name.startswith("triton_") or v.name == "sdpa_prefill")  # the Triton prologue
         assert v.capturable or v.not_capturable_because
-    assert [v.stages_on_cpu for v in paged] == [False, False, False, False, True]  # the reference is the fallback, last
+    assert [v.stages_on_cpu for v in paged] == [False, False, False, False, False, True]  # the reference is the fallback, last
     assert paged[0].devices == ("cuda",)  # never picked on the CPU
     assert len(dispatch.VARIANTS) == len(dispatch.variants())  # one "module:VARIANT" line each
 
@@ -113,7 +113,7 @@ def test_session_reports_serving_variants_and_the_one_that_ran():
     case = _decode_case()
     sess = InferenceSession(case.model())
     assert sess.attention_dispatch == {NODE: {"serving": ["torch_planned", "torch_sdpa", "reference"],
-                                              "refused": {"triton_mla": "runs on cuda only, not cpu",
+                                              "refused": {"triton_mla": "runs on cuda only, not cpu", "sdpa_prefill": "runs on cuda only, not cpu",
                                                             "triton_paged": "runs on cuda only, not cpu"}}}
     assert sess.attention_variants == {NODE: "torch_planned"}
     assert sess.last_run_variants == {}
@@ -127,12 +127,12 @@ def test_session_reports_serving_variants_and_the_one_that_ran():
 
 def test_registered_dummy_variant_is_picked_reported_refused_and_documented(dummy):
     # by default a registered variant goes before the reference of its op
-    assert [v.name for v in dispatch.variants("PagedAttention")] == ["triton_mla", "triton_paged", "torch_planned",
+    assert [v.name for v in dispatch.variants("PagedAttention")] == ["triton_mla", "sdpa_prefill", "triton_paged", "torch_planned",
                                                                       "torch_sdpa", "dummy_decode", "reference"]
     case = _decode_case()
     sess = InferenceSession(case.model())
     assert sess.attention_dispatch[NODE] == {"serving": ["torch_planned", "torch_sdpa", "dummy_decode", "reference"],
-                                             "refused": {"triton_mla": "runs on cuda only, not cpu",
+                                             "refused": {"triton_mla": "runs on cuda only, not cpu", "sdpa_prefill": "runs on cuda only, not cpu",
                                                          "triton_paged": "runs on cuda only, not cpu"}}
     sess.run_torch(_clone(case.inputs), plan="decode")  # torch_planned serves every plan and comes first
     assert sess.last_run_variants == {NODE: "torch_planned"} and dummy_variant.CALLS == []
@@ -141,7 +141,7 @@ def test_registered_dummy_variant_is_picked_reported_refused_and_documented(dumm
     dispatch.unregister_variant(DUMMY)
     dispatch.register_variant(DUMMY, before="torch_planned")
     sess = InferenceSession(case.model())
-    assert sess.attention_dispatch[NODE] == {"serving": ["dummy_decode", "torch_planned", "torch_sdpa", "reference"], "refused": {"triton_mla": "runs on cuda only, not cpu",
+    assert sess.attention_dispatch[NODE] == {"serving": ["dummy_decode", "torch_planned", "torch_sdpa", "reference"], "refused": {"triton_mla": "runs on cuda only, not cpu", "sdpa_prefill": "runs on cuda only, not cpu",
                                                       "triton_paged": "runs on cuda only, not cpu"}}
     assert sess.attention_variants == {NODE: "dummy_decode"}
     feeds = _clone(case.inputs)
@@ -160,7 +160,7 @@ def test_registered_dummy_variant_is_picked_reported_refused_and_documented(dumm
     assert wide["serving"] == ["torch_planned", "torch_sdpa", "reference"]
     assert "head_size <= 32" in wide["refused"]["dummy_decode"] and "64" in wide["refused"]["dummy_decode"]
     quant = InferenceSession(_decode_case(cache="int8", quant="PER_TENSOR").model()).attention_dispatch[NODE]
-    assert quant["refused"] == {"triton_mla": "runs on cuda only, not cpu",
+    assert quant["refused"] == {"triton_mla": "runs on cuda only, not cpu", "sdpa_prefill": "runs on cuda only, not cpu", "sdpa_prefill": "runs on cuda only, not cpu",
                                 "triton_paged": "runs on cuda only, not cpu",
                                 "torch_planned": "does not serve feature(s) int8_cache",
                                "dummy_decode": "does not serve feature(s) int8_cache"}
@@ -188,7 +188,7 @@ def test_capturable_requirement_refuses_non_capturable_variants_by_name(dummy):
     sess = InferenceSession(case.model(), capturable=True)
     report = sess.attention_dispatch[NODE]
     assert report["serving"] == ["dummy_decode"]
-    assert set(report["refused"]) == {"triton_mla", "triton_paged", "torch_planned", "torch_sdpa",
+    assert set(report["refused"]) == {"triton_mla", "sdpa_prefill", "triton_paged", "torch_planned", "torch_sdpa",
                                       "reference"}
     assert report["refused"]["triton_paged"] == "runs on cuda only, not cpu"
     sess.run_torch(_clone(case.inputs), plan="decode")
@@ -213,11 +213,11 @@ def test_reference_fallback_on_cuda_is_allowed_with_a_warning_or_refused():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch_planned / torch_sdpa serve CUDA: no fallback, no warning
         call = dispatch.bind(paged, None, cuda, allow_reference_fallback=False, value_info=paged_vi)
-    assert call.report()["serving"] == ["triton_paged", "torch_planned", "torch_sdpa"]  # triton_mla: LATENT only
+    assert call.report()["serving"] == ["sdpa_prefill", "triton_paged", "torch_planned", "torch_sdpa"]  # mla: LATENT
     assert "LATENT only" in call.refused["triton_mla"]
     assert "allow_reference_fallback" in call.refused["reference"]
     assert dispatch.bind(paged, None, cuda, value_info=paged_vi).report()["serving"] == [
-        "triton_paged", "torch_planned", "torch_sdpa", "reference"]
+        "sdpa_prefill", "triton_paged", "torch_planned", "torch_sdpa", "reference"]
 
 
 # ---- validation at creation --------------------------------------------------------------------------

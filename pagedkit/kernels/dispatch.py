@@ -17,7 +17,8 @@ listed here as lazy "module:VARIANT" strings in priority order (`VARIANTS`), lik
 2. Run (`AttentionCall.run(inputs, plan=None)`): the first serving variant whose `plans` include the
    run's plan hint ("decode", "prefill", "chunked_prefill"; None = "mixed") runs it; its name is
    `AttentionCall.last_variant`; with PAGEDKIT_KERNEL_DEBUG=1 the first call of each node on each
-   variant prints `pagedkit: PagedAttention node 'n': kernel=triton_paged plan=mixed capturable`. Today's variants all serve "mixed", so the pick is the first serving one.
+   variant prints `pagedkit: PagedAttention node 'n': kernel=triton_paged plan=mixed capturable`. Most variants serve "mixed"; triton_mla serves "decode" (LATENT decode steps) and sdpa_prefill "prefill"
+   (first prompts, on torch's fused attention), so those hints pick them where they serve the node.
 
 `AttentionCall` also holds the node's inputs / outputs by contract name, computed once, and the cache
 aliasing the runtime promises: a cache output IS its cache input (same tensor, updated in place), as
@@ -51,6 +52,7 @@ CACHE_ALIASES = {op: c.cache_aliases for op, c in CONTRACTS.items()}
 # A new variant is one new file plus one line here. The loop-based reference of each op comes last.
 VARIANTS: list[str] = [
     ".triton.mla:VARIANT",
+    ".triton.sdpa_prefill:VARIANT",
     ".triton.paged:VARIANT",
     ".paged.torch_planned:VARIANT",
     ".paged.torch_sdpa:VARIANT",

@@ -15,6 +15,7 @@ range reaches.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -81,22 +82,37 @@ def paged_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] | None 
     return run(inputs, outputs=outputs, validate=validate, fused_mla=False, **attributes)
 
 
-def run(inputs: Mapping[str, Any], *, outputs: Sequence[str] | None, validate: bool, fused_mla: bool,
-        **attributes: Any) -> dict[str, torch.Tensor]:
-    """The cache-write prologue then the attention: the general split-KV kernel, or with fused_mla (variant
-    triton_mla, LATENT only) the fused MLA kernel (mla.py)."""
-    from . import ops
+@dataclass
+class Prepared:
+    """One call's inputs and attributes, decoded once (host facts only): what the prologue and every attention
+    route (this module's split-KV kernels, sdpa_prefill's fused attention) read."""
 
+    x: dict  # contract name -> tensor, absent inputs dropped
+    a: dict  # attributes with the contract's defaults
+    nh: int
+    hkv: int
+    d: int  # Q / K head size
+    dv: int  # V head size (LATENT: v_head_size)
+    latent: bool
+    kf: Any  # common.SideFormat of the key cache
+    vf: Any  # ... of the value cache (None with LATENT)
+    k_scale: torch.Tensor | None  # static scale vectors (PER_TENSOR / PER_CHANNEL)
+    v_scale: torch.Tensor | None
+    max_q: int  # attention_metadata bounds (0 = unknown)
+    max_kv: int
+    qk_output: int
+
+
+def prepare(inputs: Mapping[str, Any], attributes: Mapping[str, Any], *, outputs: Sequence[str] | None,
+            validate: bool) -> Prepared:
     if validate:
         from pagedkit.validators.checks import require_valid_inputs
 
         require_valid_inputs(inputs, attributes, op_type="PagedAttention", outputs=outputs)
     x = {k: v for k, v in inputs.items() if v is not None}
-    a = _DEFAULTS | attributes
+    a = _DEFAULTS | dict(attributes)
     nh, hkv = int(a["num_heads"]), int(a["kv_num_heads"])
     latent = a["kv_cache_layout"] == "LATENT"
-    if fused_mla and not latent:
-        raise NotImplementedError("triton_mla serves kv_cache_layout LATENT only")
     query = x["query"]
     packed = not latent and "key" not in x and "value" not in x
     d = query.shape[1] // (nh + 2 * hkv if packed else nh) if not latent else x["key"].shape[1] // hkv
@@ -109,39 +125,70 @@ def run(inputs: Mapping[str, Any], *, outputs: Sequence[str] | None, validate: b
     v_scale = common.static_scale_vector(x.get("v_scale"), hkv, d) if vf is not None and vf.scale in (
         common.SCALE_TENSOR, common.SCALE_CHANNEL) else None
     max_q, max_kv = _bounds(x.get("attention_metadata"))
-    want = set(outputs) if outputs is not None else None
     qk_output = int(a["qk_output"])
-    if want is not None and "output_qk" in want and not qk_output:
+    if outputs is not None and "output_qk" in outputs and not qk_output:
         raise ValueError("output 'output_qk' requested but attribute 'qk_output' is 0 (expected 1 or 2)")
+    return Prepared(x, a, nh, hkv, d, dv, latent, kf, vf, k_scale, v_scale, max_q, max_kv, qk_output)
 
-    q = ops.write_kv(
-        query, x.get("key"), x.get("value"), x["cumulative_sequence_length"], x["past_seqlens"],
-        x["block_table"], kc, vc, x.get("slot_mapping"), x.get("query_positions"), x.get("cos_cache"),
-        x.get("sin_cache"), x.get("q_norm_weight"), x.get("k_norm_weight"), k_scale, v_scale,
-        x.get("k_scale_cache"), x.get("v_scale_cache"),
-        num_heads=nh, kv_num_heads=hkv, head_size=d, k_fmt=kf.fmt, k_scale_mode=kf.scale,
+
+def write(p: Prepared) -> torch.Tensor:
+    """The cache-write prologue (one launch): K/V of the step into the caches; returns q [N, H, D] (QK-norm,
+    RoPE, rotation applied)."""
+    from . import ops
+
+    x, a, kf, vf = p.x, p.a, p.kf, p.vf
+    return ops.write_kv(
+        x["query"], x.get("key"), x.get("value"), x["cumulative_sequence_length"], x["past_seqlens"],
+        x["block_table"], x["key_cache"], x.get("value_cache"), x.get("slot_mapping"), x.get("query_positions"),
+        x.get("cos_cache"), x.get("sin_cache"), x.get("q_norm_weight"), x.get("k_norm_weight"), p.k_scale,
+        p.v_scale, x.get("k_scale_cache"), x.get("v_scale_cache"),
+        num_heads=p.nh, kv_num_heads=p.hkv, head_size=p.d, k_fmt=kf.fmt, k_scale_mode=kf.scale,
         v_fmt=-1 if vf is None else vf.fmt, v_scale_mode=-1 if vf is None else vf.scale,
         rotary=bool(int(a["do_rotary"])), rotary_interleaved=bool(int(a["rotary_interleaved"])),
         rotary_offset=int(a["rotary_offset"]), qk_norm_epsilon=float(a["qk_norm_epsilon"]),
-        qk_rotation=bool(int(a["qk_rotation"])), v_rotation=bool(int(a["v_rotation"])), latent=latent)
-    out, qk = ops.paged_decode(
-        q, kc, vc, x["cumulative_sequence_length"], x["past_seqlens"], x["block_table"], k_scale, v_scale,
-        x.get("k_scale_cache"), x.get("v_scale_cache"), x.get("query_positions"), x.get("head_sink"),
-        x.get("attention_bias"),
-        k_fmt=kf.fmt, k_scale_mode=kf.scale, v_fmt=-1 if vf is None else vf.fmt,
-        v_scale_mode=-1 if vf is None else vf.scale, num_heads=nh, kv_num_heads=hkv, head_size=d,
-        v_head_size=dv, scale=default_scale(float(a["scale"]), d), softcap=float(a["softcap"]),
-        local_window_size=int(a["local_window_size"]), is_causal=bool(int(a["is_causal"])),
-        qk_output=qk_output, v_rotation=bool(int(a["v_rotation"])) and not latent,
-        max_query_len=max_q, max_kv_len=max_kv, fused_mla=fused_mla)
-    result = {"output": out, "key_cache_out": kc}
-    if vc is not None:
-        result["value_cache_out"] = vc
+        qk_rotation=bool(int(a["qk_rotation"])), v_rotation=bool(int(a["v_rotation"])), latent=p.latent)
+
+
+def results(p: Prepared, out: torch.Tensor, qk: torch.Tensor | None,
+            outputs: Sequence[str] | None) -> dict[str, torch.Tensor]:
+    """The node's outputs by contract name (caches: the input buffers, updated in place)."""
+    x = p.x
+    result = {"output": out, "key_cache_out": x["key_cache"]}
+    if x.get("value_cache") is not None:
+        result["value_cache_out"] = x["value_cache"]
     for side in ("k", "v"):
         if f"{side}_scale_cache" in x:
             result[f"{side}_scale_cache_out"] = x[f"{side}_scale_cache"]
-    if qk_output:
+    if p.qk_output:
         result["output_qk"] = qk
-    if want is not None:
+    if outputs is not None:
+        want = set(outputs)
         result = {n: t for n, t in result.items() if n in want}
     return result
+
+
+def run(inputs: Mapping[str, Any], *, outputs: Sequence[str] | None, validate: bool, fused_mla: bool,
+        **attributes: Any) -> dict[str, torch.Tensor]:
+    """The cache-write prologue then the attention: the general split-KV kernel, or with fused_mla (variant
+    triton_mla, LATENT only) the fused MLA kernel (mla.py)."""
+    p = prepare(inputs, attributes, outputs=outputs, validate=validate)
+    if fused_mla and not p.latent:
+        raise NotImplementedError("triton_mla serves kv_cache_layout LATENT only")
+    return results(p, *attend(p, write(p), fused_mla=fused_mla), outputs)
+
+
+def attend(p: Prepared, q: torch.Tensor, *, fused_mla: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV attention over the block table (after `write`): (output [N, H*Dv], output_qk or [0])."""
+    from . import ops
+
+    x, a, kf, vf = p.x, p.a, p.kf, p.vf
+    return ops.paged_decode(
+        q, x["key_cache"], x.get("value_cache"), x["cumulative_sequence_length"], x["past_seqlens"],
+        x["block_table"], p.k_scale, p.v_scale, x.get("k_scale_cache"), x.get("v_scale_cache"),
+        x.get("query_positions"), x.get("head_sink"), x.get("attention_bias"),
+        k_fmt=kf.fmt, k_scale_mode=kf.scale, v_fmt=-1 if vf is None else vf.fmt,
+        v_scale_mode=-1 if vf is None else vf.scale, num_heads=p.nh, kv_num_heads=p.hkv, head_size=p.d,
+        v_head_size=p.dv, scale=default_scale(float(a["scale"]), p.d), softcap=float(a["softcap"]),
+        local_window_size=int(a["local_window_size"]), is_causal=bool(int(a["is_causal"])),
+        qk_output=p.qk_output, v_rotation=bool(int(a["v_rotation"])) and not p.latent,
+        max_query_len=p.max_q, max_kv_len=p.max_kv, fused_mla=fused_mla)
