@@ -24,6 +24,7 @@ T float32, a float cache of another type than T, head_size > 256.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -100,6 +101,50 @@ def _present(past: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device
     return present
 
 
+@dataclass(frozen=True)
+class _Consts:
+    rows: torch.Tensor  # int32 [S] = 0 .. S-1
+    entry: torch.Tensor  # int32 [B, 1] = b * Hkv * C (entry b's first row in the flat cache view)
+    csl: torch.Tensor  # int32 [B + 1] = 0, S, 2S, ...
+    ones: torch.Tensor  # int32 [B] = 1
+
+
+_CONSTS: dict[tuple, _Consts] = {}
+
+
+def _constants(dev: torch.device, bsz: int, s: int, entry_rows: int) -> _Consts:
+    """Shape-only index tensors, made once per (device, B, S, Hkv * C) and reused (read only): a step launches
+    only the kernels that depend on its values, and a captured step replays none of these."""
+    key = (str(dev), bsz, s, entry_rows)
+    if key in _CONSTS:
+        return _CONSTS[key]
+    i32 = dict(dtype=torch.int32, device=dev)
+    made = _Consts(torch.arange(s, **i32), torch.arange(bsz, **i32)[:, None] * entry_rows,
+                   torch.arange(bsz + 1, **i32) * s, torch.ones(bsz, **i32))
+    if not _capturing(dev):  # made inside a capture, their values exist only in replays: not kept
+        if len(_CONSTS) > 64:
+            _CONSTS.clear()
+        _CONSTS[key] = made
+    return made
+
+
+_ZEROS: dict[tuple, torch.Tensor] = {}
+
+
+def _zeros(dev: torch.device, n: int, dtype: torch.dtype) -> torch.Tensor:
+    key = (str(dev), n, dtype)
+    if key in _ZEROS:
+        return _ZEROS[key]
+    z = torch.zeros(n, dtype=dtype, device=dev)
+    if not _capturing(dev):
+        _ZEROS[key] = z
+    return z
+
+
+def _capturing(dev: torch.device) -> bool:
+    return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _host_total(t: torch.Tensor) -> int:
     if t.device.type != "cpu":
         raise ValueError("input 'total_sequence_length': expected a CPU (host) tensor, got one on "
@@ -134,14 +179,6 @@ def group_query_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] |
     kf = _side(past_k, str(a["k_quant_type"]), bits)
     vf = _side(past_v, str(a["v_quant_type"]), bits)
 
-    # per-entry lengths, on the device: T_b, Q_b (valid rows), P_b (cached before)
-    t_len = x["seqlens_k"].to(torch.int32) + 1
-    q_len = (x["query_seqlens"].to(torch.int32) if "query_seqlens" in x else torch.clamp(t_len, max=s))
-    past = t_len - q_len
-    rows = torch.arange(s, dtype=torch.int32, device=dev)
-    valid = rows[None, :] < q_len[:, None]  # [B, S]
-    pos = past[:, None] + rows[None, :]  # [B, S] absolute positions
-
     # presents (in place into a shared buffer) and the write slots of a flat [rows, 1, Hkv, Dc] view
     cap = max(past_k.shape[2] if past_k is not None else 0, total)
     cache_dtype = lambda past, f: (past.dtype if past is not None else  # noqa: E731
@@ -153,9 +190,25 @@ def group_query_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] |
     n_rows = ((bsz - 1) * hkv + 1) * cap  # row b * Hkv * C + p of the view is position p of entry b, head 0
     flat_k = present_k.as_strided((n_rows, 1, hkv, dck), (dck, dck, cap * dck, 1))
     flat_v = present_v.as_strided((n_rows, 1, hkv, dcv), (dcv, dcv, cap * dcv, 1))
-    entry = torch.arange(bsz, dtype=torch.int32, device=dev)[:, None] * (hkv * cap)
-    slots = torch.where(valid & (pos < cap), entry + pos, -1).reshape(-1)
-    csl = torch.arange(bsz + 1, dtype=torch.int32, device=dev) * s  # the write's row ranges (padded)
+    c = _constants(dev, bsz, s, hkv * cap)
+
+    # per-entry lengths, on the device: T_b, Q_b (valid rows), P_b (cached before); a step of one new token
+    # per entry (decode) has Q_b = 1 and P_b = seqlens_k: fewer launches on the step that runs most often
+    seqlens = x["seqlens_k"] if x["seqlens_k"].dtype == torch.int32 else x["seqlens_k"].to(torch.int32)
+    valid = None
+    if s == 1 and "query_seqlens" not in x:
+        q_len, past = c.ones, seqlens
+        pos = past[:, None]  # [B, 1]
+        slots = torch.where(pos < cap, c.entry + pos, -1).reshape(-1)
+    else:
+        t_len = seqlens + 1
+        q_len = (x["query_seqlens"].to(torch.int32) if "query_seqlens" in x else torch.clamp(t_len, max=s))
+        past = t_len - q_len
+        valid = c.rows[None, :] < q_len[:, None]  # [B, S]
+        pos = past[:, None] + c.rows[None, :]  # [B, S] absolute positions
+        slots = torch.where(valid & (pos < cap), c.entry + pos, -1).reshape(-1)
+    csl = c.csl  # the write's row ranges (padded): 0, S, 2S, ...
+    rows = c.rows
 
     qpos = None
     rotary = bool(int(a["do_rotary"]))
@@ -183,7 +236,7 @@ def group_query_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] |
 
     sink = x.get("head_sink")
     if sink is None and int(a["smooth_softmax"]) == 1:  # exp(0) in every denominator: a zero sink
-        sink = torch.zeros(h, dtype=t_dtype, device=dev)
+        sink = _zeros(dev, h, t_dtype)
     qk_output = int(a["qk_output"])
     want = set(outputs) if outputs is not None else None
     if want is not None and "output_qk" in want and not qk_output:
@@ -196,7 +249,7 @@ def group_query_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] |
         qk_output=qk_output, v_rotation=False, max_query_len=s, max_kv_len=total, bnsh=True, row_pad=s,
         bias_after_softcap=True)
     out = out.view(bsz, s, h * d)
-    if s > 1:  # padding rows [Q_b, S): zero, like the reference
+    if valid is not None and s > 1:  # padding rows [Q_b, S): zero, like the reference
         out = torch.where(valid[:, :, None], out, torch.zeros((), dtype=out.dtype, device=dev))
     result = {"output": out, "present_key": present_k, "present_value": present_v}
     if qk_output:
