@@ -91,6 +91,39 @@ def test_long_contexts_match_the_oracle(name, dtype):
     print(f"{name} {dtype}: {errs}")
 
 
+FIRST_PROMPTS = ["fp16_prompt_rotary", "qk_norm_shared_eps_prompt", "bf16_prompt_padded"]  # in ALL
+FUSED = ("cudnn", "flash") if DEVICE == "cuda" else ("math",)
+
+
+@pytest.mark.parametrize("name", FIRST_PROMPTS)
+def test_first_prompts_take_torchs_fused_attention(name):
+    """S == total_sequence_length, causal, float caches, no feature the fused kernels lack: the route to torch's
+    fused attention (gqa.LAST_ROUTE), exact on right-padded batches whose padding rows are NaN."""
+    dtype = torch.bfloat16 if name.startswith("bf16") else torch.float16
+    spec = _spec(name, dtype)
+    inputs, attrs, _ = make_gqa_inputs(spec, _seed(name + "route", dtype))
+    got = _run({k: v.clone() for k, v in inputs.items()}, attrs)
+    assert gqa.LAST_ROUTE in FUSED, gqa.LAST_ROUTE
+    compare_with_oracle(got, inputs, attrs, TOL[dtype])
+    _run({k: v.clone() for k, v in inputs.items()}, attrs, softcap=30.0)  # a feature the route lacks: triton
+    assert gqa.LAST_ROUTE == "triton"
+    if dtype == torch.bfloat16:  # bfloat16's bound (2e-2) admits a 2% wrong scale: the teeth run in float16
+        return
+    with pytest.raises(AssertionError):  # teeth: a 2% wrong scale on the same route
+        scale = attrs.get("scale") or spec.head_size ** -0.5
+        compare_with_oracle(_run({k: v.clone() for k, v in inputs.items()}, attrs, scale=scale * 1.02),
+                            inputs, attrs, TOL[dtype])
+    assert gqa.LAST_ROUTE in FUSED
+
+
+def test_a_long_padded_first_prompt_on_the_fused_route():
+    spec = GqaSpec(past=(0, 0, 0), seq=150, q=(150, 67, 1), capacity=256, rotary="half", dtype=torch.float16)
+    inputs, attrs, _ = make_gqa_inputs(spec, 8765)
+    got = _run({k: v.clone() for k, v in inputs.items()}, attrs)
+    assert gqa.LAST_ROUTE in FUSED
+    compare_with_oracle(got, inputs, attrs, TOL[torch.float16])
+
+
 def test_shared_buffer_is_updated_in_place():
     spec = _spec("decode_shared_buffer", torch.float16)
     inputs, attrs, _ = make_gqa_inputs(spec, 1234)

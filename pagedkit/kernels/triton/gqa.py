@@ -18,6 +18,11 @@ onnxruntime's CPU kernel does) or P_b + s. The attention reads the BNSH cache th
 (decode.py `bnsh`), rows of a padded batch (`row_pad`), attention_bias after softcap, smooth_softmax as a
 zero head sink. Output rows [Q_b, S) are zero.
 
+First prompts (S == total_sequence_length, no query_seqlens: P_b = 0 for every entry, host facts only), causal,
+on float caches in T and without softcap / window / sinks / smooth_softmax / bias / output_qk, take torch's
+fused attention instead (cuDNN, else FlashAttention-2: `sdpa_prefill.fused_sdpa`) over the rows the prologue
+wrote; `LAST_ROUTE` says which attention the last call ran ("triton", "cudnn", "flash", "math" on CPU tensors).
+
 Refuses (static): sliding_window_cache=1 (the windowed ring of buffers), key / value with 0 rows (shared KV),
 T float32, a float cache of another type than T, head_size > 256.
 """
@@ -36,6 +41,8 @@ from ..variant import OP_FEATURES, KernelVariant
 from . import common
 
 NAME = "triton_gqa"
+LAST_ROUTE: str | None = None  # what the last call's attention ran on: "triton", or a first prompt's "cudnn" /
+# "flash" / "math" (torch's fused attention, see _first_prompt)
 MAX_HEAD_SIZE = 256
 _DEFAULTS = {a.name: a.default for a in _C.attributes}
 _FEATURES = tuple(f for f in OP_FEATURES["GroupQueryAttention"] if f != "shared_kv")
@@ -66,7 +73,8 @@ VARIANT = KernelVariant(
     plans=("mixed",),
     description="Triton: PagedAttention's cache-write prologue and split-KV attention kernels through a "
                 "contiguous (BNSH) cache accessor: in-place writes into a shared past / present buffer, padded "
-                "batches, attention_bias after softcap, smooth_softmax. CUDA-graph capturable.",
+                "batches, attention_bias after softcap, smooth_softmax; plain causal first prompts on torch's fused "
+                "attention (cuDNN, else FlashAttention-2; gqa.LAST_ROUTE). CUDA-graph capturable.",
     limits=f"head_size <= {MAX_HEAD_SIZE}; no sliding_window_cache, no shared KV, a float cache in T; needs triton",
 )
 
@@ -234,13 +242,18 @@ def group_query_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] |
         rotary_offset=0, qk_norm_epsilon=float(eps_q), qk_rotation=False, v_rotation=False, latent=False,
         unique_slots=True, k_norm_epsilon=float(eps_k))
 
-    sink = x.get("head_sink")
-    if sink is None and int(a["smooth_softmax"]) == 1:  # exp(0) in every denominator: a zero sink
-        sink = _zeros(dev, h, t_dtype)
     qk_output = int(a["qk_output"])
     want = set(outputs) if outputs is not None else None
     if want is not None and "output_qk" in want and not qk_output:
         raise ValueError("output 'output_qk' requested but attribute 'qk_output' is 0 (expected 1 or 2)")
+    if _first_prompt_route(x, a, s, total, kf, vf, present_k, t_dtype, qk_output):
+        out = _first_prompt(q, present_k, present_v, valid, t_len, bsz, s, h, hkv, d,
+                            default_scale(float(a["scale"]), d))
+        return _results(out, present_k, present_v, None, want)
+    _route("triton")
+    sink = x.get("head_sink")
+    if sink is None and int(a["smooth_softmax"]) == 1:  # exp(0) in every denominator: a zero sink
+        sink = _zeros(dev, h, t_dtype)
     out, qk = ops.paged_decode(
         q, present_k, present_v, q_len, past, dummy_table, ks, vs, None, None, None, sink, x.get("attention_bias"),
         k_fmt=kf.fmt, k_scale_mode=kf.scale, v_fmt=vf.fmt, v_scale_mode=vf.scale, num_heads=h, kv_num_heads=hkv,
@@ -251,9 +264,51 @@ def group_query_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] |
     out = out.view(bsz, s, h * d)
     if valid is not None and s > 1:  # padding rows [Q_b, S): zero, like the reference
         out = torch.where(valid[:, :, None], out, torch.zeros((), dtype=out.dtype, device=dev))
-    result = {"output": out, "present_key": present_k, "present_value": present_v}
     if qk_output:
-        result["output_qk"] = qk.view(h, bsz, s, -1).permute(1, 0, 2, 3)[..., :total].to(t_dtype)
+        qk = qk.view(h, bsz, s, -1).permute(1, 0, 2, 3)[..., :total].to(t_dtype)
+    return _results(out, present_k, present_v, qk if qk_output else None, want)
+
+
+def _results(out, present_k, present_v, qk, want) -> dict[str, torch.Tensor]:
+    result = {"output": out, "present_key": present_k, "present_value": present_v}
+    if qk is not None:
+        result["output_qk"] = qk
     if want is not None:
         result = {n: t for n, t in result.items() if n in want}
     return result
+
+
+def _route(name: str) -> None:
+    global LAST_ROUTE
+    LAST_ROUTE = name
+
+
+def _first_prompt_route(x, a, s, total, kf, vf, present_k, t_dtype, qk_output) -> bool:
+    """Host facts only: a first prompt (S == total_sequence_length, no query_seqlens: every entry's P_b = 0,
+    right-padded to S rows), causal, float caches in T and none of what torch's fused attention lacks."""
+    return (s > 1 and s == total and "query_seqlens" not in x and bool(int(a["causal"]))
+            and kf.fmt == common.FMT_FLOAT and vf.fmt == common.FMT_FLOAT and present_k.dtype == t_dtype
+            and float(a["softcap"]) <= 0 and int(a["local_window_size"]) <= 0 and "head_sink" not in x
+            and int(a["smooth_softmax"]) != 1 and "attention_bias" not in x and not qk_output
+            and x["query"].shape[-1] // int(a["num_heads"]) <= MAX_HEAD_SIZE)
+
+
+def _first_prompt(q, present_k, present_v, valid, t_len, bsz, s, h, hkv, d, scale) -> torch.Tensor:
+    """A first prompt on torch's fused causal attention over the rows the prologue wrote (present[:, :, :S]).
+    Entry b's valid rows i < T_b see keys 0 .. i < T_b only, so the causal mask alone is exact for them; keys
+    of padding rows (never written: stale buffer contents, maybe NaN) are zeroed first so that the masked
+    lanes cannot carry a NaN into the sums; padding output rows are zero, as in the reference. T_b > S (a
+    seqlens_k beyond total_sequence_length) gives NaN rather than a different result."""
+    from .sdpa_prefill import fused_sdpa
+
+    keep = valid[:, None, :, None]  # [B, 1, S, 1]
+    zero = torch.zeros((), dtype=present_k.dtype, device=present_k.device)
+    kk = torch.where(keep, present_k[:, :, :s], zero)  # [B, Hkv, S, D]
+    vv = torch.where(keep, present_v[:, :, :s], zero)
+    o, route = fused_sdpa(q.view(bsz, s, h, d).transpose(1, 2), kk, vv, scale=scale, causal=True)
+    _route(route)
+    out = o.transpose(1, 2).reshape(bsz, s, h * d)
+    ok = (t_len <= s).all()
+    return torch.where(valid[:, :, None] & ok, out, torch.where(ok, zero, torch.full((), float("nan"),
+                                                                                    dtype=out.dtype,
+                                                                                    device=out.device)))

@@ -93,13 +93,20 @@ def _route(note: str) -> None:
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool) -> torch.Tensor:
-    """[B, H, M, D] x [B, Hkv, M, D] -> [B, H, M, D] on the first fused backend that takes the call."""
+    out, route = fused_sdpa(q, k, v, scale=scale, causal=causal)
+    _route(route)
+    return out
+
+
+def fused_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+               causal: bool) -> tuple[torch.Tensor, str]:
+    """[B, H, M, D] x [B, Hkv, M, D] -> ([B, H, M, D], route) on the first fused backend that takes the call
+    ("cudnn", "flash"; "math" for CPU tensors). Also triton_gqa's first-prompt route (gqa.py)."""
     import torch.nn.functional as F
 
     gqa = q.shape[1] != k.shape[1]
     if q.device.type != "cuda":
-        _route("math")
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa), "math"
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     key = (q.dtype, q.shape[-1], causal, gqa)
@@ -113,8 +120,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, ca
             errors.append(f"{name}: {' '.join(str(exc).split())[:200]}")
             continue
         _backend_for[key] = name
-        _route("cudnn" if name == "CUDNN_ATTENTION" else "flash")
-        return out
+        return out, "cudnn" if name == "CUDNN_ATTENTION" else "flash"
     raise NotImplementedError("sdpa_prefill: no fused SDPA backend takes the call (" + "; ".join(errors) + ")")
 
 
