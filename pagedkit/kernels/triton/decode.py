@@ -264,6 +264,17 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
     q_chunk = block_m // g_tile
     if block_n is None and quant and wide <= 128 and B * Hkv * n_sub >= QUANT_WIDE_PROGRAMS * _num_sms(dev):
         block_n = 128  # quantized caches are issue-bound per tile: wide tiles once the grid fills the SMs
+    waves = None
+    if bnsh and block_n is None and num_warps is None and q_bound <= 8 and wide <= 128:
+        # the contiguous accessor reads long runs without block-table lookups: wide tiles, one program per SM
+        # (H200, GQA 32 / 8 heads, head 128, benchmarks/results/gqa_tuning.json: batch 16 / context 4096 0.0806
+        # -> 0.0771 ms with 128-key tiles over 8 warps and one split, batch 64 0.2580 -> 0.2553 with 64-key
+        # tiles; int8 batch 16 0.0882 -> 0.0790 with 64-key tiles over 4 warps and the default splits)
+        if quant:
+            block_n, num_warps = 64, 4
+        else:
+            block_n = 128 if B * Hkv * n_sub < 2 * _num_sms(dev) else 64
+            num_warps, waves = 8, 1
     prefill_tiles = block_m >= PREFILL_BLOCK_M and not quant and block_n is None and num_warps is None
     if prefill_tiles:  # (same sweep) 64-key tiles over 8 warps on large blocks; 32 keys, 4 warps on small ones
         block_n, num_warps = (64, 8) if BS >= 64 else (32, 4)
@@ -285,7 +296,7 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         S = max(1, min(int(num_splits), MAX_SPLITS))
     else:
         S = _pick_splits(B * Hkv * n_sub * lanes, tiles, n_tok * H * (DV + 2) * 4, _num_sms(dev),
-                         WAVES_SMALL_TILES if block_n == 16 else WAVES)
+                         waves or (WAVES_SMALL_TILES if block_n == 16 else WAVES))
     lanes = max(1, min(lanes, MAX_GRID_Z // S))
     direct = S == 1 and not v_rotation and qk_output != 2
 

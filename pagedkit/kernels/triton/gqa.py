@@ -115,6 +115,7 @@ class _Consts:
     entry: torch.Tensor  # int32 [B, 1] = b * Hkv * C (entry b's first row in the flat cache view)
     csl: torch.Tensor  # int32 [B + 1] = 0, S, 2S, ...
     ones: torch.Tensor  # int32 [B] = 1
+    table: torch.Tensor  # int32 [B, 1] = b (the decode write's block table)
 
 
 _CONSTS: dict[tuple, _Consts] = {}
@@ -128,7 +129,7 @@ def _constants(dev: torch.device, bsz: int, s: int, entry_rows: int) -> _Consts:
         return _CONSTS[key]
     i32 = dict(dtype=torch.int32, device=dev)
     made = _Consts(torch.arange(s, **i32), torch.arange(bsz, **i32)[:, None] * entry_rows,
-                   torch.arange(bsz + 1, **i32) * s, torch.ones(bsz, **i32))
+                   torch.arange(bsz + 1, **i32) * s, torch.ones(bsz, **i32), torch.arange(bsz, **i32)[:, None])
     if not _capturing(dev):  # made inside a capture, their values exist only in replays: not kept
         if len(_CONSTS) > 64:
             _CONSTS.clear()
@@ -204,10 +205,12 @@ def group_query_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] |
     # per entry (decode) has Q_b = 1 and P_b = seqlens_k: fewer launches on the step that runs most often
     seqlens = x["seqlens_k"] if x["seqlens_k"].dtype == torch.int32 else x["seqlens_k"].to(torch.int32)
     valid = None
+    slots, table = None, c.table  # decode: the write goes through the table of B blocks of C positions below
     if s == 1 and "query_seqlens" not in x:
         q_len, past = c.ones, seqlens
-        pos = past[:, None]  # [B, 1]
-        slots = torch.where(pos < cap, c.entry + pos, -1).reshape(-1)
+        # present as [B, C, Hkv, Dc] (block b = entry b, block size C): entry b's new row lands at position
+        # P_b through the table [[0], [1], ...]; a position >= C falls past the table's one column: not written
+        flat_k, flat_v = present_k.transpose(1, 2), present_v.transpose(1, 2)
     else:
         t_len = seqlens + 1
         q_len = (x["query_seqlens"].to(torch.int32) if "query_seqlens" in x else torch.clamp(t_len, max=s))
@@ -232,9 +235,9 @@ def group_query_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] |
     n_tok = bsz * s
     key = None if packed else x["key"].reshape(n_tok, hkv * d)
     value = None if packed else x["value"].reshape(n_tok, hkv * d)
-    dummy_table = csl[:bsz, None]  # [B, 1] (unused: every row has an explicit slot)
+    dummy_table = csl[:bsz, None]  # [B, 1] (the attention reads through the BNSH accessor instead)
     q = ops.write_kv(
-        query.reshape(n_tok, width), key, value, csl, past, dummy_table, flat_k, flat_v, slots, qpos,
+        query.reshape(n_tok, width), key, value, csl, past, table, flat_k, flat_v, slots, qpos,
         x.get("cos_cache") if rotary else None, x.get("sin_cache") if rotary else None, x.get("q_norm_weight"),
         x.get("k_norm_weight"), ks, vs, None, None,
         num_heads=h, kv_num_heads=hkv, head_size=d, k_fmt=kf.fmt, k_scale_mode=kf.scale, v_fmt=vf.fmt,
