@@ -236,7 +236,7 @@ def test_a_session_on_cuda_runs_triton_and_refuses_what_no_gpu_kernel_serves():
     paged_case = make_paged_case(num_heads=4, kv_num_heads=2, head_size=64, past=(10, 40), q_lens=(1, 1), seed=2)
     sess = InferenceSession(paged_case.model(), providers=["CUDAExecutionProvider"])
     assert set(sess.attention_variants.values()) == {"triton_paged"}
-    gqa_model = make_gqa_case(seed=1).model()  # GroupQueryAttention: no GPU kernel yet
+    gqa_model = make_gqa_case(seed=1).model()  # float32 GroupQueryAttention: triton_gqa serves float16 / bfloat16
     with pytest.raises(NotImplementedError, match="allow_reference_fallback"):
         InferenceSession(gqa_model, providers=["CUDAExecutionProvider"])
     with pytest.warns(UserWarning, match="loop-based reference"):
