@@ -38,16 +38,13 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import fnmatch
-import functools
 import gc
 import importlib
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -55,6 +52,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(REPO)]
 import _attention_cases as C  # noqa: E402
+import _ort_peer  # noqa: E402
+from _provenance import versions  # noqa: E402
+from _timing import Skip, one_line, sync, time_events, time_wall  # noqa: E402
 
 SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}  # torch.nn.attention.SDPBackend
 ENTRIES = {"triton": "pagedkit.kernels.triton.paged:paged_attention",
@@ -74,47 +74,6 @@ RATIO_PAIRS = (("triton", "ort"), ("sdpa_prefill", "ort"), ("sdpa_prefill", "tri
                ("triton", "sdpa_cudnn"))
 PARITY_WARN = 2e-2
 GRAPH_ARMS = ("triton", "triton_mla", "sdpa_prefill")  # timed as CUDA-graph replays (capturable variants)
-
-
-class Skip(Exception):
-    """An arm that does not run this row (a refusal, a missing module): recorded as skipped, not an error."""
-
-
-def one_line(exc: BaseException, limit: int = 400) -> str:
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= limit else text[: limit // 2] + " ... " + text[-limit // 2:]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_wall(call, reps: int, batches: int, device: torch.device) -> list[float]:
-    """ms per call of each batch of reps calls (wall clock, a device sync before and after each batch)."""
-    out = []
-    for _ in range(batches):
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            call()
-        sync(device)
-        out.append((time.perf_counter() - t0) * 1e3 / reps)
-    return out
-
-
-def time_events(call, reps: int, batches: int) -> list[float]:
-    """ms per call of each batch of reps calls between CUDA events on the current stream."""
-    out = []
-    for _ in range(batches):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            call()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) / reps)
-    return out
 
 
 def summary(samples: list[float], timing: str) -> dict:
@@ -178,78 +137,25 @@ def pagedkit_arm(arm: str, base: dict, attrs: dict, outputs: list[str], args, de
     return res, out["output"].clone()
 
 
-@functools.cache
-def _ort(device: torch.device):
-    if device.type == "cuda":
-        import onnxruntime as ort  # after torch (ort-gpu.md)
-
-        if "CUDAExecutionProvider" not in ort.get_available_providers():
-            raise Skip(f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (needs onnxruntime-gpu)")
-        if hasattr(ort, "preload_dlls"):
-            ort.preload_dlls()
-    else:
-        import onnxruntime as ort
-    return ort
-
-
-def _elem_type(t: torch.Tensor):
-    import numpy as np
-    from onnx import TensorProto
-
-    special = {torch.bfloat16: TensorProto.BFLOAT16, torch.float8_e4m3fn: TensorProto.FLOAT8E4M3FN}
-    if t.dtype in special:
-        return special[t.dtype]
-    return {torch.float16: np.float16, torch.float32: np.float32, torch.int32: np.int32, torch.int8: np.int8,
-            torch.uint8: np.uint8}[t.dtype]
-
-
 def ort_arm(base: dict, attrs: dict, outputs: list[str], args, device, graph: bool) -> tuple[dict, torch.Tensor]:
-    try:
-        ort = _ort(device)
-    except ImportError as exc:
-        raise Skip(f"onnxruntime does not import: {one_line(exc)}") from None
     x = C.arm_copy(base)
-    try:
-        model = C.onnx_model(x, attrs, outputs)
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        providers = ([("CUDAExecutionProvider", {"device_id": str(device.index or 0)}
-                       | ({"enable_cuda_graph": "1"} if graph else {}))] if device.type == "cuda"
-                     else ["CPUExecutionProvider"])
-        sess = ort.InferenceSession(model.SerializeToString(), so, providers=providers)
-    except Exception as exc:
-        raise Skip(f"session: {one_line(exc)}") from None
-    if device.type == "cuda" and sess.get_providers()[0] != "CUDAExecutionProvider":
-        raise Skip(f"the session runs on {sess.get_providers()}")
     dv = attrs.get("v_head_size") or base["value"].shape[1] // attrs["kv_num_heads"]
     out = torch.full((x["query"].shape[0], attrs["num_heads"] * dv), float("nan"), dtype=x["query"].dtype,
                      device=device)
-    binding = sess.io_binding()
-    for name, t in x.items():
-        kind = "cuda" if t.is_cuda else "cpu"  # attention_metadata stays in host memory
-        binding.bind_input(name, kind, t.device.index or 0, _elem_type(t), list(t.shape), t.data_ptr())
-    for name in outputs:
-        t = out if name == "output" else x[name[: -len("_out")]]  # cache outputs: the cache buffers
-        binding.bind_output(name, device.type, device.index or 0, _elem_type(t), list(t.shape), t.data_ptr())
-    ro = ort.RunOptions()
-    ro.add_run_config_entry("disable_synchronize_execution_providers", "1")
-
-    def call():
-        sess.run_with_iobinding(binding, ro)
-
-    sync(device)
     try:
-        for _ in range(max(args.warmup, 3)):  # ORT: a regular run, then the capture, then replays
-            call()
-        sync(device)
-        samples = time_wall(call, args.replays, args.batches, device)
-    except Exception as exc:
-        raise Skip(f"run{' (CUDA graph)' if graph else ''}: {one_line(exc)}") from None
+        model = C.onnx_model(x, attrs, outputs)
+        # cache outputs: the cache buffers (attention_metadata stays in host memory)
+        call = _ort_peer.bound_call(model, x, {n: out if n == "output" else x[n[: -len("_out")]] for n in outputs},
+                                    device, graph)
+        samples = _ort_peer.time_runs(call, device, graph, warmup=args.warmup, replays=args.replays,
+                                      batches=args.batches)
+    except _ort_peer.Unavailable as exc:
+        raise Skip(str(exc)) from None
     how = "CUDA graph replays (enable_cuda_graph=1)" if graph else "no CUDA graph"
     res = summary(samples, f"{how}, run_with_iobinding unsynchronized, wall clock around {args.replays} runs "
                            f"with a device sync, median of {args.batches}")
     result = out.clone()
-    del sess, binding
+    del call
     return res, result
 
 
@@ -373,25 +279,6 @@ def tqdm_write(msg: str) -> None:
     from tqdm import tqdm
 
     tqdm.write(msg, file=sys.stderr)
-
-
-def versions() -> dict:
-    out = {"torch": torch.__version__, "python": platform.python_version()}
-    for mod in ("triton", "onnxruntime", "onnx", "pagedkit"):
-        try:
-            out[mod] = importlib.import_module(mod).__version__
-        except Exception as exc:  # noqa: BLE001 - a missing package is a fact to record
-            out[mod] = f"unavailable ({type(exc).__name__})"
-    # the device's copy of the tree may carry a stale .git: the caller can name the commit (PAGEDKIT_COMMIT)
-    if os.environ.get("PAGEDKIT_COMMIT"):
-        out["pagedkit_commit"] = os.environ["PAGEDKIT_COMMIT"]
-        return out
-    try:
-        out["pagedkit_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                                cwd=REPO, timeout=10).stdout.strip() or None
-    except Exception:  # noqa: BLE001
-        out["pagedkit_commit"] = None
-    return out
 
 
 def _scatter(rows: list[dict], path: Path, key: str, line: float, line_label: str, ylabel: str, title: str,

@@ -27,9 +27,7 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,7 +35,11 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(REPO)]
-time_graph = importlib.import_module("_timing").time_graph  # benchmarks/_timing.py
+versions = importlib.import_module("_provenance").versions  # benchmarks/_provenance.py
+_timing = importlib.import_module("_timing")  # benchmarks/_timing.py
+time_graph, Skip, one_line, sync, time_wall = (_timing.time_graph, _timing.Skip, _timing.one_line, _timing.sync,
+                                               _timing.time_wall)
+_ort_peer = importlib.import_module("_ort_peer")  # benchmarks/_ort_peer.py
 
 BANDWIDTH_TB_S = 4.4  # H200 HBM3e peak
 PEAK_TFLOP_S = 790.0  # H200 dense fp16 / bf16 tensor-core peak
@@ -179,37 +181,10 @@ def onnx_model(x: dict, attrs: dict):
 
 
 # ---- timing and the arms -----------------------------------------------------------------------------------------
-class Skip(Exception):
-    """An arm that does not run this row (a refusal, a missing module): recorded as skipped."""
-
-
-def one_line(exc: BaseException, limit: int = 400) -> str:
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= limit else text[: limit // 2] + " ... " + text[-limit // 2:]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def time_wall(call, reps: int, batches: int, device: torch.device) -> list[float]:
-    """ms per call of each batch of reps calls (wall clock, a device sync before and after each batch)."""
-    out = []
-    for _ in range(batches):
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            call()
-        sync(device)
-        out.append((time.perf_counter() - t0) * 1e3 / reps)
-    return out
 
 
 def triton_arm(base: dict, attrs: dict, args, device) -> tuple[dict, torch.Tensor]:
@@ -252,49 +227,15 @@ def triton_arm(base: dict, attrs: dict, args, device) -> tuple[dict, torch.Tenso
 
 
 def ort_arm(base: dict, attrs: dict, args, device, graph: bool) -> tuple[dict, torch.Tensor]:
-    try:
-        import onnxruntime as ort  # after torch (ort-gpu.md); bind_input takes ONNX element types
-
-        from pagedkit.validators.nodeview import onnx_dtype_of
-    except ImportError as exc:
-        raise Skip(f"onnxruntime does not import: {one_line(exc)}") from None
-    if device.type == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
-        raise Skip(f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (needs onnxruntime-gpu)")
-    if device.type == "cuda" and hasattr(ort, "preload_dlls"):
-        ort.preload_dlls()
     x = arm_copy(base)
-    try:
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        providers = ([("CUDAExecutionProvider", {"device_id": str(device.index or 0)}
-                       | ({"enable_cuda_graph": "1"} if graph else {}))] if device.type == "cuda"
-                     else ["CPUExecutionProvider"])
-        sess = ort.InferenceSession(onnx_model(x, attrs).SerializeToString(), so, providers=providers)
-    except Exception as exc:  # noqa: BLE001 - a refusal
-        raise Skip(f"session: {one_line(exc)}") from None
-    if device.type == "cuda" and sess.get_providers()[0] != "CUDAExecutionProvider":
-        raise Skip(f"the session runs on {sess.get_providers()}")
     out = torch.full_like(x["query"], float("nan"))  # [B, S, H * D]
-    binding = sess.io_binding()
-    for name, t in x.items():  # total_sequence_length stays in host memory
-        binding.bind_input(name, "cuda" if t.is_cuda else "cpu", t.device.index or 0, onnx_dtype_of(t), list(t.shape),
-                           t.data_ptr())
-    for name, t in (("output", out), ("present_key", x["past_key"]), ("present_value", x["past_value"])):
-        binding.bind_output(name, device.type, device.index or 0, onnx_dtype_of(t), list(t.shape), t.data_ptr())
-    ro = ort.RunOptions()
-    ro.add_run_config_entry("disable_synchronize_execution_providers", "1")
-
-    def call():
-        sess.run_with_iobinding(binding, ro)
-
-    sync(device)
-    try:
-        for _ in range(max(args.warmup, 3)):  # ORT: a regular run, then the capture, then replays
-            call()
-        sync(device)
-        samples = time_wall(call, args.replays, args.batches, device)
-    except Exception as exc:  # noqa: BLE001 - a refusal at run time
-        raise Skip(f"run{' (CUDA graph)' if graph else ''}: {one_line(exc)}") from None
+    try:  # total_sequence_length stays in host memory; the presents are the past buffers
+        call = _ort_peer.bound_call(onnx_model(x, attrs), x, {"output": out, "present_key": x["past_key"],
+                                                              "present_value": x["past_value"]}, device, graph)
+        samples = _ort_peer.time_runs(call, device, graph, warmup=args.warmup, replays=args.replays,
+                                      batches=args.batches)
+    except _ort_peer.Unavailable as exc:
+        raise Skip(str(exc)) from None
     how = ("CUDA graph replays (enable_cuda_graph=1)" if graph else "no CUDA graph") if device.type == "cuda" \
         else "CPUExecutionProvider"
     res = {"ms": statistics.median(samples), "samples_ms": [round(v, 5) for v in samples],
@@ -368,22 +309,6 @@ def safe_row(c: Case, args, device: torch.device) -> dict:
         return row_head(c, args) | {"error": one_line(exc)}
     finally:
         free(device)
-
-
-def versions() -> dict:
-    out = {"torch": torch.__version__, "python": platform.python_version()}
-    for mod in ("triton", "onnxruntime", "onnx", "pagedkit"):
-        try:
-            out[mod] = importlib.import_module(mod).__version__
-        except Exception as exc:  # noqa: BLE001 - a missing package is a fact to record
-            out[mod] = f"unavailable ({type(exc).__name__})"
-    try:  # the device's copy of the tree may carry a stale .git: the caller can name the commit
-        out["pagedkit_commit"] = os.environ.get("PAGEDKIT_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO, timeout=10,
-            check=False).stdout.strip() or None
-    except Exception:  # noqa: BLE001
-        out["pagedkit_commit"] = None
-    return out
 
 
 def summary_line(r: dict) -> str:

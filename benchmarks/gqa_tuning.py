@@ -72,7 +72,6 @@ def main() -> int:
         result["rows"][name] = {"floor": floor, "default_ms": default, "sweep": sweep}
         print(f"{name}: floor {floor} default {default:.4f} ms; best " +
               "; ".join(f"{r['block_n']}/{r['num_warps']}/{r['splits']} {r['ms']:.4f}" for r in sweep[:5]), flush=True)
-        del x
         torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gqa_tuning.json").write_text(json.dumps(result, indent=1) + "\n")
