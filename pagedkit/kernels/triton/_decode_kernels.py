@@ -78,6 +78,26 @@ def _dot(a, b, acc, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _dot_i8(a, b, INTERP: tl.constexpr):
+    """int8 x int8 -> float32 through the integer tensor cores (int32 accumulation: exact); the interpreter
+    multiplies in float32 (exact too: |sum| <= 127 * 127 * 256 < 2**24)."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
+
+
+@triton.jit
+def _split_i8(x, inv_step):
+    """float32 x -> int8 (x1, x2) with x ~ (x1 + x2 / 254) / inv_step, |x * inv_step| <= 127: two int8 digits of
+    the value on a grid of step / 254 (rounding error <= step / 508, finer than float16's near the max)."""
+    y = x * inv_step
+    x1 = tl.floor(y + 0.5)
+    x2 = tl.floor((y - x1) * 254.0 + 0.5)
+    return x1.to(tl.int8), x2.to(tl.int8)
+
+
+@triton.jit
 def _load_q(q_ptr, q_off, row_ok, ch, ch_ok, ks_ptr, ks_off, HILO: tl.constexpr):
     """Q rows [BLOCK_M, W] at channels ch (in T); HILO: q * per-channel K scale split as hi + lo in T."""
     q = tl.load(q_ptr + q_off[:, None] + ch[None, :], mask=row_ok[:, None] & ch_ok[None, :], other=0.0)
@@ -108,7 +128,7 @@ def _attn_kernel(
         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_SINK: tl.constexpr, QK_MODE: tl.constexpr, HAS_QPOS: tl.constexpr, DIRECT: tl.constexpr,
         NEED_NAT: tl.constexpr, INTERP: tl.constexpr, LANES: tl.constexpr, PADDED: tl.constexpr,
-        BIAS_AFTER: tl.constexpr):
+        BIAS_AFTER: tl.constexpr, I8_QK: tl.constexpr = False, I8_PV: tl.constexpr = False):
     DT = q_ptr.dtype.element_ty
     b = tl.program_id(0)
     kvh = tl.program_id(1) // N_SUB
@@ -192,6 +212,13 @@ def _attn_kernel(
         qa, qa_lo = _load_q(q_ptr, q_off, row_ok, kch, kw_ok, ks_ptr, kvh * D, K_SCALE == 2)
         if K_FMT == 3:
             qb, qb_lo = _load_q(q_ptr, q_off, row_ok, kch + 1, kw_ok, ks_ptr, kvh * D, K_SCALE == 2)
+        if I8_QK:  # int8 keys: q (with a PER_CHANNEL K scale) as two int8 digits per row, int8 dots on the codes
+            qf = qa.to(tl.float32)
+            if K_SCALE == 2:
+                qf = qf + qa_lo.to(tl.float32)
+            amax = tl.max(tl.abs(qf), 1)
+            s_q = tl.where(amax > 0, amax / 127.0, 1.0)
+            q1, q2 = _split_i8(qf, 1.0 / s_q[:, None])
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc_a = tl.zeros([BLOCK_M, VW_PAD], tl.float32)
@@ -210,10 +237,13 @@ def _attn_kernel(
 
             k_off = blk * stride_kb + off * stride_ks + k_head
             kt = tl.load(k_ptr + k_off[None, :] + kw[:, None], mask=kvalid[None, :] & kw_ok[:, None], other=0)
-            kta = _values(kt, K_FMT, False, DT, INTERP)
-            raw = _dot(qa, kta, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
-            if K_SCALE == 2:
-                raw = _dot(qa_lo, kta, raw, INTERP)
+            if I8_QK:
+                raw = (_dot_i8(q1, kt, INTERP) + _dot_i8(q2, kt, INTERP) * (1.0 / 254.0)) * s_q[:, None]
+            else:
+                kta = _values(kt, K_FMT, False, DT, INTERP)
+                raw = _dot(qa, kta, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
+                if K_SCALE == 2:
+                    raw = _dot(qa_lo, kta, raw, INTERP)
             if K_FMT == 3:
                 ktb = _values(kt, K_FMT, True, DT, INTERP)
                 raw = _dot(qb, ktb, raw, INTERP)
@@ -262,10 +292,23 @@ def _attn_kernel(
 
             v_off = blk * stride_vb + off * stride_vs + v_head
             vt = tl.load(v_ptr + v_off[:, None] + vw[None, :], mask=kvalid[:, None] & vw_ok[None, :], other=0)
-            vta = _values(vt, V_FMT, False, DT, INTERP)
+            if not I8_PV:
+                vta = _values(vt, V_FMT, False, DT, INTERP)
             if V_FMT == 3:
                 vtb = _values(vt, V_FMT, True, DT, INTERP)
-            if V_SCALE == 3:  # per-key V scales into p, normalized by the tile's largest (fp16 range)
+            if I8_PV:  # int8 values: p (in [0, 1], times a PER_TOKEN scale / the tile's largest) as two int8 digits
+                pw = p
+                if V_SCALE == 3:
+                    vsc = tl.load(vsc_ptr + blk * stride_vscb + off * stride_vscs + kvh * stride_vsch,
+                                  mask=kvalid, other=0.0).to(tl.float32)
+                    vmax = tl.max(tl.abs(vsc), 0)
+                    pw = p * (vsc / tl.where(vmax > 0, vmax, 1.0))[None, :]
+                p1, p2 = _split_i8(pw, 127.0)
+                pv_acc = (_dot_i8(p1, vt, INTERP) + _dot_i8(p2, vt, INTERP) * (1.0 / 254.0)) * (1.0 / 127.0)
+                if V_SCALE == 3:
+                    pv_acc = pv_acc * vmax
+                acc_a = acc_a * alpha[:, None] + pv_acc
+            elif V_SCALE == 3:  # per-key V scales into p, normalized by the tile's largest (fp16 range)
                 vsc = tl.load(vsc_ptr + blk * stride_vscb + off * stride_vscs + kvh * stride_vsch,
                               mask=kvalid, other=0.0).to(tl.float32)
                 vmax = tl.max(tl.abs(vsc), 0)

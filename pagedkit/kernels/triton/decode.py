@@ -32,6 +32,9 @@ loaded through a uint8 view); PER_TENSOR K scales the scores, PER_CHANNEL K is f
 parts (two dots), PER_TOKEN K / V scales multiply the scores / p per key (V: normalized by the tile's largest
 scale, kept in the fp16 range), PER_TENSOR / PER_CHANNEL V scale the output. int4: even channels from the low
 nibbles, odd from the high ones, two dots each way. A float cache of another float type than T is rounded to T.
+With INT8_MMA (PAGEDKIT_INT8_MMA=1; off until measured on the H200) int8 caches skip the per-element dequantization:
+q (times a PER_CHANNEL K scale) and p (times a PER_TOKEN V scale over the tile's largest) become two int8 digits
+each (x ~ (x1 + x2 / 254) * step), and the dots run on the int8 codes with int32 accumulation (exact).
 Head sizes are padded to powers of two >= 16 (masked; e.g. 80 -> 128, LATENT 576 -> 1024).
 
 Two accessors, one kernel (design §14.3): the paged one above, and GroupQueryAttention's (gqa.py, `bnsh=True`):
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -71,6 +75,9 @@ MAX_GRID_Z = 65535  # CUDA's limit on grid dimension z (splits x lanes)
 # 0.42 ms, int4 0.59 -> 0.54 ms); smaller grids keep the per-block tiles, which fill the SMs with splits
 QUANT_WIDE_PROGRAMS = 2
 BNSH_BLOCK = 256  # positions per virtual block of the contiguous (BNSH) accessor
+# int8 caches through the integer tensor cores (q and p as two int8 digits each, no per-element dequantization of
+# the cache tiles): off by default until measured on the H200 (PAGEDKIT_INT8_MMA=1 turns it on)
+INT8_MMA = os.environ.get("PAGEDKIT_INT8_MMA") == "1"
 _POISON = False  # tests: fill outputs and workspaces with NaN instead of leaving them uninitialized
 
 
@@ -345,7 +352,9 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         CAUSAL=bool(is_causal), HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_BIAS=bias is not None,
         HAS_SINK=sink is not None, QK_MODE=qk_output, HAS_QPOS=qpos is not None,
         DIRECT=direct, NEED_NAT=need_nat, INTERP=common.INTERPRET, LANES=lanes > 1, PADDED=row_pad > 0,
-        BIAS_AFTER=bool(bias_after_softcap) and bias is not None, num_warps=num_warps)
+        BIAS_AFTER=bool(bias_after_softcap) and bias is not None,
+        I8_QK=INT8_MMA and k_format.fmt == common.FMT_INT8 and kw_pad >= 32 and block_n >= 16,
+        I8_PV=INT8_MMA and v_format.fmt == common.FMT_INT8 and block_n >= 32 and vw_pad >= 16, num_warps=num_warps)
     if direct:
         return out, qk
 

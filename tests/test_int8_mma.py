@@ -1,0 +1,98 @@
+"""The int8-cache path through the integer tensor cores (decode.INT8_MMA, off by default until measured on the
+H200): q and p as two int8 digits each, int8 x int8 dots on the cache codes, no per-element dequantization.
+Against the float64 loop oracles (tests/paged_oracle.py), in Triton's interpreter on the CPU or compiled on
+CUDA: PagedAttention int8 caches with PER_TENSOR / PER_CHANNEL / PER_TOKEN scales (decode, prefill, features)
+and GroupQueryAttention's int8 configurations, with the path asserted engaged. Teeth: a 2% wrong scale fails."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from paged_gqa import GqaSpec, make_gqa_inputs
+from paged_oracle import Spec, build, clone_inputs, oracle, rel_err
+from test_gqa_oracle import ALL, compare_with_oracle
+
+triton = pytest.importorskip("triton") if not os.environ.get("CI") else __import__("triton")  # CI: never skip
+
+from pagedkit.kernels.triton import _decode_kernels as K  # noqa: E402
+from pagedkit.kernels.triton import decode, gqa, paged  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 5e-3  # float16
+
+
+@pytest.fixture
+def engaged(monkeypatch):
+    """INT8_MMA on; records the I8 flags of every attention launch."""
+    monkeypatch.setattr(decode, "INT8_MMA", True)
+    flags = []
+    real = K._attn_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                flags.append((kw.get("I8_QK"), kw.get("I8_PV")))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(K, "_attn_kernel", Spy())
+    return flags
+
+
+PAGED = [
+    ("decode_tensor_bs32", dict(q_lens=[1, 1, 1], past=[40, 7, 100], block_size=32, k_quant="PER_TENSOR",
+                                v_quant="PER_TENSOR")),
+    ("decode_channel_bs64", dict(q_lens=[1, 1], past=[130, 64], block_size=64, k_quant="PER_CHANNEL",
+                                 v_quant="PER_CHANNEL", rotary="half")),
+    ("decode_token_bs32", dict(q_lens=[1, 1], past=[70, 33], block_size=32, k_quant="PER_TOKEN",
+                               v_quant="PER_TOKEN", sink=True)),
+    ("prefill_chunk_tensor", dict(q_lens=[20, 9], past=[0, 45], block_size=32, k_quant="PER_TENSOR",
+                                  v_quant="PER_CHANNEL", rotary="half", qk_norm=True)),
+    ("features_bias_softcap_window", dict(q_lens=[3, 1], past=[50, 80], block_size=32, k_quant="PER_TENSOR",
+                                          v_quant="PER_TENSOR", bias=(True, True),
+                                          attrs=dict(softcap=20.0, local_window_size=40))),
+]
+
+
+def _paged_run(case, **override):
+    x = {k: v.to(DEVICE) for k, v in clone_inputs(case.inputs).items()}
+    outs = ["output", "key_cache_out", "value_cache_out"]
+    got = paged.paged_attention(x, outputs=outs, validate=False, **(case.attrs | override))
+    return {k: v.cpu() for k, v in got.items()}
+
+
+@pytest.mark.parametrize("name,kw", PAGED, ids=[p[0] for p in PAGED])
+def test_paged_int8_on_integer_dots_matches_the_oracle(engaged, name, kw):
+    case = build(Spec(num_heads=4, kv_num_heads=2, head_size=32, cache="int8", seed=900 + len(name), **kw))
+    got = _paged_run(case)
+    assert engaged and all(qk for qk, _ in engaged), engaged
+    err = rel_err(got["output"], oracle(case)["output"])
+    assert err <= TOL, f"{name}: {err:.3g}"
+
+
+def test_paged_teeth_a_2_percent_wrong_scale_fails(engaged):
+    name, kw = PAGED[0]
+    case = build(Spec(num_heads=4, kv_num_heads=2, head_size=32, cache="int8", seed=901, **kw))
+    got = _paged_run(case, scale=1.02 / 32 ** 0.5)
+    assert rel_err(got["output"], oracle(case)["output"]) > TOL
+
+
+INT8_GQA = [n for n, c in ALL.items() if c.get("cache") == "int8" and not c.get("shared_kv")
+            and not c.get("attrs", {}).get("sliding_window_cache")]
+
+
+@pytest.mark.parametrize("name", INT8_GQA)
+def test_gqa_int8_on_integer_dots_matches_the_oracle(engaged, name):
+    spec = GqaSpec(**{**ALL[name], "dtype": torch.float16, "head_size": 32})  # >= 32 channels: the int8 dots
+    inputs, attrs, _ = make_gqa_inputs(spec, 4242 + len(name))
+    dev = {k: v if k == "total_sequence_length" else v.to(DEVICE) for k, v in inputs.items()}
+    got = {k: v.cpu() for k, v in gqa.group_query_attention(dev, validate=False, **attrs).items()}
+    assert engaged and all(qk and pv for qk, pv in engaged), engaged
+    compare_with_oracle(got, inputs, attrs, TOL)
+
+
+def test_the_path_is_off_by_default():
+    assert decode.INT8_MMA == (os.environ.get("PAGEDKIT_INT8_MMA") == "1")
