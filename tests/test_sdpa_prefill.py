@@ -202,3 +202,12 @@ def test_the_fused_route_captures_and_replays_exactly():
     assert sdpa_prefill.LAST_ROUTE in ("cudnn", "flash")
     assert torch.equal(out, eager)
     _check(case, {"output": out.cpu(), "key_cache_out": x["key_cache"].cpu(), "value_cache_out": x["value_cache"].cpu()})
+
+
+def test_no_fused_backend_falls_back_to_triton_paged(monkeypatch):
+    """A GPU / build where no fused SDPA backend takes the call: the Triton attention, same result."""
+    monkeypatch.setattr(sdpa_prefill, "fused_sdpa", lambda *a, **k: (None, "no backend (test)"))
+    _, case = _case(rotary="half", seed=901)
+    _, got = _run(case)
+    assert sdpa_prefill.LAST_ROUTE == "triton_paged"
+    _check(case, got, "fallback")

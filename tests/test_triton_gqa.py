@@ -116,6 +116,17 @@ def test_first_prompts_take_torchs_fused_attention(name):
     assert gqa.LAST_ROUTE in FUSED
 
 
+def test_a_first_prompt_without_a_fused_backend_runs_triton(monkeypatch):
+    from pagedkit.kernels.triton import sdpa_prefill
+
+    monkeypatch.setattr(sdpa_prefill, "fused_sdpa", lambda *a, **k: (None, "no backend (test)"))
+    spec = _spec("fp16_prompt_rotary", torch.float16)
+    inputs, attrs, _ = make_gqa_inputs(spec, _seed("fp16_prompt_rotary-nofused", torch.float16))
+    got = _run({k: v.clone() for k, v in inputs.items()}, attrs)
+    assert gqa.LAST_ROUTE == "triton"
+    compare_with_oracle(got, inputs, attrs, TOL[torch.float16])
+
+
 def test_a_long_padded_first_prompt_on_the_fused_route():
     spec = GqaSpec(past=(0, 0, 0), seq=150, q=(150, 67, 1), capacity=256, rotary="half", dtype=torch.float16)
     inputs, attrs, _ = make_gqa_inputs(spec, 8765)

@@ -252,7 +252,8 @@ def group_query_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] |
     if _first_prompt_route(x, a, s, total, kf, vf, present_k, t_dtype, qk_output):
         out = _first_prompt(q, present_k, present_v, valid, t_len, bsz, s, h, hkv, d,
                             default_scale(float(a["scale"]), d))
-        return _results(out, present_k, present_v, None, want)
+        if out is not None:  # None: no fused backend takes it, the Triton attention below does
+            return _results(out, present_k, present_v, None, want)
     _route("triton")
     sink = x.get("head_sink")
     if sink is None and int(a["smooth_softmax"]) == 1:  # exp(0) in every denominator: a zero sink
@@ -296,7 +297,7 @@ def _first_prompt_route(x, a, s, total, kf, vf, present_k, t_dtype, qk_output) -
             and x["query"].shape[-1] // int(a["num_heads"]) <= MAX_HEAD_SIZE)
 
 
-def _first_prompt(q, present_k, present_v, valid, t_len, bsz, s, h, hkv, d, scale) -> torch.Tensor:
+def _first_prompt(q, present_k, present_v, valid, t_len, bsz, s, h, hkv, d, scale) -> torch.Tensor | None:
     """A first prompt on torch's fused causal attention over the rows the prologue wrote (present[:, :, :S]).
     Entry b's valid rows i < T_b see keys 0 .. i < T_b only, so the causal mask alone is exact for them; keys
     of padding rows (never written: stale buffer contents, maybe NaN) are zeroed first so that the masked
@@ -309,6 +310,8 @@ def _first_prompt(q, present_k, present_v, valid, t_len, bsz, s, h, hkv, d, scal
     kk = torch.where(keep, present_k[:, :, :s], zero)  # [B, Hkv, S, D]
     vv = torch.where(keep, present_v[:, :, :s], zero)
     o, route = fused_sdpa(q.view(bsz, s, h, d).transpose(1, 2), kk, vv, scale=scale, causal=True)
+    if o is None:
+        return None
     _route(route)
     out = o.transpose(1, 2).reshape(bsz, s, h * d)
     ok = (t_len <= s).all()

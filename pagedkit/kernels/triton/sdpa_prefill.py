@@ -92,16 +92,12 @@ def _route(note: str) -> None:
         print(f"pagedkit: sdpa_prefill route={note}", file=sys.stderr)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool) -> torch.Tensor:
-    out, route = fused_sdpa(q, k, v, scale=scale, causal=causal)
-    _route(route)
-    return out
-
-
 def fused_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-               causal: bool) -> tuple[torch.Tensor, str]:
+               causal: bool) -> tuple[torch.Tensor | None, str]:
     """[B, H, M, D] x [B, Hkv, M, D] -> ([B, H, M, D], route) on the first fused backend that takes the call
-    ("cudnn", "flash"; "math" for CPU tensors). Also triton_gqa's first-prompt route (gqa.py)."""
+    ("cudnn", "flash"; "math" for CPU tensors), or (None, why) when none does (the caller then runs the Triton
+    attention; the refusal is remembered per dtype / head size / causal / GQA, so it is probed once). Also
+    triton_gqa's first-prompt route (gqa.py)."""
     import torch.nn.functional as F
 
     gqa = q.shape[1] != k.shape[1]
@@ -110,6 +106,8 @@ def fused_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: floa
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     key = (q.dtype, q.shape[-1], causal, gqa)
+    if key in _backend_for and _backend_for[key] is None:
+        return None, "no fused SDPA backend takes the call"
     tried = [_backend_for[key]] if key in _backend_for else list(BACKENDS)
     errors = []
     for name in tried:
@@ -121,7 +119,8 @@ def fused_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: floa
             continue
         _backend_for[key] = name
         return out, "cudnn" if name == "CUDNN_ATTENTION" else "flash"
-    raise NotImplementedError("sdpa_prefill: no fused SDPA backend takes the call (" + "; ".join(errors) + ")")
+    _backend_for[key] = None
+    return None, "no fused SDPA backend takes the call (" + "; ".join(errors) + ")"
 
 
 def paged_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] | None = None, validate: bool = True,
@@ -149,7 +148,12 @@ def paged_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] | None 
     k = kc[ids].reshape(batch, nblk * bs, p.hkv, p.d)[:, :m].transpose(1, 2)
     v = vc[ids].reshape(batch, nblk * bs, p.hkv, p.d)[:, :m].transpose(1, 2)
     qd = q.view(batch, m, p.nh, p.d).transpose(1, 2)
-    o = _sdpa(qd, k, v, scale=default_scale(float(p.a["scale"]), p.d), causal=bool(int(p.a["is_causal"])))
+    o, route = fused_sdpa(qd, k, v, scale=default_scale(float(p.a["scale"]), p.d),
+                          causal=bool(int(p.a["is_causal"])))
+    if o is None:  # no fused backend on this GPU / build: the Triton attention
+        _route("triton_paged")
+        return paged.results(p, *paged.attend(p, q), outputs)
+    _route(route)
     out = o.transpose(1, 2).reshape(n, p.nh * p.d)
     steps = torch.arange(batch + 1, device=cu.device, dtype=cu.dtype) * m
     ok = mapped & (cu == steps).all() & (x["past_seqlens"] == 0).all()  # device bools: no host read
