@@ -115,7 +115,7 @@ class _Consts:
     entry: torch.Tensor  # int32 [B, 1] = b * Hkv * C (entry b's first row in the flat cache view)
     csl: torch.Tensor  # int32 [B + 1] = 0, S, 2S, ...
     ones: torch.Tensor  # int32 [B] = 1
-    table: torch.Tensor  # int32 [B, 1] = b (the decode write's block table)
+    table: torch.Tensor  # int32 [B, 1] = b (the decode write's block table; the BNSH attention ignores it)
 
 
 _CONSTS: dict[tuple, _Consts] = {}
@@ -235,7 +235,6 @@ def group_query_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] |
     n_tok = bsz * s
     key = None if packed else x["key"].reshape(n_tok, hkv * d)
     value = None if packed else x["value"].reshape(n_tok, hkv * d)
-    dummy_table = csl[:bsz, None]  # [B, 1] (the attention reads through the BNSH accessor instead)
     q = ops.write_kv(
         query.reshape(n_tok, width), key, value, csl, past, table, flat_k, flat_v, slots, qpos,
         x.get("cos_cache") if rotary else None, x.get("sin_cache") if rotary else None, x.get("q_norm_weight"),
@@ -259,7 +258,7 @@ def group_query_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] |
     if sink is None and int(a["smooth_softmax"]) == 1:  # exp(0) in every denominator: a zero sink
         sink = _zeros(dev, h, t_dtype)
     out, qk = ops.paged_decode(
-        q, present_k, present_v, q_len, past, dummy_table, ks, vs, None, None, None, sink, x.get("attention_bias"),
+        q, present_k, present_v, q_len, past, c.table, ks, vs, None, None, None, sink, x.get("attention_bias"),
         k_fmt=kf.fmt, k_scale_mode=kf.scale, v_fmt=vf.fmt, v_scale_mode=vf.scale, num_heads=h, kv_num_heads=hkv,
         head_size=d, v_head_size=d, scale=default_scale(float(a["scale"]), d), softcap=float(a["softcap"]),
         local_window_size=max(int(a["local_window_size"]), 0), is_causal=bool(int(a["causal"])),

@@ -38,8 +38,8 @@ from . import common, paged
 
 NAME = "sdpa_prefill"
 MAX_HEAD_SIZE = 256  # FlashAttention-2's and cuDNN's forward limit
-# fused backends in order of preference (torch.nn.attention.SDPBackend names): cuDNN reaches 586 TFLOP/s on
-# a causal 4 x 4096 (32 / 8 heads, head 128) on the H200, FlashAttention-2 314 (benchmarks/results)
+# fused backends in order of preference (torch.nn.attention.SDPBackend names): on a causal 4 x 4096 (32 / 8 heads,
+# head 128) on the H200 cuDNN reached 511-532 TFLOP/s, FlashAttention-2 314-322 (attention_prefill.json)
 BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION")
 LAST_ROUTE: str | None = None
 _backend_for: dict[tuple, str] = {}  # (dtype, head size, causal, gqa) -> the first backend that accepted it
