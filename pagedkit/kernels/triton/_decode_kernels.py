@@ -29,15 +29,73 @@ def _tanh(x):
     return 1.0 - 2.0 / (e + 1.0)
 
 
+# Packed conversions of cache codes to float16, four codes per 32-bit register (GPU only). Each is elementwise
+# inline asm marked impure, so Triton keeps it in the load's layout: the tile converts in registers and goes to
+# shared memory as float16. (A pure conversion, asm or plain integer ops, is moved behind the shared-memory round
+# trip into the dot operand's layout, where a V tile, reduced over its rows, is read back one byte per load.)
+# int8: the offset-binary byte (x ^ 0x80 = x + 128) into the low mantissa byte of 1024.0 by one byte permute per
+# two codes, then 1024 + 128 off by one packed subtraction; int4: the masked nibble likewise, 1024 + 8 off.
+_ASM_I8 = tl.constexpr("""{
+    .reg .b32 u, m;
+    xor.b32 u, $2, 0x80808080;
+    prmt.b32 $0, u, 0x64646464, 0x4140;
+    prmt.b32 $1, u, 0x64646464, 0x4342;
+    mov.b32 m, 0x64806480;
+    sub.f16x2 $0, $0, m;
+    sub.f16x2 $1, $1, m;
+    }""")
+_ASM_I4_LO = tl.constexpr("""{
+    .reg .b32 u, m;
+    and.b32 u, $2, 0x0F0F0F0F;
+    prmt.b32 $0, u, 0x64646464, 0x4140;
+    prmt.b32 $1, u, 0x64646464, 0x4342;
+    mov.b32 m, 0x64086408;
+    sub.f16x2 $0, $0, m;
+    sub.f16x2 $1, $1, m;
+    }""")
+_ASM_I4_HI = tl.constexpr("""{
+    .reg .b32 u, m;
+    shr.b32 u, $2, 4;
+    and.b32 u, u, 0x0F0F0F0F;
+    prmt.b32 $0, u, 0x64646464, 0x4140;
+    prmt.b32 $1, u, 0x64646464, 0x4342;
+    mov.b32 m, 0x64086408;
+    sub.f16x2 $0, $0, m;
+    sub.f16x2 $1, $1, m;
+    }""")
+_ASM_FP8 = tl.constexpr("""{
+    .reg .b16 lo, hi;
+    mov.b32 {lo, hi}, $2;
+    cvt.rn.f16x2.e4m3x2 $0, lo;
+    cvt.rn.f16x2.e4m3x2 $1, hi;
+    }""")
+
+
 @triton.jit
-def _values(x, FMT: tl.constexpr, HIGH: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr):
+def _asm_f16(x, ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(asm=ASM, constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False,
+                                     pack=4)
+
+
+@triton.jit
+def _values(x, FMT: tl.constexpr, HIGH: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr,
+            ASM: tl.constexpr = False, Q_POW2: tl.constexpr = False):
     """Loaded cache values -> DT (float16 / bfloat16; float caches pass through): codes are exact in DT, so
-    this is exact. Integer codes skip the integer-to-float unit (I2F is 16 lanes / clock / SM on Hopper,
+    this is exact. ASM (GPU, DT float16): the packed conversions above. Integer codes skip the integer-to-float unit (I2F is 16 lanes / clock / SM on Hopper,
     which made quantized decode compute-bound): the code goes into a float's mantissa by bit operations
     and the exponent's offset is subtracted (fp16 0x6400 = 1024, bf16 0x4300 = 128, fp32 0x4B000000 =
     2**23). int4: the low (HIGH False) or high nibble, minus 8; int8 as bfloat16 goes through float32 (bf16
     holds only 128 integers at one exponent). The interpreter (no bfloat16 arithmetic) converts plainly."""
-    if FMT == 3:
+    if ASM and FMT == 3 and DT == tl.float16 and not INTERP:
+        if HIGH:
+            return _asm_f16(x, _ASM_I4_HI)
+        else:
+            return _asm_f16(x, _ASM_I4_LO)
+    elif ASM and FMT == 2 and DT == tl.float16 and not INTERP:
+        return _asm_f16(x, _ASM_FP8)
+    elif ASM and FMT == 1 and DT == tl.float16 and not INTERP:
+        return _asm_f16(x, _ASM_I8)
+    elif FMT == 3:
         xi = x.to(tl.int16)  # uint8 zero-extended
         if HIGH:
             n = (xi >> 4) & 15
@@ -98,17 +156,30 @@ def _split_i8(x, inv_step):
 
 
 @triton.jit
-def _load_q(q_ptr, q_off, row_ok, ch, ch_ok, ks_ptr, ks_off, HILO: tl.constexpr):
-    """Q rows [BLOCK_M, W] at channels ch (in T); HILO: q * per-channel K scale split as hi + lo in T."""
-    q = tl.load(q_ptr + q_off[:, None] + ch[None, :], mask=row_ok[:, None] & ch_ok[None, :], other=0.0)
-    if HILO:
-        s = tl.load(ks_ptr + ks_off + ch, mask=ch_ok, other=0.0)
-        x = q.to(tl.float32) * s[None, :]
-        hi = x.to(q.dtype)
-        lo = (x - hi.to(tl.float32)).to(q.dtype)
-        return hi, lo
+def _load_q(q_ptr, q_off, row_ok, ch, ch_ok, ks_ptr, ks_off, SCALED: tl.constexpr):
+    """Q rows [BLOCK_M, W] at channels ch as float32; SCALED: times the per-channel K scale."""
+    x = tl.load(q_ptr + q_off[:, None] + ch[None, :], mask=row_ok[:, None] & ch_ok[None, :], other=0.0)
+    x = x.to(tl.float32)
+    if SCALED:
+        x = x * tl.load(ks_ptr + ks_off + ch, mask=ch_ok, other=0.0)[None, :]
+    return x
+
+
+@triton.jit
+def _hi_lo(x, CT: tl.constexpr, LO: tl.constexpr):
+    """float32 x -> CT (hi, lo) with x ~ hi + lo (LO; else lo = hi, unused)."""
+    hi = x.to(CT)
+    if LO:
+        return hi, (x - hi.to(tl.float32)).to(CT)
     else:
-        return q, q
+        return hi, hi
+
+
+@triton.jit
+def _row_pow2(amax):
+    """2 ** (floor(log2(amax)) + 1) > amax per row (1 where amax is 0 or subnormal): an exact row scale."""
+    e = (amax.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.where(e > 0, e * 2.0, 1.0)
 
 
 @triton.jit
@@ -128,8 +199,20 @@ def _attn_kernel(
         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_SINK: tl.constexpr, QK_MODE: tl.constexpr, HAS_QPOS: tl.constexpr, DIRECT: tl.constexpr,
         NEED_NAT: tl.constexpr, INTERP: tl.constexpr, LANES: tl.constexpr, PADDED: tl.constexpr,
-        BIAS_AFTER: tl.constexpr, I8_QK: tl.constexpr = False, I8_PV: tl.constexpr = False):
+        BIAS_AFTER: tl.constexpr, I8_QK: tl.constexpr = False, I8_PV: tl.constexpr = False,
+        ASM: tl.constexpr = False, Q_POW2: tl.constexpr = False):
     DT = q_ptr.dtype.element_ty
+    # the dots' operand type per side: quantized codes (int8 / fp8 / int4, all exact in float16) run in float16 also
+    # under bfloat16 queries (q by an exact power-of-two row scale into float16's range: bf16's 8 mantissa bits fit
+    # in fp16's 11; p in [0, 1] keeps 3 more bits than in bfloat16), float caches in T
+    if K_FMT == 0:
+        KT = DT
+    else:
+        KT = tl.float16
+    if V_FMT == 0:
+        VT = DT
+    else:
+        VT = tl.float16  # (Q_POW2: K quantized, q in bfloat16)
     b = tl.program_id(0)
     kvh = tl.program_id(1) // N_SUB
     sub = tl.program_id(1) % N_SUB
@@ -209,13 +292,22 @@ def _attn_kernel(
         it1 = tl.minimum(it0 + per, t_hi)
 
         q_off = t64 * stride_qt + h64 * stride_qh
-        qa, qa_lo = _load_q(q_ptr, q_off, row_ok, kch, kw_ok, ks_ptr, kvh * D, K_SCALE == 2)
+        xa = _load_q(q_ptr, q_off, row_ok, kch, kw_ok, ks_ptr, kvh * D, K_SCALE == 2)
         if K_FMT == 3:
-            qb, qb_lo = _load_q(q_ptr, q_off, row_ok, kch + 1, kw_ok, ks_ptr, kvh * D, K_SCALE == 2)
+            xb = _load_q(q_ptr, q_off, row_ok, kch + 1, kw_ok, ks_ptr, kvh * D, K_SCALE == 2)
+        if Q_POW2:  # bfloat16 q to float16 dots: rows scaled into [-1, 1] by a power of two, undone on the scores
+            qmax = tl.max(tl.abs(xa), 1)
+            if K_FMT == 3:
+                qmax = tl.maximum(qmax, tl.max(tl.abs(xb), 1))
+            q_pow = _row_pow2(qmax)
+            xa = xa * (1.0 / q_pow)[:, None]
+            if K_FMT == 3:
+                xb = xb * (1.0 / q_pow)[:, None]
+        qa, qa_lo = _hi_lo(xa, KT, K_SCALE == 2)
+        if K_FMT == 3:
+            qb, qb_lo = _hi_lo(xb, KT, K_SCALE == 2)
         if I8_QK:  # int8 keys: q (with a PER_CHANNEL K scale) as two int8 digits per row, int8 dots on the codes
-            qf = qa.to(tl.float32)
-            if K_SCALE == 2:
-                qf = qf + qa_lo.to(tl.float32)
+            qf = xa
             amax = tl.max(tl.abs(qf), 1)
             s_q = tl.where(amax > 0, amax / 127.0, 1.0)
             q1, q2 = _split_i8(qf, 1.0 / s_q[:, None])
@@ -240,15 +332,17 @@ def _attn_kernel(
             if I8_QK:
                 raw = (_dot_i8(q1, kt, INTERP) + _dot_i8(q2, kt, INTERP) * (1.0 / 254.0)) * s_q[:, None]
             else:
-                kta = _values(kt, K_FMT, False, DT, INTERP)
+                kta = _values(kt, K_FMT, False, KT, INTERP, ASM)
                 raw = _dot(qa, kta, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
                 if K_SCALE == 2:
                     raw = _dot(qa_lo, kta, raw, INTERP)
             if K_FMT == 3:
-                ktb = _values(kt, K_FMT, True, DT, INTERP)
+                ktb = _values(kt, K_FMT, True, KT, INTERP, ASM)
                 raw = _dot(qb, ktb, raw, INTERP)
                 if K_SCALE == 2:
                     raw = _dot(qb_lo, ktb, raw, INTERP)
+            if Q_POW2:
+                raw = raw * q_pow[:, None]
             if K_SCALE == 3:
                 ksc = tl.load(ksc_ptr + blk * stride_kscb + off * stride_kscs + kvh * stride_ksch,
                               mask=kvalid, other=0.0).to(tl.float32)
@@ -293,9 +387,9 @@ def _attn_kernel(
             v_off = blk * stride_vb + off * stride_vs + v_head
             vt = tl.load(v_ptr + v_off[:, None] + vw[None, :], mask=kvalid[:, None] & vw_ok[None, :], other=0)
             if not I8_PV:
-                vta = _values(vt, V_FMT, False, DT, INTERP)
+                vta = _values(vt, V_FMT, False, VT, INTERP, ASM)
             if V_FMT == 3:
-                vtb = _values(vt, V_FMT, True, DT, INTERP)
+                vtb = _values(vt, V_FMT, True, VT, INTERP, ASM)
             if I8_PV:  # int8 values: p (in [0, 1], times a PER_TOKEN scale / the tile's largest) as two int8 digits
                 pw = p
                 if V_SCALE == 3:
@@ -312,13 +406,13 @@ def _attn_kernel(
                 vsc = tl.load(vsc_ptr + blk * stride_vscb + off * stride_vscs + kvh * stride_vsch,
                               mask=kvalid, other=0.0).to(tl.float32)
                 vmax = tl.max(tl.abs(vsc), 0)
-                pv = (p * (vsc / tl.where(vmax > 0, vmax, 1.0))[None, :]).to(DT)
+                pv = (p * (vsc / tl.where(vmax > 0, vmax, 1.0))[None, :]).to(VT)
                 zero = tl.zeros([BLOCK_M, VW_PAD], tl.float32)
                 acc_a = acc_a * alpha[:, None] + _dot(pv, vta, zero, INTERP) * vmax
                 if V_FMT == 3:
                     acc_b = acc_b * alpha[:, None] + _dot(pv, vtb, zero, INTERP) * vmax
             else:
-                pv = p.to(DT)
+                pv = p.to(VT)
                 acc_a = _dot(pv, vta, acc_a * alpha[:, None], INTERP)
                 if V_FMT == 3:
                     acc_b = _dot(pv, vtb, acc_b * alpha[:, None], INTERP)

@@ -78,6 +78,11 @@ BNSH_BLOCK = 256  # positions per virtual block of the contiguous (BNSH) accesso
 # int8 caches through the integer tensor cores (q and p as two int8 digits each, no per-element dequantization of
 # the cache tiles): off by default until measured on the H200 (PAGEDKIT_INT8_MMA=1 turns it on)
 INT8_MMA = os.environ.get("PAGEDKIT_INT8_MMA") == "1"
+# quantized caches converted to float16 by packed inline asm in the load's layout (_decode_kernels._ASM_*);
+# PAGEDKIT_QUANT_ASM=0 takes the plain conversions (A / B runs)
+QUANT_ASM = os.environ.get("PAGEDKIT_QUANT_ASM", "1") == "1"
+# software-pipeline stages of the attention kernel on quantized caches (None: Triton's default); tuning runs set it
+QUANT_STAGES: int | None = None
 _POISON = False  # tests: fill outputs and workspaces with NaN instead of leaving them uninitialized
 
 
@@ -183,7 +188,7 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
                   attention_bias, qk_output, v_rotation, max_query_len, max_kv_len, num_splits,
                   block_n: int | None = None, block_m: int | None = None, num_warps: int | None = None,
                   num_lanes: int | None = None, bnsh: bool = False, row_pad: int = 0,
-                  bias_after_softcap: bool = False):
+                  bias_after_softcap: bool = False, num_stages: int | None = None):
     """paged_decode with tile overrides (block_n / block_m / num_warps / num_lanes: tests and tuning) and the
     GroupQueryAttention accessors (gqa.py): `bnsh` reads contiguous caches [B, Hkv, C, Dc] instead of the paged
     ones (block_table is then ignored: sequence b reads its own rows, virtual blocks of BNSH_BLOCK positions);
@@ -337,6 +342,9 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         b_st, b_cap = (0, 0, 0, 0), (0, 0)
     need_nat = softcap > 0 or bias is not None or qk_output != 0
 
+    if num_stages is None and quant:
+        num_stages = QUANT_STAGES
+    stages = {} if num_stages is None else {"num_stages": int(num_stages)}
     K._attn_kernel[(B, Hkv * n_sub, S * lanes)](
         q, kc_arg, vc_arg, ks if ks is not None else dummy, vs if vs is not None else dummy,
         ksc if ksc is not None else dummy, vsc if vsc is not None else dummy,
@@ -354,7 +362,9 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         DIRECT=direct, NEED_NAT=need_nat, INTERP=common.INTERPRET, LANES=lanes > 1, PADDED=row_pad > 0,
         BIAS_AFTER=bool(bias_after_softcap) and bias is not None,
         I8_QK=INT8_MMA and k_format.fmt == common.FMT_INT8 and kw_pad >= 32 and block_n >= 16,
-        I8_PV=INT8_MMA and v_format.fmt == common.FMT_INT8 and block_n >= 32 and vw_pad >= 16, num_warps=num_warps)
+        I8_PV=INT8_MMA and v_format.fmt == common.FMT_INT8 and block_n >= 32 and vw_pad >= 16,
+        ASM=QUANT_ASM and quant and not common.INTERPRET,
+        Q_POW2=k_format.fmt != common.FMT_FLOAT and T == torch.bfloat16, num_warps=num_warps, **stages)
     if direct:
         return out, qk
 

@@ -1,0 +1,131 @@
+"""Sweep of the quantized-cache decode on the H200 (results: benchmarks/results/quant_tuning.json): the whole
+GroupQueryAttention / PagedAttention call as CUDA-graph replays, per row of benchmarks/attention_gqa.py (plus
+bfloat16 twins) and benchmarks/attention.py, over the cache-code conversion (decode.QUANT_ASM: packed inline asm
+in the load's layout, or the plain conversions), the int8 tensor-core path (decode.INT8_MMA), software-pipeline
+stages and block_n x num_warps.
+Run on the device: PYTHONPATH=$PWD python3 benchmarks/quant_tuning.py [ROW ...] [--out DIR] [--quick]."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+gqa_bench = importlib.import_module("attention_gqa")
+pa_cases = importlib.import_module("_attention_cases")
+time_graph = importlib.import_module("_timing").time_graph
+
+from pagedkit.kernels.triton import decode, gqa, paged  # noqa: E402
+
+GQA_ROWS = ("gqa-decode-int8-b64-ctx4k", "gqa-decode-int8-b16-ctx4k", "gqa-decode-bf16int8-b64-ctx4k",
+            "gqa-decode-int4-b16-ctx4k")
+PA_ROWS = ("int8-b64-ctx8k-bs256", "fp8-b64-ctx8k-bs256", "int8-b64-ctx8k-bs16", "int8-b16-ctx4k-bs16",
+           "int4-channel-b64-ctx8k-bs16")
+TILES = ((64, 4), (128, 4), (128, 8), (64, 8), (32, 4))
+STAGES = (1, 2, 3)
+
+
+def gqa_case(name: str):
+    for cases in (gqa_bench.CASES, gqa_bench.DRY_CASES):
+        if name in cases:
+            return cases[name]
+    if name == "gqa-decode-bf16int8-b64-ctx4k":  # the int8 row's bfloat16 twin
+        return dataclasses.replace(gqa_bench.CASES["gqa-decode-int8-b64-ctx4k"], name=name, dtype="bf16")
+    raise KeyError(name)
+
+
+def make_call(name: str, dev: torch.device):
+    """-> (call, floor_ms) for one row: the whole operator call with validation off."""
+    if name.startswith(("gqa-", "dry-decode")):
+        case = gqa_case(name)
+        x, attrs = gqa_bench.build_inputs(case, dev)
+        floor = gqa_bench.floor_ms(case, gqa_bench.BANDWIDTH_TB_S, gqa_bench.PEAK_TFLOP_S)["floor_ms"]
+        return (lambda: gqa.group_query_attention(x, outputs=["output"], validate=False, **attrs)["output"]), floor
+    case = pa_cases.CASES.get(name) or pa_cases.DRY_CASES[name]
+    x, attrs, outputs = pa_cases.build_inputs(case, dev)
+    floor = pa_cases.floor_ms(pa_cases.traffic(case)["total"])
+    return (lambda: paged.paged_attention(x, outputs=["output"], validate=False, **attrs)["output"]), floor
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("rows", nargs="*", default=list(GQA_ROWS + PA_ROWS))
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument("--quick", action="store_true", help="the conversion / MMA / stages arms only, default tiles")
+    ap.add_argument("--dry-run", action="store_true", help="CPU (TRITON_INTERPRET=1), tiny rows, one call per arm")
+    args = ap.parse_args()
+    dev = torch.device("cpu" if args.dry_run else "cuda")
+    timer = (lambda fn, *_: __import__("_timing").time_wall(fn, 1, 1, dev)[0]) if args.dry_run else time_graph
+    real = decode.paged_decode
+    override: dict = {}
+
+    def patched(q, **kw):
+        return decode._paged_decode(q, **({"num_splits": None} | kw | override)) if override else real(q, **kw)
+
+    decode.paged_decode = patched
+    result = {"command": "python " + " ".join(sys.argv), "device": "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(dev),
+              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "what": "the whole operator call (write + attention + reduce), CUDA-graph replays, median of 3 x 20 "
+                      "(ms); err: max |out - out(plain conversion, defaults)| / max |that|", "rows": {}}
+    for name in args.rows:
+        try:
+            call, floor = make_call(name, dev)
+        except KeyError:
+            print(f"{name}: no such row", flush=True)
+            continue
+        arms: list[dict] = []
+
+        def arm(label: str, asm: bool, mma: bool, **ov):
+            decode.QUANT_ASM, decode.INT8_MMA = asm, mma
+            override.clear()
+            override.update(ov)
+            try:
+                out = call().float()
+                ms = timer(call, 20, 3)
+            except Exception as exc:  # noqa: BLE001 - a config the kernel or compiler refuses
+                print(f"  {name} {label}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                return None
+            arms.append({"arm": label, "asm": asm, "int8_mma": mma, **ov, "ms": ms,
+                         "fraction_of_floor": floor / ms})
+            return out
+
+        ref = arm("plain", False, False)
+        arm("asm", True, False)
+        if "int8" in name:
+            arm("int8_mma", False, True)
+        for st in STAGES:
+            arm(f"asm-stages{st}", True, False, num_stages=st)
+        if not args.quick:
+            for st in (1, 2, None):
+                for bn, nw in TILES:
+                    arm(f"asm-{bn}x{nw}-stages{st}", True, False, block_n=bn, num_warps=nw,
+                        **({} if st is None else {"num_stages": st}))
+        decode.QUANT_ASM, decode.INT8_MMA = True, False
+        override.clear()
+        if ref is not None:  # parity of every arm against the plain conversion at the defaults
+            for a in arms:
+                decode.QUANT_ASM, decode.INT8_MMA = a["asm"], a["int8_mma"]
+                override.update({k: a[k] for k in ("block_n", "num_warps", "num_stages") if k in a})
+                a["err"] = float((call().float() - ref).abs().max() / ref.abs().max())
+                override.clear()
+        decode.QUANT_ASM, decode.INT8_MMA = True, False
+        best = sorted(arms, key=lambda r: r["ms"])
+        result["rows"][name] = {"floor_ms": floor, "arms": arms}
+        print(f"{name}: floor {floor:.4f} | " + " ".join(f"{a['arm']} {a['ms']:.4f}" for a in arms[:6]) +
+              " | best " + "; ".join(f"{r['arm']} {r['ms']:.4f} ({r['fraction_of_floor']:.2f})" for r in best[:4]),
+              flush=True)
+        torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "quant_tuning.json").write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
