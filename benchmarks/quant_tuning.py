@@ -28,8 +28,8 @@ GQA_ROWS = ("gqa-decode-int8-b64-ctx4k", "gqa-decode-int8-b16-ctx4k", "gqa-decod
             "gqa-decode-int4-b16-ctx4k")
 PA_ROWS = ("int8-b64-ctx8k-bs256", "fp8-b64-ctx8k-bs256", "int8-b64-ctx8k-bs16", "int8-b16-ctx4k-bs16",
            "int4-channel-b64-ctx8k-bs16")
-TILES = ((64, 4), (128, 4), (128, 8), (64, 8), (32, 4))
-STAGES = (1, 2, 3)
+TILES = ((128, 8), (256, 8), (64, 4))
+PICK = ("gqa-decode-int8-b64-ctx4k", "fp8-b64-ctx8k-bs256", "gqa-decode-int4-b16-ctx4k")
 
 
 def gqa_case(name: str):
@@ -59,6 +59,8 @@ def main() -> int:
     ap.add_argument("rows", nargs="*", default=list(GQA_ROWS + PA_ROWS))
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument("--quick", action="store_true", help="the conversion / MMA / stages arms only, default tiles")
+    ap.add_argument("--pick", nargs="+", default=list(PICK), help="rows whose best arms (per cache format) --env-out writes")
+    ap.add_argument("--env-out", type=Path, help="write the picked arm as `export` lines (a shell file)")
     ap.add_argument("--dry-run", action="store_true", help="CPU (TRITON_INTERPRET=1), tiny rows, one call per arm")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.dry_run else "cuda")
@@ -70,6 +72,8 @@ def main() -> int:
         return decode._paged_decode(q, **({"num_splits": None} | kw | override)) if override else real(q, **kw)
 
     decode.paged_decode = patched
+    asm0, mma0 = decode.QUANT_ASM, decode.INT8_MMA
+    picked: dict = {}
     result = {"command": "python " + " ".join(sys.argv), "device": "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(dev),
               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "what": "the whole operator call (write + attention + reduce), CUDA-graph replays, median of 3 x 20 "
@@ -82,8 +86,8 @@ def main() -> int:
             continue
         arms: list[dict] = []
 
-        def arm(label: str, asm: bool, mma: bool, **ov):
-            decode.QUANT_ASM, decode.INT8_MMA = asm, mma
+        def arm(label: str, asm: str, mma: str, **ov):
+            decode.QUANT_ASM, decode.INT8_MMA = decode.parse_quant_asm(asm or "0"), mma
             override.clear()
             override.update(ov)
             try:
@@ -96,34 +100,46 @@ def main() -> int:
                          "fraction_of_floor": floor / ms})
             return out
 
-        ref = arm("plain", False, False)
-        arm("asm", True, False)
-        if "int8" in name:
-            arm("int8_mma", False, True)
-        for st in STAGES:
-            arm(f"asm-stages{st}", True, False, num_stages=st)
+        ref = arm("plain", "", "")
+        for asm, mma in (("kv", ""), ("v", ""), ("v", "k"), ("", "kv")):
+            if "k" not in mma or "int8" in name:
+                arm(f"asm_{asm or 0}-mma_{mma or 0}", asm, mma)
+        for st in () if args.quick else (2,):
+            arm(f"asm_v-stages{st}", "v", "", num_stages=st)
         if not args.quick:
-            for st in (1, 2, None):
+            for asm, mma in (("v", ""), ("v", "k")):
+                if "k" in mma and "int8" not in name:
+                    continue
                 for bn, nw in TILES:
-                    arm(f"asm-{bn}x{nw}-stages{st}", True, False, block_n=bn, num_warps=nw,
-                        **({} if st is None else {"num_stages": st}))
-        decode.QUANT_ASM, decode.INT8_MMA = True, False
+                    arm(f"asm_{asm}-mma_{mma or 0}-{bn}x{nw}", asm, mma, block_n=bn, num_warps=nw)
+        decode.QUANT_ASM, decode.INT8_MMA = asm0, mma0
         override.clear()
         if ref is not None:  # parity of every arm against the plain conversion at the defaults
             for a in arms:
-                decode.QUANT_ASM, decode.INT8_MMA = a["asm"], a["int8_mma"]
+                decode.QUANT_ASM, decode.INT8_MMA = decode.parse_quant_asm(a["asm"] or "0"), a["int8_mma"]
                 override.update({k: a[k] for k in ("block_n", "num_warps", "num_stages") if k in a})
                 a["err"] = float((call().float() - ref).abs().max() / ref.abs().max())
                 override.clear()
-        decode.QUANT_ASM, decode.INT8_MMA = True, False
+        decode.QUANT_ASM, decode.INT8_MMA = asm0, mma0
         best = sorted(arms, key=lambda r: r["ms"])
         result["rows"][name] = {"floor_ms": floor, "arms": arms}
         print(f"{name}: floor {floor:.4f} | " + " ".join(f"{a['arm']} {a['ms']:.4f}" for a in arms[:6]) +
               " | best " + "; ".join(f"{r['arm']} {r['ms']:.4f} ({r['fraction_of_floor']:.2f})" for r in best[:4]),
               flush=True)
         torch.cuda.empty_cache()
+        fmt = next((f for f in ("int8", "fp8", "int4") if f in name), None)
+        if name in args.pick and fmt:  # the best arm at the default tiles and stages per cache format
+            top = min((a for a in arms if "block_n" not in a and "num_stages" not in a), key=lambda a: a["ms"])
+            picked[fmt] = {"row": name, "arm": top["arm"], "ms": top["ms"], "asm": top["asm"] or "0",
+                           "int8_mma": top["int8_mma"]}
+    result["picked"] = picked
+    if args.env_out and picked:
+        spec = ",".join(f"{f}:{p['asm']}" for f, p in picked.items())
+        mma = picked.get("int8", {}).get("int8_mma") or "0"
+        args.env_out.write_text(f"export PAGEDKIT_QUANT_ASM={spec}\nexport PAGEDKIT_INT8_MMA={mma}\n")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quant_tuning.json").write_text(json.dumps(result, indent=1) + "\n")
+
     return 0
 
 

@@ -1,6 +1,6 @@
 """Print the SASS of the decode kernel's attention for GQA int8 / fp8 decode (batch 64, context 4096, 32 / 8 heads,
-head 128) compiled for sm_90 on any machine (Triton's ptxas / nvdisasm): python tests/_sm90_sass.py int8|fp8 1|0
-(the packed conversions on / off). Used by tests/test_quant_convert.py; run without TRITON_INTERPRET."""
+head 128) compiled for sm_90 on any machine (Triton's ptxas / nvdisasm): python tests/_sm90_sass.py int8|fp8 ASM [MMA]
+(the sides, k / v, with the packed conversions; with int8 tensor-core dots). Used by tests/test_quant_convert.py; run without TRITON_INTERPRET."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pagedkit.kernels.triton import common, decode
 B, H, HKV, D, C = 64, 32, 8, 128, 4352
 
 
-def sass(fmt: str, asm: bool) -> str:
+def sass(fmt: str, asm: str, mma: str = "") -> str:
     """SASS of the attention kernel for GQA int8 / fp8 decode (batch 64, context 4096) compiled for sm_90."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -37,7 +37,7 @@ def sass(fmt: str, asm: bool) -> str:
 
     K._attn_kernel = Capture(K._attn_kernel)
     K._reduce_kernel = Capture(K._reduce_kernel)
-    decode.QUANT_ASM = asm
+    decode.QUANT_ASM, decode.INT8_MMA = decode.parse_quant_asm(asm or "0"), mma
     dt = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[fmt]
     kc = torch.zeros(B, HKV, C, D, dtype=dt)
     sf = common.SideFormat(common.FMT_INT8 if fmt == "int8" else common.FMT_FP8, common.SCALE_TENSOR)
@@ -51,7 +51,7 @@ def sass(fmt: str, asm: bool) -> str:
         max_query_len=1, max_kv_len=4096, num_splits=None, bnsh=True, row_pad=1, bias_after_softcap=True)
     fn, args, kw = real, list(captured["args"]), dict(captured["kw"])
     num_warps = kw.pop("num_warps")
-    kw.pop("num_stages", None)
+    stages = kw.pop("num_stages", 3)
     ptr = {torch.int8: "*i8", torch.uint8: "*u8", torch.float16: "*fp16", torch.float32: "*fp32",
            torch.int32: "*i32", torch.int64: "*i64"}
     sig, constexprs, attrs = {}, {}, {}
@@ -73,9 +73,9 @@ def sass(fmt: str, asm: bool) -> str:
             if v % 16 == 0 and v:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": stages})
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pagedkit_{fmt}_{int(asm)}_{os.getpid()}.cubin")
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pagedkit_{fmt}_{asm or 0}_{mma or 0}_{os.getpid()}.cubin")
     with open(path, "wb") as f:
         f.write(compiled.asm["cubin"])
     try:
@@ -85,4 +85,4 @@ def sass(fmt: str, asm: bool) -> str:
 
 
 if __name__ == "__main__":
-    sys.stdout.write(sass(sys.argv[1], sys.argv[2] == "1"))
+    sys.stdout.write(sass(sys.argv[1], sys.argv[2].replace("0", ""), sys.argv[3] if len(sys.argv) > 3 else ""))

@@ -24,10 +24,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 5e-3  # float16
 
 
-@pytest.fixture
-def engaged(monkeypatch):
-    """INT8_MMA on; records the I8 flags of every attention launch."""
-    monkeypatch.setattr(decode, "INT8_MMA", True)
+@pytest.fixture(params=["kv", "k"])
+def engaged(request, monkeypatch):
+    """INT8_MMA on both sides ("kv") or the scores only ("k"); records the I8 flags of every attention launch."""
+    monkeypatch.setattr(decode, "INT8_MMA", request.param)
     flags = []
     real = K._attn_kernel
 
@@ -91,9 +91,9 @@ def test_gqa_int8_on_integer_dots_matches_the_oracle(engaged, name, dtype):
     inputs, attrs, _ = make_gqa_inputs(spec, 4242 + len(name))
     dev = {k: v if k == "total_sequence_length" else v.to(DEVICE) for k, v in inputs.items()}
     got = {k: v.cpu() for k, v in gqa.group_query_attention(dev, validate=False, **attrs).items()}
-    assert engaged and all(qk and pv for qk, pv in engaged), engaged
+    assert engaged and all(qk and pv == ("v" in decode.INT8_MMA) for qk, pv in engaged), engaged
     compare_with_oracle(got, inputs, attrs, TOL if dtype == torch.float16 else 2e-2)
 
 
 def test_the_path_is_off_by_default():
-    assert decode.INT8_MMA == (os.environ.get("PAGEDKIT_INT8_MMA") == "1")
+    assert decode.INT8_MMA == ("kv" if os.environ.get("PAGEDKIT_INT8_MMA") == "1" else "")

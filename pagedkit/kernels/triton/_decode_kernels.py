@@ -79,7 +79,7 @@ def _asm_f16(x, ASM: tl.constexpr):
 
 @triton.jit
 def _values(x, FMT: tl.constexpr, HIGH: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr,
-            ASM: tl.constexpr = False, Q_POW2: tl.constexpr = False):
+            ASM: tl.constexpr = False):
     """Loaded cache values -> DT (float16 / bfloat16; float caches pass through): codes are exact in DT, so
     this is exact. ASM (GPU, DT float16): the packed conversions above. Integer codes skip the integer-to-float unit (I2F is 16 lanes / clock / SM on Hopper,
     which made quantized decode compute-bound): the code goes into a float's mantissa by bit operations
@@ -200,7 +200,7 @@ def _attn_kernel(
         HAS_SINK: tl.constexpr, QK_MODE: tl.constexpr, HAS_QPOS: tl.constexpr, DIRECT: tl.constexpr,
         NEED_NAT: tl.constexpr, INTERP: tl.constexpr, LANES: tl.constexpr, PADDED: tl.constexpr,
         BIAS_AFTER: tl.constexpr, I8_QK: tl.constexpr = False, I8_PV: tl.constexpr = False,
-        ASM: tl.constexpr = False, Q_POW2: tl.constexpr = False):
+        ASM_K: tl.constexpr = False, ASM_V: tl.constexpr = False, Q_POW2: tl.constexpr = False):
     DT = q_ptr.dtype.element_ty
     # the dots' operand type per side: quantized codes (int8 / fp8 / int4, all exact in float16) run in float16 also
     # under bfloat16 queries (q by an exact power-of-two row scale into float16's range: bf16's 8 mantissa bits fit
@@ -332,12 +332,12 @@ def _attn_kernel(
             if I8_QK:
                 raw = (_dot_i8(q1, kt, INTERP) + _dot_i8(q2, kt, INTERP) * (1.0 / 254.0)) * s_q[:, None]
             else:
-                kta = _values(kt, K_FMT, False, KT, INTERP, ASM)
+                kta = _values(kt, K_FMT, False, KT, INTERP, ASM_K)
                 raw = _dot(qa, kta, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
                 if K_SCALE == 2:
                     raw = _dot(qa_lo, kta, raw, INTERP)
             if K_FMT == 3:
-                ktb = _values(kt, K_FMT, True, KT, INTERP, ASM)
+                ktb = _values(kt, K_FMT, True, KT, INTERP, ASM_K)
                 raw = _dot(qb, ktb, raw, INTERP)
                 if K_SCALE == 2:
                     raw = _dot(qb_lo, ktb, raw, INTERP)
@@ -387,9 +387,9 @@ def _attn_kernel(
             v_off = blk * stride_vb + off * stride_vs + v_head
             vt = tl.load(v_ptr + v_off[:, None] + vw[None, :], mask=kvalid[:, None] & vw_ok[None, :], other=0)
             if not I8_PV:
-                vta = _values(vt, V_FMT, False, VT, INTERP, ASM)
+                vta = _values(vt, V_FMT, False, VT, INTERP, ASM_V)
             if V_FMT == 3:
-                vtb = _values(vt, V_FMT, True, VT, INTERP, ASM)
+                vtb = _values(vt, V_FMT, True, VT, INTERP, ASM_V)
             if I8_PV:  # int8 values: p (in [0, 1], times a PER_TOKEN scale / the tile's largest) as two int8 digits
                 pw = p
                 if V_SCALE == 3:

@@ -76,13 +76,31 @@ MAX_GRID_Z = 65535  # CUDA's limit on grid dimension z (splits x lanes)
 QUANT_WIDE_PROGRAMS = 2
 BNSH_BLOCK = 256  # positions per virtual block of the contiguous (BNSH) accessor
 # int8 caches through the integer tensor cores (q and p as two int8 digits each, no per-element dequantization of
-# the cache tiles): off by default until measured on the H200 (PAGEDKIT_INT8_MMA=1 turns it on)
-INT8_MMA = os.environ.get("PAGEDKIT_INT8_MMA") == "1"
-# quantized caches converted to float16 by packed inline asm in the load's layout (_decode_kernels._ASM_*);
-# PAGEDKIT_QUANT_ASM=0 takes the plain conversions (A / B runs)
-QUANT_ASM = os.environ.get("PAGEDKIT_QUANT_ASM", "1") == "1"
+# the cache tiles) on the sides named ("k": the scores, "v": p @ V; PAGEDKIT_INT8_MMA=1 means both)
+INT8_MMA = {"1": "kv", "0": ""}.get(os.environ.get("PAGEDKIT_INT8_MMA", ""), os.environ.get("PAGEDKIT_INT8_MMA", ""))
+# per cache format, the sides ("k" / "v") whose codes are converted to float16 by packed inline asm in the load's
+# layout (_decode_kernels._ASM_*); the others take the plain conversions. PAGEDKIT_QUANT_ASM overrides: "kv" / "0"
+# for every format, or per format as "int8:v,fp8:kv,int4:0"
+_FMT_NAMES = {"int8": common.FMT_INT8, "fp8": common.FMT_FP8, "int4": common.FMT_INT4}
+
+
+def parse_quant_asm(spec: str) -> dict[int, str]:
+    """"kv" | "v" | "0" (all formats) or "int8:v,fp8:kv,..." -> {format code: sides}."""
+    if ":" not in spec:
+        return {f: spec.replace("0", "") for f in _FMT_NAMES.values()}
+    out = {f: "kv" for f in _FMT_NAMES.values()}
+    for item in spec.split(","):
+        name, _, sides = item.partition(":")
+        out[_FMT_NAMES[name.strip()]] = sides.strip().replace("0", "")
+    return out
+
+
+QUANT_ASM = parse_quant_asm(os.environ.get("PAGEDKIT_QUANT_ASM", "kv"))
 # software-pipeline stages of the attention kernel on quantized caches (None: Triton's default); tuning runs set it
 QUANT_STAGES: int | None = None
+# (block_n, num_warps) of quantized caches once the grid fills the SMs (see QUANT_WIDE_PROGRAMS);
+# PAGEDKIT_QUANT_TILE="BNxNW" overrides (tuning runs)
+QUANT_WIDE_TILE = tuple(int(v) for v in os.environ.get("PAGEDKIT_QUANT_TILE", "128x4").split("x"))
 _POISON = False  # tests: fill outputs and workspaces with NaN instead of leaving them uninitialized
 
 
@@ -275,7 +293,8 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
     block_m = max(int(block_m), g_tile, 16)
     q_chunk = block_m // g_tile
     if block_n is None and quant and wide <= 128 and B * Hkv * n_sub >= QUANT_WIDE_PROGRAMS * _num_sms(dev):
-        block_n = 128  # quantized caches are issue-bound per tile: wide tiles once the grid fills the SMs
+        # quantized caches are issue-bound per tile: wide tiles once the grid fills the SMs
+        block_n, num_warps = QUANT_WIDE_TILE if num_warps is None else (QUANT_WIDE_TILE[0], num_warps)
     waves = None
     if bnsh and block_n is None and num_warps is None and q_bound <= 8 and wide <= 128:
         # the contiguous accessor reads long runs without block-table lookups: wide tiles, one program per SM
@@ -361,9 +380,10 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         HAS_SINK=sink is not None, QK_MODE=qk_output, HAS_QPOS=qpos is not None,
         DIRECT=direct, NEED_NAT=need_nat, INTERP=common.INTERPRET, LANES=lanes > 1, PADDED=row_pad > 0,
         BIAS_AFTER=bool(bias_after_softcap) and bias is not None,
-        I8_QK=INT8_MMA and k_format.fmt == common.FMT_INT8 and kw_pad >= 32 and block_n >= 16,
-        I8_PV=INT8_MMA and v_format.fmt == common.FMT_INT8 and block_n >= 32 and vw_pad >= 16,
-        ASM=QUANT_ASM and quant and not common.INTERPRET,
+        I8_QK="k" in INT8_MMA and k_format.fmt == common.FMT_INT8 and kw_pad >= 32 and block_n >= 16,
+        I8_PV="v" in INT8_MMA and v_format.fmt == common.FMT_INT8 and block_n >= 32 and vw_pad >= 16,
+        ASM_K="k" in QUANT_ASM.get(k_format.fmt, "") and not common.INTERPRET,
+        ASM_V="v" in QUANT_ASM.get(v_format.fmt, "") and not common.INTERPRET,
         Q_POW2=k_format.fmt != common.FMT_FLOAT and T == torch.bfloat16, num_warps=num_warps, **stages)
     if direct:
         return out, qk
