@@ -27,4 +27,7 @@ def versions(modules=("triton", "onnxruntime", "onnx", "pagedkit")) -> dict:
             check=False).stdout.strip() or None
     except Exception:  # noqa: BLE001
         out["pagedkit_commit"] = None
+    # the kernel settings the environment overrode (PAGEDKIT_QUANT_ASM, PAGEDKIT_INT8_MMA, ...), if any
+    out["settings_env"] = {k: v for k, v in sorted(os.environ.items())
+                           if k.startswith("PAGEDKIT_") and k != "PAGEDKIT_COMMIT"}
     return out

@@ -106,6 +106,12 @@ def main() -> int:
                 arm(f"asm_{asm or 0}-mma_{mma or 0}", asm, mma)
         for st in () if args.quick else (2,):
             arm(f"asm_v-stages{st}", "v", "", num_stages=st)
+        if not args.quick and "int8" in name:  # fewer warps, more splits; deeper pipelines
+            for bn, nw in ((64, 1), (64, 2), (32, 1), (32, 2), (128, 2)):
+                for sp in (2, 4, 8):
+                    arm(f"asm_v-mma_k-{bn}x{nw}-splits{sp}", "v", "k", block_n=bn, num_warps=nw, num_splits=sp)
+            for bn, nw in ((64, 4), (128, 4)):
+                arm(f"asm_v-mma_k-{bn}x{nw}-stages4", "v", "k", block_n=bn, num_warps=nw, num_stages=4)
         if not args.quick:
             for asm, mma in (("v", ""), ("v", "k")):
                 if "k" in mma and "int8" not in name:
@@ -117,7 +123,7 @@ def main() -> int:
         if ref is not None:  # parity of every arm against the plain conversion at the defaults
             for a in arms:
                 decode.QUANT_ASM, decode.INT8_MMA = decode.parse_quant_asm(a["asm"] or "0"), a["int8_mma"]
-                override.update({k: a[k] for k in ("block_n", "num_warps", "num_stages") if k in a})
+                override.update({k: a[k] for k in ("block_n", "num_warps", "num_stages", "num_splits") if k in a})
                 a["err"] = float((call().float() - ref).abs().max() / ref.abs().max())
                 override.clear()
         decode.QUANT_ASM, decode.INT8_MMA = asm0, mma0
@@ -132,11 +138,32 @@ def main() -> int:
             top = min((a for a in arms if "block_n" not in a and "num_stages" not in a), key=lambda a: a["ms"])
             picked[fmt] = {"row": name, "arm": top["arm"], "ms": top["ms"], "asm": top["asm"] or "0",
                            "int8_mma": top["int8_mma"]}
+            if fmt == "int8":  # tiles / splits / stages of the wide quantized grid, when >= 3% faster
+                best = min(arms, key=lambda a: a["ms"])
+                if "block_n" in best and best["ms"] < 0.97 * top["ms"]:
+                    programs = gqa_case(name).batch * gqa_case(name).kv_heads if name.startswith("gqa-") else None
+                    picked["wide"] = {"arm": best["arm"], "ms": best["ms"], "asm": best["asm"] or "0",
+                                      "int8_mma": best["int8_mma"],
+                                      "tile": f"{best['block_n']}x{best['num_warps']}",
+                                      "stages": best.get("num_stages"),
+                                      "waves": (best["num_splits"] * programs / (torch.cuda.get_device_properties(
+                                          dev).multi_processor_count if dev.type == "cuda" else 132)) if "num_splits" in best and programs else None}
     result["picked"] = picked
     if args.env_out and picked:
-        spec = ",".join(f"{f}:{p['asm']}" for f, p in picked.items())
-        mma = picked.get("int8", {}).get("int8_mma") or "0"
-        args.env_out.write_text(f"export PAGEDKIT_QUANT_ASM={spec}\nexport PAGEDKIT_INT8_MMA={mma}\n")
+        wide = picked.get("wide")
+        fmts = {f: p for f, p in picked.items() if f != "wide"}
+        if wide:
+            fmts["int8"] = dict(fmts.get("int8", {}), asm=wide["asm"], int8_mma=wide["int8_mma"])
+        spec = ",".join(f"{f}:{p['asm']}" for f, p in fmts.items())
+        lines = [f"export PAGEDKIT_QUANT_ASM={spec}",
+                 f"export PAGEDKIT_INT8_MMA={fmts.get('int8', {}).get('int8_mma') or '0'}"]
+        if wide:
+            lines.append(f"export PAGEDKIT_QUANT_TILE={wide['tile']}")
+            if wide["stages"]:
+                lines.append(f"export PAGEDKIT_QUANT_STAGES={wide['stages']}")
+            if wide["waves"]:
+                lines.append(f"export PAGEDKIT_QUANT_WAVES={wide['waves']:.3f}")
+        args.env_out.write_text("\n".join(lines) + "\n")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quant_tuning.json").write_text(json.dumps(result, indent=1) + "\n")
 

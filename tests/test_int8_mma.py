@@ -96,4 +96,6 @@ def test_gqa_int8_on_integer_dots_matches_the_oracle(engaged, name, dtype):
 
 
 def test_the_path_is_off_by_default():
-    assert decode.INT8_MMA == ("kv" if os.environ.get("PAGEDKIT_INT8_MMA") == "1" else "")
+    if os.environ.get("PAGEDKIT_INT8_MMA") is not None:
+        pytest.skip("PAGEDKIT_INT8_MMA overrides the default")
+    assert decode.INT8_MMA == ""

@@ -89,7 +89,7 @@ def parse_quant_asm(spec: str) -> dict[int, str]:
     if ":" not in spec:
         return {f: spec.replace("0", "") for f in _FMT_NAMES.values()}
     out = {f: "kv" for f in _FMT_NAMES.values()}
-    for item in spec.split(","):
+    for item in filter(None, spec.split(",")):
         name, _, sides = item.partition(":")
         out[_FMT_NAMES[name.strip()]] = sides.strip().replace("0", "")
     return out
@@ -97,10 +97,13 @@ def parse_quant_asm(spec: str) -> dict[int, str]:
 
 QUANT_ASM = parse_quant_asm(os.environ.get("PAGEDKIT_QUANT_ASM", "kv"))
 # software-pipeline stages of the attention kernel on quantized caches (None: Triton's default); tuning runs set it
-QUANT_STAGES: int | None = None
+QUANT_STAGES: int | None = int(os.environ["PAGEDKIT_QUANT_STAGES"]) if os.environ.get("PAGEDKIT_QUANT_STAGES") else None
 # (block_n, num_warps) of quantized caches once the grid fills the SMs (see QUANT_WIDE_PROGRAMS);
 # PAGEDKIT_QUANT_TILE="BNxNW" overrides (tuning runs)
 QUANT_WIDE_TILE = tuple(int(v) for v in os.environ.get("PAGEDKIT_QUANT_TILE", "128x4").split("x"))
+# programs per SM the splits aim for with those tiles (None: WAVES); PAGEDKIT_QUANT_WAVES overrides (tuning runs)
+QUANT_WIDE_WAVES: float | None = float(os.environ["PAGEDKIT_QUANT_WAVES"]) if os.environ.get(
+    "PAGEDKIT_QUANT_WAVES") else None
 _POISON = False  # tests: fill outputs and workspaces with NaN instead of leaving them uninitialized
 
 
@@ -292,10 +295,11 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         block_m = min(max(16, g_tile * next_pow2(q_bound)), cap)
     block_m = max(int(block_m), g_tile, 16)
     q_chunk = block_m // g_tile
+    waves = None
     if block_n is None and quant and wide <= 128 and B * Hkv * n_sub >= QUANT_WIDE_PROGRAMS * _num_sms(dev):
         # quantized caches are issue-bound per tile: wide tiles once the grid fills the SMs
         block_n, num_warps = QUANT_WIDE_TILE if num_warps is None else (QUANT_WIDE_TILE[0], num_warps)
-    waves = None
+        waves = QUANT_WIDE_WAVES
     if bnsh and block_n is None and num_warps is None and q_bound <= 8 and wide <= 128:
         # the contiguous accessor reads long runs without block-table lookups: wide tiles, one program per SM
         # (H200, GQA 32 / 8 heads, head 128, benchmarks/results/gqa_tuning.json: batch 16 / context 4096 0.0806
