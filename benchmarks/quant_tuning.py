@@ -28,7 +28,7 @@ GQA_ROWS = ("gqa-decode-int8-b64-ctx4k", "gqa-decode-int8-b16-ctx4k", "gqa-decod
             "gqa-decode-int4-b16-ctx4k")
 PA_ROWS = ("int8-b64-ctx8k-bs256", "fp8-b64-ctx8k-bs256", "int8-b64-ctx8k-bs16", "int8-b16-ctx4k-bs16",
            "int4-channel-b64-ctx8k-bs16")
-TILES = ((128, 8), (256, 8), (64, 4))
+TILES = ((128, 8), (256, 8), (64, 4), (64, 8))
 PICK = ("gqa-decode-int8-b64-ctx4k", "fp8-b64-ctx8k-bs256", "gqa-decode-int4-b16-ctx4k")
 
 
@@ -107,8 +107,8 @@ def main() -> int:
         for st in () if args.quick else (2,):
             arm(f"asm_v-stages{st}", "v", "", num_stages=st)
         if not args.quick and "int8" in name:  # fewer warps, more splits; deeper pipelines
-            for bn, nw in ((64, 1), (64, 2), (32, 1), (32, 2), (128, 2)):
-                for sp in (2, 4, 8):
+            for bn, nw in ((64, 1), (64, 2), (32, 1), (32, 2), (128, 2), (64, 4)):
+                for sp in (2, 4, 8) if nw < 4 else (2,):
                     arm(f"asm_v-mma_k-{bn}x{nw}-splits{sp}", "v", "k", block_n=bn, num_warps=nw, num_splits=sp)
             for bn, nw in ((64, 4), (128, 4)):
                 arm(f"asm_v-mma_k-{bn}x{nw}-stages4", "v", "k", block_n=bn, num_warps=nw, num_stages=4)
