@@ -1,5 +1,5 @@
-"""The int8-cache path through the integer tensor cores (decode.INT8_MMA, off by default until measured on the
-H200): q and p as two int8 digits each, int8 x int8 dots on the cache codes, no per-element dequantization.
+"""The int8-cache path through the integer tensor cores (decode.INT8_MMA: the scores by default, "kv" both dots):
+q and p as two int8 digits each, int8 x int8 dots on the cache codes, no per-element dequantization.
 Against the float64 loop oracles (tests/paged_oracle.py), in Triton's interpreter on the CPU or compiled on
 CUDA: PagedAttention int8 caches with PER_TENSOR / PER_CHANNEL / PER_TOKEN scales (decode, prefill, features)
 and GroupQueryAttention's int8 configurations, with the path asserted engaged. Teeth: a 2% wrong scale fails."""
@@ -95,7 +95,9 @@ def test_gqa_int8_on_integer_dots_matches_the_oracle(engaged, name, dtype):
     compare_with_oracle(got, inputs, attrs, TOL if dtype == torch.float16 else 2e-2)
 
 
-def test_the_path_is_off_by_default():
+def test_the_scores_run_on_integer_dots_by_default():
     if os.environ.get("PAGEDKIT_INT8_MMA") is not None:
         pytest.skip("PAGEDKIT_INT8_MMA overrides the default")
-    assert decode.INT8_MMA == ""
+    assert decode.INT8_MMA == "k"
+    if os.environ.get("PAGEDKIT_QUANT_ASM") is None:
+        assert all(sides == "v" for sides in decode.QUANT_ASM.values())

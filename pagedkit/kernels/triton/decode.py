@@ -32,9 +32,12 @@ loaded through a uint8 view); PER_TENSOR K scales the scores, PER_CHANNEL K is f
 parts (two dots), PER_TOKEN K / V scales multiply the scores / p per key (V: normalized by the tile's largest
 scale, kept in the fp16 range), PER_TENSOR / PER_CHANNEL V scale the output. int4: even channels from the low
 nibbles, odd from the high ones, two dots each way. A float cache of another float type than T is rounded to T.
-With INT8_MMA (PAGEDKIT_INT8_MMA=1; off until measured on the H200) int8 caches skip the per-element dequantization:
-q (times a PER_CHANNEL K scale) and p (times a PER_TOKEN V scale over the tile's largest) become two int8 digits
-each (x ~ (x1 + x2 / 254) * step), and the dots run on the int8 codes with int32 accumulation (exact).
+int8 caches run the scores on the integer tensor cores by default (INT8_MMA "k"; PAGEDKIT_INT8_MMA): q (times a
+PER_CHANNEL K scale) becomes two int8 digits per row (x ~ (x1 + x2 / 254) * step) and the dot runs on the cache
+codes with int32 accumulation (exact); "kv" does p @ V likewise (p, times a PER_TOKEN V scale over the tile's
+largest, as two digits). The V tile's codes convert to float16 in registers by packed inline asm before going to
+shared memory (QUANT_ASM; PAGEDKIT_QUANT_ASM). Quantized sides run their float dots in float16 also under
+bfloat16 queries (q by an exact power-of-two row scale).
 Head sizes are padded to powers of two >= 16 (masked; e.g. 80 -> 128, LATENT 576 -> 1024).
 
 Two accessors, one kernel (design §14.3): the paged one above, and GroupQueryAttention's (gqa.py, `bnsh=True`):
@@ -75,12 +78,19 @@ MAX_GRID_Z = 65535  # CUDA's limit on grid dimension z (splits x lanes)
 # 0.42 ms, int4 0.59 -> 0.54 ms); smaller grids keep the per-block tiles, which fill the SMs with splits
 QUANT_WIDE_PROGRAMS = 2
 BNSH_BLOCK = 256  # positions per virtual block of the contiguous (BNSH) accessor
-# int8 caches through the integer tensor cores (q and p as two int8 digits each, no per-element dequantization of
-# the cache tiles) on the sides named ("k": the scores, "v": p @ V; PAGEDKIT_INT8_MMA=1 means both)
-INT8_MMA = {"1": "kv", "0": ""}.get(os.environ.get("PAGEDKIT_INT8_MMA", ""), os.environ.get("PAGEDKIT_INT8_MMA", ""))
+# int8 caches through the integer tensor cores on the sides named ("k": the scores, q as two int8 digits against
+# the cache codes with int32 accumulation; "v": p @ V likewise). Default "k" (H200, GQA 32 / 8 heads, head 128,
+# batch 64 / context 4096, benchmarks/results/quant_tuning.json: 0.2123 ms with float16 dots on both sides,
+# 0.1733 with the scores on integer dots, 0.2155 on both: V's codes, reduced over its rows, go through shared
+# memory one byte per load). PAGEDKIT_INT8_MMA overrides: "k" / "kv" / "0" ("1" = "kv")
+_MMA_ENV = os.environ.get("PAGEDKIT_INT8_MMA", "k")
+INT8_MMA = {"1": "kv", "0": ""}.get(_MMA_ENV, _MMA_ENV)
 # per cache format, the sides ("k" / "v") whose codes are converted to float16 by packed inline asm in the load's
-# layout (_decode_kernels._ASM_*); the others take the plain conversions. PAGEDKIT_QUANT_ASM overrides: "kv" / "0"
-# for every format, or per format as "int8:v,fp8:kv,int4:0"
+# layout (_decode_kernels._ASM_*); the others take the plain conversions. Default V only on every format (same
+# sweep: int8 0.2466 ms asm on both sides, 0.2123 V only, 0.2574 none; fp8 at batch 64 / context 8192, 256-token
+# blocks, 0.4744 / 0.3717 / 0.4361; int4 batch 16 0.0657 / 0.0654 / 0.0720): K's codes are reduced along their
+# contiguous channels and Triton's own conversion reads them as words. PAGEDKIT_QUANT_ASM overrides: "kv" / "v" /
+# "0" for every format, or per format as "int8:v,fp8:kv,int4:0"
 _FMT_NAMES = {"int8": common.FMT_INT8, "fp8": common.FMT_FP8, "int4": common.FMT_INT4}
 
 
@@ -95,7 +105,7 @@ def parse_quant_asm(spec: str) -> dict[int, str]:
     return out
 
 
-QUANT_ASM = parse_quant_asm(os.environ.get("PAGEDKIT_QUANT_ASM", "kv"))
+QUANT_ASM = parse_quant_asm(os.environ.get("PAGEDKIT_QUANT_ASM", "v"))
 # software-pipeline stages of the attention kernel on quantized caches (None: Triton's default); tuning runs set it
 QUANT_STAGES: int | None = int(os.environ["PAGEDKIT_QUANT_STAGES"]) if os.environ.get("PAGEDKIT_QUANT_STAGES") else None
 # (block_n, num_warps) of quantized caches once the grid fills the SMs (see QUANT_WIDE_PROGRAMS);
