@@ -1,0 +1,385 @@
+"""Continuous-batching generation over a paged model folder (model.onnx + genai_config.json).
+
+    engine = Engine("model_dir", max_batch_size=8, max_num_tokens=256)
+    rid = engine.add_request([1, 5, 9], SamplingParams(max_new_tokens=8))
+    while engine.has_unfinished():
+        for out in engine.step():            # one batch through the model per step
+            print(out.request_id, out.new_token_ids, out.finish_reason)
+
+Scheduling policy of one step (see docs/engine.md):
+1. the inbox is drained: requests added / aborted from other threads since the last step;
+2. running requests that decode get their one token (plus up to num_draft_tokens drafts), then
+   running requests in the middle of a prefill get their next chunk, in admission order;
+3. waiting requests are admitted in FIFO order (preempted ones first) while the batch has fewer than
+   max_batch_size sequences and the step fewer than max_num_tokens tokens; each gets a prefill chunk
+   of what the token budget leaves (chunked prefill across steps); every chunk is also cut to
+   KVCacheManager.max_step_tokens (windowed rings, max_seq_len);
+4. the batch is planned in one KVCacheManager plan. If the pool cannot hold it (KVCacheExhausted),
+   requests admitted in this step go back to the front of the queue, latest first; then the most
+   recently admitted running request is preempted (its blocks freed, it is requeued at the front with
+   prompt + generated tokens as its new prefill: recompute); a request that cannot fit even alone ends
+   with finish_reason "abort" and a reason;
+5. the step runs; each sequence whose prompt is fully cached samples its next token (speculative
+   entries verify their drafts: the longest matching prefix plus the target's own next token is kept,
+   the rejected drafts are rolled back in the cache with KVCacheManager.accept).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from ..kv.cache import KVCacheExhausted
+from .model import PagedModel
+from .params import RequestOutput, SamplingParams
+from .request import RUNNING, WAITING, Request
+from .sampling import ngram_draft, request_generator, sample_token
+
+log = logging.getLogger("pagedkit.engine")
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0  # steps that ran a batch
+    tokens: int = 0  # tokens fed to the model (prefill + decode + drafts)
+    preemptions: int = 0
+    unadmitted: int = 0  # admissions undone within a step (the pool could not hold them)
+    prefix_hit_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    max_batch: int = 0  # most sequences seen in one step
+
+
+@dataclass
+class _Entry:
+    req: Request
+    ids: list[int]  # tokens fed this step: a prefill chunk, or [last token] + drafts
+    drafts: int = 0
+    new: bool = False  # admitted in this step
+
+
+class Engine:
+    """Continuous batching over one InferenceSession and one KVCacheManager (paged models only).
+
+    max_batch_size: most sequences in one step; max_num_tokens: most tokens in one step (prefill chunks
+    included); num_blocks: blocks of the full-attention pool (default: every one of max_batch_size
+    sequences can reach the context length); block_size: None = the model's; enable_prefix_caching:
+    reuse cached full blocks of identical prefixes (off for models with sliding-window layers).
+    add_request / abort may be called from any thread; step() from one thread at a time."""
+
+    def __init__(self, model_dir: str | Path, device: str = "cpu", *, max_batch_size: int = 16,
+                 max_num_tokens: int = 512, num_blocks: int | None = None, block_size: int | None = None,
+                 enable_prefix_caching: bool = True):
+        self.model = PagedModel(model_dir, device, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
+                                num_blocks=num_blocks, block_size=block_size,
+                                enable_prefix_caching=enable_prefix_caching)
+        self.kv = self.model.mgr
+        self.eos_token_ids: list[int] = list(self.model.config.eos_token_ids)
+        self.vocab_size: int | None = self.model.config.vocab_size
+        self.max_batch_size, self.max_num_tokens = max_batch_size, max_num_tokens
+        self.stats = EngineStats()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self._admissions = 0
+        self._lock = threading.Lock()  # guards _inbox and _live (touched by add_request / abort)
+        self._step_lock = threading.Lock()
+        self._inbox: list[tuple[str, object]] = []
+        self._live: dict[str, Request] = {}  # unfinished requests by id (inbox included)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.model.max_seq_len
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, drafter: Callable[[list[int]], list[int]] | None = None) -> str:
+        """Queue a request (thread-safe); it is admitted at a later step(). Returns its id."""
+        req = self._make_request(prompt_token_ids, params, request_id, drafter)
+        self._enqueue([req])
+        return req.request_id
+
+    def _make_request(self, prompt, params, request_id, drafter) -> Request:
+        try:
+            prompt = list(prompt)
+        except TypeError:
+            raise ValueError(f"prompt_token_ids must be a list of token ids, got {prompt!r}"[:200]) from None
+        if not prompt:
+            raise ValueError("prompt_token_ids must hold at least one token id, got []")
+        vocab = self.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab is not None and t >= vocab):
+                raise ValueError(f"prompt_token_ids must hold token ids in [0, {vocab if vocab is not None else 'vocab'}), "
+                                 f"got {t!r}")
+        if len(prompt) > self.max_seq_len:
+            raise ValueError(f"prompt_token_ids has {len(prompt)} tokens, beyond the model's max_seq_len "
+                             f"{self.max_seq_len}")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams or None, got {type(params).__name__}")
+        if drafter is not None and not callable(drafter):
+            raise TypeError(f"drafter must be a callable (token ids so far -> draft token ids) or None, "
+                            f"got {type(drafter).__name__}")
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str or None, got {request_id!r}")
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        return Request(request_id, [int(t) for t in prompt], params, request_generator(params.seed), frozenset(stop),
+                       max_total=self.max_seq_len + 1, drafter=drafter)
+
+    def _enqueue(self, reqs: list[Request]) -> None:
+        with self._lock:
+            ids = [r.request_id for r in reqs]
+            dup = [i for i in ids if i in self._live] or [i for i in ids if ids.count(i) > 1]
+            if dup:
+                raise ValueError(f"request_id {dup[0]!r} is already in use by an unfinished request")
+            for r in reqs:
+                self._live[r.request_id] = r
+                self._inbox.append(("add", r))
+
+    def abort(self, request_id: str) -> None:
+        """Finish a request with "abort" at the next step (thread-safe); its blocks go back to the pool.
+        A finished or unknown request id is left alone (a client may abort after the end)."""
+        with self._lock:
+            if request_id in self._live:
+                self._inbox.append(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._live)
+
+    # ---- stepping ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration: at most one batch through the model. Returns an output for every
+        request that changed (new visible tokens, or finished)."""
+        if not self._step_lock.acquire(blocking=False):
+            raise RuntimeError("Engine.step() is already running in another thread; call it from one thread")
+        try:
+            outputs = self._drain()
+            entries = self._schedule()
+            plan = self._plan(entries, outputs)
+            if plan is not None:
+                outputs += self._execute(entries, plan)
+            return outputs
+        finally:
+            self._step_lock.release()
+
+    def _drain(self) -> list[RequestOutput]:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        outputs = []
+        for kind, item in inbox:
+            if kind == "add":
+                why = self._never_fits(item)
+                if why is None:
+                    self.waiting.append(item)
+                    continue
+                item.finish("abort", why)
+                log.warning("request %s aborted: %s", item.request_id, why)
+            else:
+                with self._lock:
+                    item = self._live.get(item)
+                if item is None or item.finished:
+                    continue
+                item.finish("abort", "aborted by Engine.abort")
+            self._retire(item)
+            outputs.append(item.emit())
+        return outputs
+
+    def _never_fits(self, req: Request) -> str | None:
+        longest = min(len(req.prompt) + req.params.max_new_tokens - 1, self.max_seq_len)
+        for group, need in self.model.blocks_needed(longest).items():
+            have = self.kv.config.group(group).num_blocks
+            if need > have:
+                return (f"the KV cache can never hold this request: {longest} tokens (prompt {len(req.prompt)} + "
+                        f"max_new_tokens {req.params.max_new_tokens} - 1) need {need} blocks of group {group!r}, "
+                        f"the pool has {have} (raise num_blocks or lower max_new_tokens)")
+        return None
+
+    def _schedule(self) -> list[_Entry]:
+        entries: list[_Entry] = []
+        budget = self.max_num_tokens
+        ordered = [r for r in self.running if r.decoding] + [r for r in self.running if not r.decoding]
+        for r in ordered:
+            if len(entries) >= self.max_batch_size or budget < 1:
+                break
+            room = min(budget, self.kv.max_step_tokens(r.request_id))
+            if r.decoding:
+                drafts = self._drafts(r, room - 1)
+                entries.append(_Entry(r, [r.tokens[-1]] + drafts, len(drafts)))
+            else:
+                entries.append(_Entry(r, r.tokens[r.num_computed:r.num_computed + room]))
+            budget -= len(entries[-1].ids)
+        while self.waiting and len(entries) < self.max_batch_size and budget >= 1:
+            r = self.waiting.popleft()
+            hit = self.kv.add_sequence(r.request_id, r.tokens)
+            self.stats.prefix_hit_tokens += hit
+            self._admissions += 1
+            r.num_computed, r.status, r.admitted = hit, RUNNING, self._admissions
+            self.running.append(r)
+            room = min(budget, self.kv.max_step_tokens(r.request_id))
+            entries.append(_Entry(r, r.tokens[hit:hit + room], new=True))
+            budget -= len(entries[-1].ids)
+        return entries
+
+    def _drafts(self, r: Request, room: int) -> list[int]:
+        k = min(r.params.num_draft_tokens, room, r.params.max_new_tokens - r.num_output - 1,
+                r.max_total - len(r.tokens) - 1)
+        if k < 1:
+            return []
+        drafts = r.drafter(list(r.tokens)) if r.drafter is not None else ngram_draft(r.tokens, k)
+        try:
+            drafts = [int(t) for t in list(drafts)[:k]]
+        except (TypeError, ValueError):
+            raise TypeError(f"request {r.request_id}: the drafter must return a list of token ids, got {drafts!r}"[:300])
+        vocab = self.vocab_size
+        bad = [t for t in drafts if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise ValueError(f"request {r.request_id}: draft token ids must be in [0, {vocab}), got {bad}")
+        return drafts
+
+    def _plan(self, entries: list[_Entry], outputs: list[RequestOutput]):
+        """One KVCacheManager plan for the batch, preempting (or, alone, aborting) on exhaustion."""
+        while entries:
+            for e in entries:
+                if e.drafts:
+                    self.kv.speculate(e.req.request_id, e.drafts)
+            try:
+                return self.kv.plan([(e.req.request_id, e.ids) for e in entries])
+            except KVCacheExhausted as exc:
+                newly = [e for e in entries if e.new]
+                if newly:
+                    victim = newly[-1].req
+                    self._requeue(victim)
+                    self.stats.unadmitted += 1
+                elif len(self.running) > 1:
+                    victim = max(self.running, key=lambda r: r.admitted)
+                    self._requeue(victim)
+                    victim.num_preemptions += 1
+                    self.stats.preemptions += 1
+                    log.info("preempted request %s (recompute of %d tokens)", victim.request_id, len(victim.tokens))
+                else:
+                    victim = entries[0].req
+                    victim.finish("abort", f"the KV cache cannot hold this request even alone: {exc}")
+                    log.warning("request %s aborted: %s", victim.request_id, victim.reason)
+                    self._retire(victim)
+                    outputs.append(victim.emit())
+                entries[:] = [e for e in entries if e.req is not victim]
+        return None
+
+    def _requeue(self, r: Request) -> None:
+        """Free the request's blocks and put it at the front of the queue: its next prefill is prompt +
+        generated tokens (nothing is emitted again: num_emitted stays)."""
+        self.kv.free(r.request_id)
+        self.running.remove(r)
+        r.status, r.num_computed, r.admitted = WAITING, 0, -1
+        self.waiting.appendleft(r)
+
+    def _execute(self, entries: list[_Entry], plan) -> list[RequestOutput]:
+        ids = [t for e in entries for t in e.ids]
+        logits = self.model.run(plan, ids)
+        self.kv.commit(plan)
+        self.stats.steps += 1
+        self.stats.tokens += len(ids)
+        self.stats.max_batch = max(self.stats.max_batch, len(entries))
+        outputs, row = [], 0
+        for e in entries:
+            r, n = e.req, len(e.ids)
+            rows, row = logits[row:row + n], row + n
+            if e.drafts:
+                toks = []
+                for i in range(e.drafts + 1):  # the target's choice after [last] + drafts[:i]
+                    toks.append(sample_token(rows[i], r.params, r.generator))
+                    if i < e.drafts and toks[-1] != e.ids[i + 1]:
+                        break
+                accepted = len(toks) - 1
+                self.kv.accept(r.request_id, accepted)
+                r.num_computed += 1 + accepted
+                self.stats.draft_tokens += e.drafts
+                self.stats.accepted_draft_tokens += accepted
+            else:
+                r.num_computed += n
+                toks = [sample_token(rows[-1], r.params, r.generator)] if r.num_computed == len(r.tokens) else []
+            if self.kv.length(r.request_id) != r.num_computed:
+                raise RuntimeError(f"request {r.request_id}: the cache holds {self.kv.length(r.request_id)} tokens, "
+                                   f"the engine counts {r.num_computed}")
+            for t in toks:
+                if r.append(t):
+                    break
+            if r.finished:
+                self._retire(r)
+            out = r.emit()
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _retire(self, r: Request) -> None:
+        if r.status == RUNNING or r in self.running:
+            self.kv.free(r.request_id)
+            self.running.remove(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        r.status = "finished"
+        with self._lock:
+            self._live.pop(r.request_id, None)
+
+    # ---- conveniences ------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run the prompts to completion; their final outputs in input order. Other requests in the
+        engine progress meanwhile, but their outputs of these steps are not returned."""
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ValueError(f"params: expected one SamplingParams per prompt ({len(prompts)}), got {len(params)}")
+            per = list(params)
+        else:
+            per = [params] * len(prompts)
+        reqs = [self._make_request(p, sp, None, None) for p, sp in zip(prompts, per)]
+        self._enqueue(reqs)
+        final: dict[str, RequestOutput] = {}
+        pending = {r.request_id for r in reqs}
+        while pending:
+            outs = self.step()
+            for o in outs:
+                if o.finished and o.request_id in pending:
+                    final[o.request_id] = o
+                    pending.discard(o.request_id)
+            if pending and not outs and not self.running and not self.waiting:
+                raise RuntimeError(f"Engine.generate: requests {sorted(pending)} make no progress")
+        return [final[r.request_id] for r in reqs]
+
+    def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
+               drafter: Callable[[list[int]], list[int]] | None = None) -> Iterator[RequestOutput]:
+        """One request's outputs as they come (this iterator drives step()); closing it early aborts it."""
+        rid = self.add_request(prompt_token_ids, params, drafter=drafter)
+        done = False
+        try:
+            while not done:
+                for o in self.step():
+                    if o.request_id == rid:
+                        done = o.finished
+                        yield o
+        finally:
+            if not done:
+                self.abort(rid)
+
+    # ---- introspection -----------------------------------------------------------------------------
+    def num_free_blocks(self) -> dict[str, int]:
+        """Free (unused + evictable prefix-cached) blocks per KV group."""
+        return {g: self.kv.num_free_blocks(g) for g in self.model.groups}
+
+    def num_blocks(self) -> dict[str, int]:
+        return {g: c.num_blocks for g, c in self.model.groups.items()}
+
+    def check_invariants(self) -> list[str]:
+        errs = self.kv.check_invariants()
+        held = set(self.kv.seqs)
+        mine = {r.request_id for r in self.running}
+        if held != mine:
+            errs.append(f"the cache holds sequences {sorted(map(str, held))}, the engine runs {sorted(mine)}")
+        return errs

@@ -1,0 +1,114 @@
+"""The engine's model: an InferenceSession over a paged model folder and the KVCacheManager that owns
+its caches, sized for a batch (max_batch_size sequences, max_num_tokens tokens a step).
+
+Cache geometry (same rules as generate.Generator): block_size is the graph's static cache dimension 1
+if it has one, else the argument, else genai_config's block size, else 16. Pools:
+- "full" group (full-attention layers, `block_table`): num_blocks blocks, default max_batch_size x
+  ceil(max_seq_len / block_size) (every running sequence can reach the context length);
+- "windowed" group (sliding-window layers, `block_table_windowed`): one ring per running sequence,
+  max_batch_size x ring_blocks, rings sized for prefill chunks of chunk = genai search.chunk_size or
+  block_size tokens (each step of a sequence is cut to KVCacheManager.max_step_tokens).
+Prefix caching needs full-attention groups only; with a windowed group it is off (`prefix_caching`
+False and `prefix_caching_off_reason` says why).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ...interface import names as N
+from ...interface.paths import inside_folder
+from ...validators.contract import block_size_error
+from ..generate import DecoderConfig, _PagedState, read_config
+from ..kv.cache import KVCacheManager
+from ..kv.config import GroupConfig, KVCacheConfig
+from ..kv.plan import StepPlan
+from ..session import InferenceSession, _cpu_backend
+
+
+class PagedModel:
+    def __init__(self, model_dir: str | Path, device: str, *, max_batch_size: int, max_num_tokens: int,
+                 num_blocks: int | None, block_size: int | None, enable_prefix_caching: bool):
+        for name, v in (("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Engine: {name} must be an integer >= 1, got {v!r}")
+        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
+            raise ValueError(f"Engine: num_blocks must be an integer >= 1 or None (sized for the batch), got {num_blocks!r}")
+        if block_size is not None and block_size_error(block_size):
+            raise ValueError(f"Engine: block_size: {block_size_error(block_size)}")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"Engine: device must be 'cpu' or 'cuda', got {device!r}")
+        self.config: DecoderConfig = read_config(model_dir)
+        cfg = self.config
+        if not cfg.paged:
+            raise ValueError(
+                f"{model_dir}: the engine needs the paged layout (a '{N.BLOCK_TABLE}' decoder input); this model "
+                f"has the GQA layout (inputs {sorted(cfg.inputs)}): rewrite it with paged-rewrite, or run it "
+                "with pagedkit.runtime.generate.Generator")
+        providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+        path = inside_folder(model_dir, cfg.filename, "model.decoder.filename", str(Path(model_dir) / "genai_config.json"))
+        self.session = InferenceSession(str(path), None, providers=providers,
+                                        cpu_backend=_cpu_backend(None, "auto"))
+        self.max_seq_len = cfg.context_length
+        self.logits_name = cfg.outputs.get(N.LOGITS) or N.LOGITS
+        args = {a.name: a for a in self.session.get_inputs()}
+        key0 = cfg.name(N.past_names_key("key"), 0)
+        dims = args[key0].shape if key0 in args else []
+        fixed = dims[1] if len(dims) > 1 and isinstance(dims[1], int) else None
+        if block_size and fixed and block_size != fixed:
+            raise ValueError(f"Engine: block_size {block_size}: the model's caches fix block_size {fixed} "
+                             f"(input '{key0}' dimension 1); use {fixed} or None")
+        bs = block_size or fixed or cfg.block_size or 16
+        self.block_size = bs
+        chunk = max(1, min(cfg.chunk_size or bs, self.max_seq_len))
+        groups = []
+        for windowed in (False, True):
+            layers = [_PagedState._layer(cfg, args, i) for i in range(cfg.num_layers)
+                      if (i in cfg.windowed_layers) == windowed]
+            if not layers:
+                continue
+            table = cfg.inputs.get(N.BLOCK_TABLE_WINDOWED if windowed else N.BLOCK_TABLE)
+            g = GroupConfig("windowed" if windowed else "full", 1, bs, tuple(layers),
+                            window=cfg.window if windowed else None, chunk_tokens=chunk, table_name=table)
+            n = max_batch_size * g.ring_blocks if windowed else (
+                num_blocks or max_batch_size * math.ceil(self.max_seq_len / bs))
+            groups.append(GroupConfig(g.name, n, bs, g.layers, g.window, chunk, table))
+        self.prefix_caching_off_reason = None
+        if not enable_prefix_caching:
+            self.prefix_caching_off_reason = "enable_prefix_caching=False"
+        elif any(g.windowed for g in groups):
+            self.prefix_caching_off_reason = "the model has sliding-window layers (their ring blocks are recycled)"
+        self.prefix_caching = self.prefix_caching_off_reason is None
+        self.mgr = KVCacheManager(KVCacheConfig(
+            tuple(groups), max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
+            max_seq_len=self.max_seq_len, device=str(self.session.device), prefix_caching=self.prefix_caching,
+            names={k: past for k, (past, _) in cfg.caches.items()},
+            present_names={k: pres for k, (_, pres) in cfg.caches.items()}))
+        self.groups = {g.name: g for g in groups}
+        self.renames = {k: cfg.input(k) for k in N.STEP_INPUTS}
+        self.input_names = set(args)
+        self.input_ids_name = cfg.input(N.INPUT_IDS)
+
+    def blocks_needed(self, num_tokens: int) -> dict[str, int]:
+        """Blocks of each group one sequence of num_tokens cached tokens holds."""
+        return {name: (g.ring_blocks if g.windowed else math.ceil(num_tokens / g.block_size))
+                for name, g in self.groups.items()}
+
+    def run(self, plan: StepPlan, token_ids: Sequence[int]) -> torch.Tensor:
+        """Run one planned step (token_ids: the plan's tokens, batch order); logits [T, V] float32 on the
+        CPU. The caller commits (or, on an exception here, the plan is aborted before re-raising)."""
+        mgr, sess = self.mgr, self.session
+        feeds = {self.renames.get(k, k): v for k, v in plan.feeds(query_positions=True).items()}
+        feeds = {k: v for k, v in feeds.items() if k in self.input_names}
+        feeds |= mgr.cache_feeds()
+        feeds[self.input_ids_name] = torch.tensor(list(token_ids), dtype=torch.int64, device=sess.device)
+        try:
+            out = sess.run_torch(feeds, [self.logits_name], plan=plan.hint)[self.logits_name]
+        except BaseException:
+            mgr.abort(plan)
+            raise
+        return out.reshape(len(token_ids), -1).float().cpu()

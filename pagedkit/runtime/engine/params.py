@@ -1,0 +1,98 @@
+"""Request-level types of the engine: SamplingParams (what a request asks for) and RequestOutput (what
+a step reports). Both are plain dataclasses; SamplingParams checks its fields at construction, so a bad
+value is a ValueError naming the field and the expected range before anything is queued."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def _int(value, field: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"SamplingParams.{field} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _token_ids(values, field: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(values)
+    except TypeError:
+        raise ValueError(f"SamplingParams.{field} must be a sequence of token ids (ints >= 0), got {values!r}") from None
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"SamplingParams.{field} must hold token ids (ints >= 0), got {t!r} in {values!r}")
+    return ids
+
+
+@dataclass
+class SamplingParams:
+    """How one request is decoded.
+
+    max_new_tokens: most tokens generated (finish_reason "length"); the context length also ends a
+    request with "length" (prompt + generated <= max_seq_len + 1: the last token is never cached).
+    temperature: 0 -> greedy (argmax; top_p / top_k are then unused); > 0 -> sample from
+    softmax(logits / temperature) restricted by top_k (0 = off) and top_p (1.0 = off, nucleus).
+    seed: seeds the request's own torch.Generator (same seed -> same tokens); None -> a random seed.
+    stop_token_ids: finish with "stop" on these (kept in the output, like the eos ids), in addition to
+    the model's eos ids unless ignore_eos. stop_sequences: token-id sequences matched against the
+    generated tokens; the matched sequence is removed from the output (and never streamed: tokens that
+    may start a stop sequence are held back until they cannot).
+    num_draft_tokens: k > 0 -> speculative decoding with up to k draft tokens a step (n-gram prompt
+    lookup, or the request's drafter); the output equals non-speculative decoding.
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    ignore_eos: bool = False
+    num_draft_tokens: int = 0
+
+    def __post_init__(self):
+        _int(self.max_new_tokens, "max_new_tokens", 1)
+        _int(self.top_k, "top_k", 0)
+        _int(self.num_draft_tokens, "num_draft_tokens", 0)
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be a number in (0, 1] (1 = off), got {p!r}")
+        if self.seed is not None:
+            _int(self.seed, "seed", 0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        self.stop_token_ids = _token_ids(self.stop_token_ids, "stop_token_ids")
+        try:
+            seqs = tuple(self.stop_sequences)
+        except TypeError:
+            raise ValueError("SamplingParams.stop_sequences must be a sequence of token-id sequences, "
+                             f"got {self.stop_sequences!r}") from None
+        self.stop_sequences = tuple(_token_ids(s, "stop_sequences[]") for s in seqs)
+        if any(not s for s in self.stop_sequences):
+            raise ValueError(f"SamplingParams.stop_sequences must not hold an empty sequence, got {self.stop_sequences!r}")
+
+
+@dataclass
+class RequestOutput:
+    """One request's progress after a step.
+
+    new_token_ids: the tokens this step made visible (streaming; concatenated over the steps they give
+    token_ids). token_ids: every generated token visible so far (the prompt is not included).
+    finish_reason: "stop" (eos / stop token / stop sequence), "length" (max_new_tokens or the context
+    length), "abort" (Engine.abort, or a request the KV cache can never hold), None while running.
+    reason: why an "abort" happened (also logged), else None.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    reason: str | None = None

@@ -1,0 +1,103 @@
+"""One request's state inside the engine: its tokens, what the KV cache holds of them, what was
+streamed, and the stop rules.
+
+Token layout: `tokens` = prompt + generated (the `output`); `num_computed` leading tokens of `tokens`
+have their K/V in the cache (== KVCacheManager.length while running). A running request's next step
+feeds tokens[num_computed:] (a prefill chunk, or the one last sampled token while decoding); after a
+preemption num_computed drops to 0 (or to the prefix-cache hit), so prompt + generated is prefilled
+again (recompute) and the already-streamed tokens are not emitted again (`num_emitted`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .params import RequestOutput, SamplingParams
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    stop_ids: frozenset[int]  # eos (unless ignore_eos) + stop_token_ids
+    max_total: int  # most tokens prompt + generated may reach (max_seq_len + 1)
+    drafter: Callable[[list[int]], list[int]] | None = None
+    tokens: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_emitted: int = 0
+    status: str = WAITING
+    admitted: int = -1  # admission order while running (the preemption victim is the largest)
+    finish_reason: str | None = None
+    reason: str | None = None  # why it was aborted
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    @property
+    def decoding(self) -> bool:
+        """Everything but the last sampled token is cached: the next step feeds one token (+ drafts)."""
+        return len(self.tokens) - self.num_computed == 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status == FINISHED
+
+    def append(self, token: int) -> bool:
+        """Add one generated token; True when it finishes the request (finish_reason set)."""
+        self.tokens.append(int(token))
+        out_len = self.num_output
+        for seq in self.params.stop_sequences:
+            n = len(seq)
+            if out_len >= n and tuple(self.tokens[-n:]) == seq:
+                del self.tokens[-n:]  # the matched sequence is not part of the output
+                self.num_emitted = min(self.num_emitted, self.num_output)
+                return self.finish("stop")
+        if token in self.stop_ids:
+            return self.finish("stop")
+        if out_len >= self.params.max_new_tokens or len(self.tokens) >= self.max_total:
+            return self.finish("length")
+        return False
+
+    def finish(self, reason: str, why: str | None = None) -> bool:
+        self.status, self.finish_reason, self.reason = FINISHED, reason, why
+        return True
+
+    def _holdback(self) -> int:
+        """Trailing generated tokens that may begin a stop sequence: not streamed yet."""
+        if self.finished or not self.params.stop_sequences:
+            return 0
+        out = self.output
+        best = 0
+        for seq in self.params.stop_sequences:
+            for h in range(min(len(seq) - 1, len(out)), best, -1):
+                if tuple(out[-h:]) == seq[:h]:
+                    best = h
+                    break
+        return best
+
+    def emit(self) -> RequestOutput | None:
+        """The output of this step: the newly visible tokens, or None when nothing changed."""
+        upto = self.num_output - self._holdback()
+        new = self.output[self.num_emitted:upto] if upto > self.num_emitted else []
+        if not new and not self.finished:
+            return None
+        self.num_emitted = max(self.num_emitted, upto)
+        return RequestOutput(self.request_id, new, self.output[:self.num_emitted], self.finished,
+                             self.finish_reason, self.reason)

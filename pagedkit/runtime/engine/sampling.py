@@ -1,0 +1,67 @@
+"""Per-request token choice from one position's logits, and n-gram prompt-lookup drafts.
+
+sample_token(logits [V] float32, params, generator): greedy argmax at temperature 0, else one draw
+from softmax(logits / temperature) restricted to the top_k largest (top_k > 0) and to the smallest
+set of most likely tokens whose probability reaches top_p (top_p < 1). The draw uses the request's
+own torch.Generator, one draw per generated token, so a seeded request gives the same tokens whatever
+else shares its batches, and speculative decoding (which draws once per emitted token too) gives the
+same tokens as plain decoding.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .params import SamplingParams
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """The next token from logits [V] (any float dtype, CPU) under `params`."""
+    if logits.dim() != 1:
+        raise ValueError(f"sample_token: logits should be [vocab], got shape {tuple(logits.shape)}")
+    logits = logits.float()
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    x = logits / params.temperature
+    if 0 < params.top_k < x.numel():
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        order = torch.argsort(x, descending=True)
+        probs = torch.softmax(x[order], dim=0)
+        before = torch.cumsum(probs, dim=0) - probs  # mass of the more likely tokens
+        drop = before >= params.top_p  # the first token always stays
+        x = x.clone()
+        x[order[drop]] = float("-inf")
+    probs = torch.softmax(x, dim=0)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def ngram_draft(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """Prompt-lookup drafts: for n from max_ngram down to min_ngram, find the latest earlier occurrence
+    of the last n tokens in `tokens` (prompt + generated) and propose up to k tokens that followed it;
+    [] when no n-gram recurs."""
+    if k < 1:
+        return []
+    tokens = list(tokens)
+    size = len(tokens)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if size <= n:
+            continue
+        tail = tokens[size - n:]
+        for start in range(size - n - 1, -1, -1):  # latest first; the tail itself excluded
+            if tokens[start:start + n] == tail:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def request_generator(seed: int | None) -> torch.Generator:
+    """A CPU torch.Generator for one request: seeded, or from fresh entropy when seed is None."""
+    gen = torch.Generator()
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
