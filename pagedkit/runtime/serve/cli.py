@@ -1,0 +1,98 @@
+"""`paged-serve`: an OpenAI-compatible HTTP server (completions, chat completions, streaming) over a model
+folder, on pagedkit's engine (continuous batching) with starlette + uvicorn.
+
+    paged-serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--device cpu|cuda]
+                          [--max-batch-size N] [--max-num-tokens N] [--num-blocks N]
+
+MODEL_DIR holds model.onnx, genai_config.json and the tokenizer (tokenizer.json, tokenizer_config.json
+with the chat template, as paged-export copies them). The model's name in the API (`model`) is the
+folder's name. Needs `pip install "pagedkit[serve,export]"`. Exit status: 2 bad arguments or model
+(one line on stderr, no traceback); the server runs until Ctrl-C. See docs/serve.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from ...cli_errors import cli_main
+
+PROG = "paged-serve"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir", help="folder with model.onnx, genai_config.json and tokenizer.json")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--max-batch-size", type=int, default=16, help="requests decoded together (default 16)")
+    p.add_argument("--max-num-tokens", type=int, default=512, help="tokens per engine step (default 512)")
+    p.add_argument("--num-blocks", type=int, help="KV cache blocks (default: the engine's sizing)")
+    p.add_argument("--model-name", help="the model's id in the API (default: the folder's name)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def _check_args(args) -> str | None:
+    if not 0 <= args.port <= 65535:
+        return f"--port: expected 0..65535, got {args.port}"
+    for name in ("max_batch_size", "max_num_tokens", "num_blocks"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')}: expected an integer >= 1, got {value}"
+    return None
+
+
+def _needs(module: str) -> None:
+    try:
+        __import__(module)
+    except ImportError:
+        raise ValueError(f"paged-serve needs the optional package {module!r}: pip install \"pagedkit[serve]\"") from None
+
+
+@cli_main(PROG)
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    problem = _check_args(args)
+    if problem:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return 2
+    model_dir = Path(args.model_dir)
+    if not model_dir.is_dir():
+        print(f"{PROG}: error: {model_dir}: not a folder (expected a model folder with model.onnx, "
+              "genai_config.json and tokenizer.json)", file=sys.stderr)
+        return 2
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"{PROG}: error: --device cuda but CUDA is not available", file=sys.stderr)
+            return 2
+    for module in ("starlette", "uvicorn"):
+        _needs(module)
+    from .tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)  # before the engine: a folder without tokenizer fails fast
+    from ..engine import Engine
+
+    engine = Engine(model_dir, device=args.device, max_batch_size=args.max_batch_size,
+                    max_num_tokens=args.max_num_tokens, num_blocks=args.num_blocks)
+    import uvicorn
+
+    from .app import create_app
+
+    name = args.model_name or model_dir.resolve().name
+    app = create_app(engine, tokenizer, name)
+    print(f"{PROG}: serving {name!r} ({model_dir}) on http://{args.host}:{args.port}/v1 ({args.device})",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""The model folder's tokenizer for paged-serve: MODEL_DIR/tokenizer.json (+ tokenizer_config.json with
+its special tokens and `chat_template`, or chat_template.jinja) through transformers' PreTrainedTokenizerFast.
+
+`ServeTokenizer` wraps it with the three operations the server needs: `encode` (a completion prompt;
+special tokens as the tokenizer's post-processor adds them, e.g. BOS), `decode` (generated tokens, special
+tokens skipped) and `chat` (messages rendered with the chat template and the assistant's generation
+prompt, then tokenized without adding special tokens again: the template writes them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...cli_errors import one_line
+from .protocol import RequestError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def load_tokenizer(model_dir: str | Path):
+    """PreTrainedTokenizerFast of MODEL_DIR (no hub access, no remote code); ValueError / OSError otherwise."""
+    from ...interface.paths import inside_folder
+
+    model_dir = Path(model_dir)
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise OSError(f"{path}: no such file (paged-serve needs the model folder's tokenizer; "
+                      "paged-export copies it from the checkpoint)")
+    for name in TOKENIZER_FILES:  # UnsafePathError: a symlink leading out of the folder
+        if (model_dir / name).exists():
+            inside_folder(model_dir, name)
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as exc:  # tokenizers / transformers raise their own exceptions for malformed files
+        raise ValueError(f"{model_dir}: could not load the tokenizer ({type(exc).__name__}: "
+                         f"{one_line(str(exc))})") from None
+
+
+class ServeTokenizer:
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tok, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True) if ids else ""
+
+    def chat(self, messages: list[dict]) -> list[int]:
+        if not self.has_chat_template:
+            raise RequestError("messages: this model folder has no chat template (expected \"chat_template\" in "
+                               "tokenizer_config.json or a chat_template.jinja); use /v1/completions with a "
+                               "prompt instead", "messages")
+        try:
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # jinja errors, the template's raise_exception (e.g. roles out of order)
+            raise RequestError(f"messages: the chat template refused them ({type(exc).__name__}: "
+                               f"{one_line(str(exc))})", "messages") from None
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+
+def as_serve_tokenizer(tokenizer) -> ServeTokenizer:
+    return tokenizer if isinstance(tokenizer, ServeTokenizer) else ServeTokenizer(tokenizer)

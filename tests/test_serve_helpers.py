@@ -1,0 +1,176 @@
+"""Shared by the paged-serve tests: a tiny word-level tokenizer written into a model folder, a fake engine
+with the real engine's interface, and a real uvicorn server on a free port in a background thread."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+VOCAB_SIZE = 144  # tests/export_utils.py TINY: vocab 144, bos 1, eos 2, pad 0
+WORDS = ["user", "assistant", "system", ":", "hello", "world", "the", "cat", "sat", "on", "mat", "a", "dog"]
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant :{% endif %}")
+
+
+def vocab() -> dict[str, int]:
+    v = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for w in WORDS:
+        v[w] = len(v)
+    while len(v) < VOCAB_SIZE:
+        v[f"t{len(v)}"] = len(v)
+    return v
+
+
+def write_tokenizer(folder: Path, chat_template: str | None = CHAT_TEMPLATE) -> Path:
+    """tokenizer.json (WordLevel over 144 tokens, whitespace pre-tokenizer) + tokenizer_config.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.WordLevel(vocab(), unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>", "pad_token": "<unk>", "model_max_length": 256}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+# -- a fake engine (the interface of pagedkit.runtime.engine.Engine) -------------------------------------
+
+@dataclass
+class FakeParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple = ()
+    stop_sequences: tuple = ()
+    ignore_eos: bool = False
+    num_draft_tokens: int = 0
+
+
+@dataclass
+class FakeOutput:
+    request_id: str
+    new_token_ids: list
+    token_ids: list
+    finished: bool
+    finish_reason: str | None
+
+
+def fake_continuation(prompt: list[int], n: int, eos: int | None = None, eos_at: int | None = None) -> list[int]:
+    """The fake engine's tokens for a prompt: each a function of the sequence so far (batching-independent)."""
+    seq, out = list(prompt), []
+    for i in range(n):
+        tok = eos if (eos_at is not None and i == eos_at) else 3 + (sum(seq) * 31 + len(seq) * 7) % (VOCAB_SIZE - 3)
+        seq.append(tok)
+        out.append(tok)
+        if tok == eos:
+            break
+    return out
+
+
+class FakeEngine:
+    def __init__(self, delay: float = 0.001, eos_at: int | None = None, max_seq_len: int = 256, fail: bool = False):
+        self.eos_token_ids, self.vocab_size, self.max_seq_len = [2], VOCAB_SIZE, max_seq_len
+        self.delay, self.eos_at, self.fail = delay, eos_at, fail
+        self._lock = threading.Lock()
+        self._reqs: dict[str, dict] = {}
+        self.params: dict[str, FakeParams] = {}
+        self.aborted: list[str] = []
+        self.steps = 0
+        self.max_batch = 0
+
+    def add_request(self, prompt_token_ids, params=None, request_id=None, drafter=None) -> str:
+        params = params or FakeParams()
+        with self._lock:
+            self.params[request_id] = params
+            self._reqs[request_id] = {"prompt": list(prompt_token_ids), "out": [], "params": params,
+                                      "plan": fake_continuation(prompt_token_ids, params.max_new_tokens,
+                                                                None if params.ignore_eos else 2, self.eos_at)}
+        return request_id
+
+    def abort(self, request_id) -> None:
+        with self._lock:
+            if self._reqs.pop(request_id, None) is not None:
+                self.aborted.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._reqs)
+
+    def step(self):
+        time.sleep(self.delay)
+        if self.fail:
+            raise RuntimeError("fake engine failure")
+        outs = []
+        with self._lock:
+            self.steps += 1
+            self.max_batch = max(self.max_batch, len(self._reqs))
+            for rid, r in list(self._reqs.items()):
+                tok = r["plan"][len(r["out"])]
+                r["out"].append(tok)
+                stop = tok in r["params"].stop_token_ids or (tok == 2 and not r["params"].ignore_eos)
+                done = stop or len(r["out"]) >= r["params"].max_new_tokens
+                outs.append(FakeOutput(rid, [tok], r["prompt"] + r["out"], done,
+                                       ("stop" if stop else "length") if done else None))
+                if done:
+                    del self._reqs[rid]
+        return outs
+
+
+# -- a real uvicorn server in a thread -----------------------------------------------------------------------
+
+class ServerThread:
+    """`with ServerThread(app) as base_url:` uvicorn on 127.0.0.1:<free port>, stopped on exit."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(20)
+        self.sock.close()
+
+
+def sse_events(response) -> list:
+    """The `data:` payloads of a Server-Sent Events response (httpx streaming), JSON-decoded; '[DONE]' kept."""
+    events, buf = [], ""
+    for text in response.iter_text():
+        buf += text
+        while "\n\n" in buf:
+            event, buf = buf.split("\n\n", 1)
+            assert event.startswith("data: "), event
+            payload = event[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    assert buf == "", f"trailing bytes after the last event: {buf!r}"
+    return events
