@@ -83,6 +83,9 @@ class _Server:
                     done = True
                     yield piece, "stop", text
                     return
+                if out.finished and out.finish_reason == "abort":  # not ours: we dropped our aborted ids
+                    done = True
+                    raise EngineFailure(f"the engine aborted the request: {getattr(out, 'reason', None) or 'no reason given'}")
                 if out.finished:
                     done = True
                     piece += text.finish()

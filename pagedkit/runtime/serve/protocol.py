@@ -110,7 +110,7 @@ def parse_sampling(body: dict, max_tokens_fields: tuple[str, ...] = ("max_tokens
     s.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = _int(body, "top_k", lo=-1, what=" (0 or -1: no top-k)")
     s.top_k = 0 if top_k in (None, -1) else top_k
-    s.seed = _int(body, "seed")
+    s.seed = _int(body, "seed", lo=0)
     stop = body.get("stop")
     if stop is None:
         stop = []

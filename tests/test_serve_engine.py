@@ -1,0 +1,160 @@
+"""paged-serve over the REAL engine (pagedkit.runtime.engine.Engine) on a tiny exported Llama (vocab 144)
+with a word-level tokenizer in its folder: a real uvicorn server called with httpx. The streamed text equals
+the non-streamed text of the same greedy request; concurrent requests (continuous batching) each equal the
+same request run alone; stop strings; seeded sampling; and `paged-serve MODEL_DIR` as a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from export_utils import export_tiny, tiny_model
+from pagedkit.runtime.engine import Engine
+from pagedkit.runtime.serve import create_app
+from pagedkit.runtime.serve.tokenizer import load_tokenizer
+from test_serve_helpers import ServerThread, sse_events, write_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve") / "tiny-llama"
+    export_tiny(tiny_model("LlamaConfig"), out)
+    return write_tokenizer(out)
+
+
+@pytest.fixture(scope="module")
+def url(model_dir):
+    engine = Engine(model_dir, max_batch_size=8, max_num_tokens=128)
+    with ServerThread(create_app(engine, load_tokenizer(model_dir), model_dir.name)) as base:
+        yield base
+
+
+def _text(events) -> str:
+    out = ""
+    for e in events[:-1]:
+        for c in e["choices"]:
+            out += c["text"] if "text" in c else c["delta"].get("content", "")
+    return out
+
+
+def test_models(url):
+    assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny-llama"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hello world the cat", "max_tokens": 16}),
+    ("/v1/completions", {"prompt": [1, 9, 10, 11, 12, 13, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], "max_tokens": 20}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello cat"}], "max_tokens": 14}),
+])
+def test_streamed_text_equals_non_streamed(url, path, body):
+    req = body | {"model": "tiny-llama", "temperature": 0, "ignore_eos": True}
+    full = httpx.post(url + path, json=req, timeout=60)
+    assert full.status_code == 200, full.text
+    full = full.json()
+    assert full["usage"]["completion_tokens"] == req["max_tokens"] and full["choices"][0]["finish_reason"] == "length"
+    text = full["choices"][0]["text" if "text" in full["choices"][0] else "message"]
+    text = text if isinstance(text, str) else text["content"]
+    assert text.strip()  # the tiny model says something
+    with httpx.stream("POST", url + path, json=req | {"stream": True}, timeout=60) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and len(events) > 4
+    assert _text(events) == text
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_concurrent_requests_equal_alone(url):
+    prompts = ["hello", "the cat sat on the mat", "a dog", "world hello world", "t40 t41 t42", "mat mat",
+               "system user", "t100 t101 t102 t103 t104 t105 t106 t107 t108 t109"]
+    reqs = [{"prompt": p, "max_tokens": 10 + 2 * i, "temperature": 0, "ignore_eos": True} for i, p in enumerate(prompts)]
+    alone = [httpx.post(f"{url}/v1/completions", json=r, timeout=60).json()["choices"][0]["text"] for r in reqs]
+
+    async def together():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            async def one(i, r):
+                if i % 2:
+                    text = ""
+                    async with client.stream("POST", "/v1/completions", json=r | {"stream": True}) as s:
+                        async for line in s.aiter_lines():
+                            if line.startswith("data: {"):
+                                text += json.loads(line[6:])["choices"][0]["text"]
+                    return text
+                return (await client.post("/v1/completions", json=r)).json()["choices"][0]["text"]
+
+            return await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
+
+    assert asyncio.run(together()) == alone
+
+
+def test_stop_string(url):
+    req = {"prompt": "the cat sat", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    full = httpx.post(f"{url}/v1/completions", json=req, timeout=60).json()["choices"][0]["text"]
+    words = full.split()
+    stop = words[len(words) // 2]
+    expected = full[:full.find(stop)]
+    for stream in (False, True):
+        if stream:
+            with httpx.stream("POST", f"{url}/v1/completions", json=req | {"stop": [stop], "stream": True}) as r:
+                events = sse_events(r)
+            text, reason = _text(events), events[-2]["choices"][0]["finish_reason"]
+        else:
+            got = httpx.post(f"{url}/v1/completions", json=req | {"stop": [stop]}, timeout=60).json()["choices"][0]
+            text, reason = got["text"], got["finish_reason"]
+        assert text == expected and reason == "stop" and stop not in text
+    assert httpx.get(f"{url}/health").json()["pending_requests"] == 0
+
+
+def test_seeded_sampling_repeats(url):
+    req = {"prompt": "hello world", "max_tokens": 12, "temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 7,
+           "ignore_eos": True}
+    a, b = (httpx.post(f"{url}/v1/completions", json=req, timeout=60).json()["choices"][0]["text"] for _ in range(2))
+    assert a == b
+
+
+def test_bad_request_against_the_real_engine(url):
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 1000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert "at most 255" in r.json()["error"]["message"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_paged_serve_command_serves_the_folder(model_dir):
+    port = _free_port()
+    env = os.environ | {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "pagedkit.runtime.serve.cli", str(model_dir), "--port", str(port),
+                             "--max-batch-size", "4", "--log-level", "warning"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "paged-serve did not come up"
+            time.sleep(0.2)
+        base = f"http://127.0.0.1:{port}/v1"
+        assert httpx.get(f"{base}/models").json()["data"][0]["id"] == "tiny-llama"
+        r = httpx.post(f"{base}/chat/completions", json={"model": "tiny-llama", "max_tokens": 5, "temperature": 0,
+                                                         "messages": [{"role": "user", "content": "hello"}]})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+    finally:
+        proc.terminate()
+        proc.wait(20)
