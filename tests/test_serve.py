@@ -29,6 +29,12 @@ def tok(tok_dir):
     return ServeTokenizer(load_tokenizer(tok_dir))
 
 
+@pytest.fixture(scope="module")
+def shared_url(tok_dir):
+    with serve(FakeEngine(), tok_dir) as url:
+        yield url
+
+
 def serve(engine, tok_dir, **kw):
     return ServerThread(create_app(engine, load_tokenizer(tok_dir), MODEL, sampling_params_cls=FakeParams, **kw))
 
@@ -199,6 +205,9 @@ def test_client_disconnect_aborts_the_request(tok_dir):
     ("/v1/completions", {"prompt": "hello", "top_p": 0}, "top_p", "> 0"),
     ("/v1/completions", {"prompt": "hello", "stop": 3}, "stop", "string"),
     ("/v1/completions", {"prompt": "hello", "stream": "yes"}, "stream", "true or false"),
+    ("/v1/completions", {"prompt": "hello", "seed": -1}, "seed", ">= 0"),
+    ("/v1/completions", {"prompt": "hello", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ("/v1/completions", {"prompt": "hello", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
     ("/v1/chat/completions", {"model": MODEL}, "messages", "required"),
     ("/v1/chat/completions", {"messages": []}, "messages", "non-empty"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages", "role"),
@@ -206,13 +215,12 @@ def test_client_disconnect_aborts_the_request(tok_dir):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      "tools", "not supported"),
 ])
-def test_bad_requests_name_the_field(tok_dir, path, body, param, words):
-    with serve(FakeEngine(), tok_dir) as url:
-        r = httpx.post(url + path, json=body)
-        assert r.status_code == 400, r.text
-        err = r.json()["error"]
-        assert err["param"] == param and err["type"] == "invalid_request_error"
-        assert err["message"].startswith(param) and words in err["message"], err["message"]
+def test_bad_requests_name_the_field(shared_url, path, body, param, words):
+    r = httpx.post(shared_url + path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert err["message"].startswith(param) and words in err["message"], err["message"]
 
 
 def test_bad_json_wrong_model_no_chat_template_engine_failure(tok_dir, tmp_path):
@@ -268,3 +276,32 @@ def test_textstream_waits_for_complete_characters():
     assert out == ["", "é", "", "", "€", "x"]
     ts = TextStream(lambda ids: bytes(ids).decode("utf-8", errors="replace"))
     assert ts.push(list("a€".encode())[:2]) == "a" and ts.finish() == "\ufffd"
+
+
+# -- the paged-serve command's errors: one line on stderr, exit status 2 ----------------------------------------
+
+def _one_line_error(capsys, argv, *words):
+    from pagedkit.runtime.serve.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("paged-serve: error: "), err
+    for w in words:
+        assert w in err, err
+
+
+def test_cli_folder_without_tokenizer(capsys, tmp_path):
+    _one_line_error(capsys, [str(tmp_path)], str(tmp_path / "tokenizer.json"), "no such file")
+
+
+def test_cli_bad_arguments(capsys, tmp_path, tok_dir):
+    _one_line_error(capsys, [str(tmp_path / "nope")], "not a folder")
+    _one_line_error(capsys, [str(tok_dir), "--port", "70000"], "--port", "0..65535")
+    _one_line_error(capsys, [str(tok_dir), "--max-batch-size", "0"], "--max-batch-size", ">= 1")
+    _one_line_error(capsys, [str(tok_dir)], "genai_config.json")  # a tokenizer but no model: the engine's error
+    with pytest.raises(SystemExit) as exc:  # argparse's own usage error
+        from pagedkit.runtime.serve.cli import main
+
+        main([str(tok_dir), "--port", "x"])
+    assert exc.value.code == 2

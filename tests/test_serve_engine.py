@@ -34,8 +34,12 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def url(model_dir):
-    engine = Engine(model_dir, max_batch_size=8, max_num_tokens=128)
+def engine(model_dir):
+    return Engine(model_dir, max_batch_size=8, max_num_tokens=128)
+
+
+@pytest.fixture(scope="module")
+def url(model_dir, engine):
     with ServerThread(create_app(engine, load_tokenizer(model_dir), model_dir.name)) as base:
         yield base
 
@@ -73,7 +77,7 @@ def test_streamed_text_equals_non_streamed(url, path, body):
     assert events[-2]["choices"][0]["finish_reason"] == "length"
 
 
-def test_concurrent_requests_equal_alone(url):
+def test_concurrent_requests_equal_alone(url, engine):
     prompts = ["hello", "the cat sat on the mat", "a dog", "world hello world", "t40 t41 t42", "mat mat",
                "system user", "t100 t101 t102 t103 t104 t105 t106 t107 t108 t109"]
     reqs = [{"prompt": p, "max_tokens": 10 + 2 * i, "temperature": 0, "ignore_eos": True} for i, p in enumerate(prompts)]
@@ -93,7 +97,9 @@ def test_concurrent_requests_equal_alone(url):
 
             return await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
 
+    engine.stats.max_batch = 0
     assert asyncio.run(together()) == alone
+    assert engine.stats.max_batch > 1  # they were batched together
 
 
 def test_stop_string(url):

@@ -73,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print(f"{PROG}: error: --device cuda but CUDA is not available", file=sys.stderr)
             return 2
+    if not (model_dir / "tokenizer.json").is_file():
+        print(f"{PROG}: error: {model_dir / 'tokenizer.json'}: no such file (paged-serve needs the model folder's "
+              "tokenizer; paged-export copies it from the checkpoint)", file=sys.stderr)
+        return 2
     for module in ("starlette", "uvicorn"):
         _needs(module)
     from .tokenizer import load_tokenizer
