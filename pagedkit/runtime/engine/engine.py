@@ -292,11 +292,7 @@ class Engine:
             r, n = e.req, len(e.ids)
             rows, row = logits[row:row + n], row + n
             if e.drafts:
-                toks = []
-                for i in range(e.drafts + 1):  # the target's choice after [last] + drafts[:i]
-                    toks.append(sample_token(rows[i], r.params, r.generator))
-                    if i < e.drafts and toks[-1] != e.ids[i + 1]:
-                        break
+                toks = self._verify(e, rows)
                 accepted = len(toks) - 1
                 self.kv.accept(r.request_id, accepted)
                 r.num_computed += 1 + accepted
@@ -317,6 +313,19 @@ class Engine:
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    @staticmethod
+    def _verify(e: _Entry, rows) -> list[int]:
+        """Speculative verification of [last] + drafts (rows: their logits): the target's choice at each
+        position (greedy, or one draw with the request's generator) while it equals the draft; the
+        first differing choice, or the choice after the last draft, ends the list. Returns the accepted
+        drafts plus that one token (for a point-mass drafter this keeps the target's distribution)."""
+        r, toks = e.req, []
+        for i in range(e.drafts + 1):  # the target's choice after [last] + drafts[:i]
+            toks.append(sample_token(rows[i], r.params, r.generator))
+            if i < e.drafts and toks[-1] != e.ids[i + 1]:
+                break
+        return toks
 
     def _retire(self, r: Request) -> None:
         if r.status == RUNNING or r in self.running:
