@@ -240,6 +240,17 @@ def test_bad_json_wrong_model_no_chat_template_engine_failure(tok_dir, tmp_path)
         assert r.status_code == 500 and "fake engine failure" in r.json()["error"]["message"]
 
 
+def test_engine_failure_mid_stream_is_an_error_event(tok_dir):
+    engine = FakeEngine(fail_after=3)
+    with serve(engine, tok_dir) as url:
+        with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 20,
+                                                                 "stream": True}) as r:
+            events = sse_events(r)
+        assert events[-1] == "[DONE]" and "fake engine failure" in events[-2]["error"]["message"]
+        assert [e["choices"][0]["text"] for e in events[:-2]] != []
+        assert engine.aborted and httpx.get(f"{url}/health").json()["pending_requests"] == 0
+
+
 # -- the incremental detokenizer ---------------------------------------------------------------------------------
 
 def _chars(ids):

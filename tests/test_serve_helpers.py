@@ -80,9 +80,10 @@ def fake_continuation(prompt: list[int], n: int, eos: int | None = None, eos_at:
 
 
 class FakeEngine:
-    def __init__(self, delay: float = 0.001, eos_at: int | None = None, max_seq_len: int = 256, fail: bool = False):
+    def __init__(self, delay: float = 0.001, eos_at: int | None = None, max_seq_len: int = 256, fail: bool = False,
+                 fail_after: int | None = None):
         self.eos_token_ids, self.vocab_size, self.max_seq_len = [2], VOCAB_SIZE, max_seq_len
-        self.delay, self.eos_at, self.fail = delay, eos_at, fail
+        self.delay, self.eos_at, self.fail, self.fail_after = delay, eos_at, fail, fail_after
         self._lock = threading.Lock()
         self._reqs: dict[str, dict] = {}
         self.params: dict[str, FakeParams] = {}
@@ -110,7 +111,7 @@ class FakeEngine:
 
     def step(self):
         time.sleep(self.delay)
-        if self.fail:
+        if self.fail or (self.fail_after is not None and self.steps >= self.fail_after):
             raise RuntimeError("fake engine failure")
         outs = []
         with self._lock:
