@@ -35,34 +35,17 @@ def _tanh(x):
 # trip into the dot operand's layout, where a V tile, reduced over its rows, is read back one byte per load.)
 # int8: the offset-binary byte (x ^ 0x80 = x + 128) into the low mantissa byte of 1024.0 by one byte permute per
 # two codes, then 1024 + 128 off by one packed subtraction; int4: the masked nibble likewise, 1024 + 8 off.
-_ASM_I8 = tl.constexpr("""{
-    .reg .b32 u, m;
-    xor.b32 u, $2, 0x80808080;
-    prmt.b32 $0, u, 0x64646464, 0x4140;
-    prmt.b32 $1, u, 0x64646464, 0x4342;
-    mov.b32 m, 0x64806480;
-    sub.f16x2 $0, $0, m;
-    sub.f16x2 $1, $1, m;
-    }""")
-_ASM_I4_LO = tl.constexpr("""{
-    .reg .b32 u, m;
-    and.b32 u, $2, 0x0F0F0F0F;
-    prmt.b32 $0, u, 0x64646464, 0x4140;
-    prmt.b32 $1, u, 0x64646464, 0x4342;
-    mov.b32 m, 0x64086408;
-    sub.f16x2 $0, $0, m;
-    sub.f16x2 $1, $1, m;
-    }""")
-_ASM_I4_HI = tl.constexpr("""{
-    .reg .b32 u, m;
-    shr.b32 u, $2, 4;
-    and.b32 u, u, 0x0F0F0F0F;
-    prmt.b32 $0, u, 0x64646464, 0x4140;
-    prmt.b32 $1, u, 0x64646464, 0x4342;
-    mov.b32 m, 0x64086408;
-    sub.f16x2 $0, $0, m;
-    sub.f16x2 $1, $1, m;
-    }""")
+def _byte_asm(prep: str, offset: str) -> tl.constexpr:
+    """Four byte codes in $2 -> four float16 in $0, $1: `prep` leaves each code's unsigned value in u's bytes, each
+    byte goes under 1024.0's exponent byte (0x64), then `offset` (1024 + the code's bias, twice) is subtracted."""
+    return tl.constexpr("{\n    .reg .b32 u, m;\n    " + prep + "\n"
+                        "    prmt.b32 $0, u, 0x64646464, 0x4140;\n    prmt.b32 $1, u, 0x64646464, 0x4342;\n"
+                        "    mov.b32 m, " + offset + ";\n    sub.f16x2 $0, $0, m;\n    sub.f16x2 $1, $1, m;\n    }")
+
+
+_ASM_I8 = _byte_asm("xor.b32 u, $2, 0x80808080;", "0x64806480")  # int8 x: x ^ 0x80 = x + 128
+_ASM_I4_LO = _byte_asm("and.b32 u, $2, 0x0F0F0F0F;", "0x64086408")  # nibble n = code + 8
+_ASM_I4_HI = _byte_asm("shr.b32 u, $2, 4;\n    and.b32 u, u, 0x0F0F0F0F;", "0x64086408")
 _ASM_FP8 = tl.constexpr("""{
     .reg .b16 lo, hi;
     mov.b32 {lo, hi}, $2;
