@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +36,8 @@ from typing import Callable, Iterator, Sequence
 from ..kv.cache import KVCacheExhausted
 from .model import PagedModel
 from .params import RequestOutput, SamplingParams
-from .request import RUNNING, WAITING, Request
-from .sampling import ngram_draft, request_generator, sample_token
+from .request import RUNNING, WAITING, Request, new_request
+from .sampling import ngram_draft, sample_token
 
 log = logging.getLogger("pagedkit.engine")
 
@@ -104,33 +103,8 @@ class Engine:
         return req.request_id
 
     def _make_request(self, prompt, params, request_id, drafter) -> Request:
-        try:
-            prompt = list(prompt)
-        except TypeError:
-            raise ValueError(f"prompt_token_ids must be a list of token ids, got {prompt!r}"[:200]) from None
-        if not prompt:
-            raise ValueError("prompt_token_ids must hold at least one token id, got []")
-        vocab = self.vocab_size
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab is not None and t >= vocab):
-                raise ValueError(f"prompt_token_ids must hold token ids in [0, {vocab if vocab is not None else 'vocab'}), "
-                                 f"got {t!r}")
-        if len(prompt) > self.max_seq_len:
-            raise ValueError(f"prompt_token_ids has {len(prompt)} tokens, beyond the model's max_seq_len "
-                             f"{self.max_seq_len}")
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams or None, got {type(params).__name__}")
-        if drafter is not None and not callable(drafter):
-            raise TypeError(f"drafter must be a callable (token ids so far -> draft token ids) or None, "
-                            f"got {type(drafter).__name__}")
-        if request_id is None:
-            request_id = uuid.uuid4().hex
-        elif not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty str or None, got {request_id!r}")
-        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        return Request(request_id, [int(t) for t in prompt], params, request_generator(params.seed), frozenset(stop),
-                       max_total=self.max_seq_len + 1, drafter=drafter)
+        return new_request(prompt, params, request_id, drafter, vocab_size=self.vocab_size,
+                           max_seq_len=self.max_seq_len, eos_token_ids=self.eos_token_ids)
 
     def _enqueue(self, reqs: list[Request]) -> None:
         with self._lock:
@@ -282,17 +256,25 @@ class Engine:
 
     def _execute(self, entries: list[_Entry], plan) -> list[RequestOutput]:
         ids = [t for e in entries for t in e.ids]
-        logits = self.model.run(plan, ids)
+        wanted, starts, flat = [], [], 0  # the flat positions whose logits are sampled, per entry
+        for e in entries:
+            starts.append(len(wanted))
+            n = len(e.ids)
+            if e.drafts:
+                wanted += range(flat, flat + n)  # every position verifies a draft or gives the next token
+            elif e.req.num_computed + n == len(e.req.tokens):
+                wanted.append(flat + n - 1)  # the prompt (+ generated) is now all cached: sample
+            flat += n
+        logits = self.model.run(plan, ids, wanted)
         self.kv.commit(plan)
         self.stats.steps += 1
         self.stats.tokens += len(ids)
         self.stats.max_batch = max(self.stats.max_batch, len(entries))
-        outputs, row = [], 0
-        for e in entries:
+        outputs = []
+        for e, start in zip(entries, starts):
             r, n = e.req, len(e.ids)
-            rows, row = logits[row:row + n], row + n
             if e.drafts:
-                toks = self._verify(e, rows)
+                toks = self._verify(e, logits[start:start + n])
                 accepted = len(toks) - 1
                 self.kv.accept(r.request_id, accepted)
                 r.num_computed += 1 + accepted
@@ -300,7 +282,7 @@ class Engine:
                 self.stats.accepted_draft_tokens += accepted
             else:
                 r.num_computed += n
-                toks = [sample_token(rows[-1], r.params, r.generator)] if r.num_computed == len(r.tokens) else []
+                toks = [sample_token(logits[start], r.params, r.generator)] if r.num_computed == len(r.tokens) else []
             if self.kv.length(r.request_id) != r.num_computed:
                 raise RuntimeError(f"request {r.request_id}: the cache holds {self.kv.length(r.request_id)} tokens, "
                                    f"the engine counts {r.num_computed}")

@@ -98,9 +98,11 @@ class PagedModel:
         return {name: (g.ring_blocks if g.windowed else math.ceil(num_tokens / g.block_size))
                 for name, g in self.groups.items()}
 
-    def run(self, plan: StepPlan, token_ids: Sequence[int]) -> torch.Tensor:
-        """Run one planned step (token_ids: the plan's tokens, batch order); logits [T, V] float32 on the
-        CPU. The caller commits (or, on an exception here, the plan is aborted before re-raising)."""
+    def run(self, plan: StepPlan, token_ids: Sequence[int], rows: Sequence[int] | None = None) -> torch.Tensor:
+        """Run one planned step (token_ids: the plan's T tokens, batch order); the logits of the flat
+        token positions `rows` (all T when None) as [len(rows), V] float32 on the CPU: only the rows that
+        are sampled leave the device. The caller commits (on an exception here the plan is aborted
+        before re-raising)."""
         mgr, sess = self.mgr, self.session
         feeds = {self.renames.get(k, k): v for k, v in plan.feeds(query_positions=True).items()}
         feeds = {k: v for k, v in feeds.items() if k in self.input_names}
@@ -111,4 +113,7 @@ class PagedModel:
         except BaseException:
             mgr.abort(plan)
             raise
-        return out.reshape(len(token_ids), -1).float().cpu()
+        out = out.reshape(len(token_ids), -1)
+        if rows is not None:
+            out = out.index_select(0, torch.tensor(list(rows), dtype=torch.int64, device=out.device))
+        return out.float().cpu()

@@ -10,12 +10,14 @@ again (recompute) and the already-streamed tokens are not emitted again (`num_em
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from .params import RequestOutput, SamplingParams
+from .sampling import request_generator
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -101,3 +103,34 @@ class Request:
         self.num_emitted = max(self.num_emitted, upto)
         return RequestOutput(self.request_id, new, self.output[:self.num_emitted], self.finished,
                              self.finish_reason, self.reason)
+
+
+def new_request(prompt: Sequence[int], params: SamplingParams | None, request_id: str | None, drafter,
+                *, vocab_size: int | None, max_seq_len: int, eos_token_ids: Sequence[int]) -> Request:
+    """A checked Request: a ValueError / TypeError names the argument (prompt_token_ids, params,
+    request_id, drafter) and what it should be."""
+    try:
+        prompt = list(prompt)
+    except TypeError:
+        raise ValueError(f"prompt_token_ids must be a list of token ids, got {prompt!r}"[:200]) from None
+    if not prompt:
+        raise ValueError("prompt_token_ids must hold at least one token id, got []")
+    for t in prompt:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise ValueError(f"prompt_token_ids must hold token ids in [0, {vocab_size if vocab_size is not None else 'vocab'}), "
+                             f"got {t!r}")
+    if len(prompt) > max_seq_len:
+        raise ValueError(f"prompt_token_ids has {len(prompt)} tokens, beyond the model's max_seq_len {max_seq_len}")
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams or None, got {type(params).__name__}")
+    if drafter is not None and not callable(drafter):
+        raise TypeError(f"drafter must be a callable (token ids so far -> draft token ids) or None, "
+                        f"got {type(drafter).__name__}")
+    if request_id is None:
+        request_id = uuid.uuid4().hex
+    elif not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id must be a non-empty str or None, got {request_id!r}")
+    stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    return Request(request_id, [int(t) for t in prompt], params, request_generator(params.seed), frozenset(stop),
+                   max_total=max_seq_len + 1, drafter=drafter)
