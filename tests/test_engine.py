@@ -430,10 +430,10 @@ def test_step_refuses_concurrent_callers(tiny_llama, monkeypatch):
     entered, release = threading.Event(), threading.Event()
     original = engine_mod.Engine._schedule
 
-    def slow(self):
+    def slow(self, outputs):
         entered.set()
         release.wait(10)
-        return original(self)
+        return original(self, outputs)
 
     monkeypatch.setattr(engine_mod.Engine, "_schedule", slow)
     t = threading.Thread(target=engine.step)

@@ -130,11 +130,17 @@ def test_teeth_cache_keeping_rejected_drafts_is_caught(tiny_llama, monkeypatch):
         _step_checking_cache(engine)
 
 
-def test_drafter_errors_name_the_request(tiny_llama):
+def test_drafter_errors_abort_only_that_request(tiny_llama):
     engine = Engine(tiny_llama, max_batch_size=2)
     with pytest.raises(TypeError, match="drafter must be a callable"):
         engine.add_request([1, 2], SamplingParams(num_draft_tokens=2), drafter=[1, 2])
-    engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, num_draft_tokens=2), drafter=lambda t: [999])
-    with pytest.raises(ValueError, match=r"draft token ids must be in \[0, 144\), got \[999\]"):
-        for _ in range(3):
-            engine.step()
+    bad = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, num_draft_tokens=2), drafter=lambda t: [999])
+    raises = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, num_draft_tokens=2),
+                                drafter=lambda t: 1 / 0)
+    fine = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=4))
+    outs = _step_checking_cache(engine)
+    assert outs[bad][-1].finish_reason == "abort"
+    assert "draft token ids must be in [0, 144), got [999]" in outs[bad][-1].reason
+    assert outs[raises][-1].finish_reason == "abort" and "ZeroDivisionError" in outs[raises][-1].reason
+    assert outs[fine][-1].finish_reason == "length" and len(outs[fine][-1].token_ids) == 4  # the batch went on
+    assert_pool_free(engine)

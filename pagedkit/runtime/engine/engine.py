@@ -135,7 +135,7 @@ class Engine:
             raise RuntimeError("Engine.step() is already running in another thread; call it from one thread")
         try:
             outputs = self._drain()
-            entries = self._schedule()
+            entries = self._schedule(outputs)
             plan = self._plan(entries, outputs)
             if plan is not None:
                 outputs += self._execute(entries, plan)
@@ -175,7 +175,7 @@ class Engine:
                         f"the pool has {have} (raise num_blocks or lower max_new_tokens)")
         return None
 
-    def _schedule(self) -> list[_Entry]:
+    def _schedule(self, outputs: list[RequestOutput]) -> list[_Entry]:
         entries: list[_Entry] = []
         budget = self.max_num_tokens
         ordered = [r for r in self.running if r.decoding] + [r for r in self.running if not r.decoding]
@@ -184,7 +184,14 @@ class Engine:
                 break
             room = min(budget, self.kv.max_step_tokens(r.request_id))
             if r.decoding:
-                drafts = self._drafts(r, room - 1)
+                try:
+                    drafts = self._drafts(r, room - 1)
+                except Exception as exc:  # a request's own drafter failed: that request ends, not the batch
+                    r.finish("abort", f"the request's drafter failed: {type(exc).__name__}: {exc}"[:500])
+                    log.warning("request %s aborted: %s", r.request_id, r.reason)
+                    self._retire(r)
+                    outputs.append(r.emit())
+                    continue
                 entries.append(_Entry(r, [r.tokens[-1]] + drafts, len(drafts)))
             else:
                 entries.append(_Entry(r, r.tokens[r.num_computed:r.num_computed + room]))
