@@ -11,7 +11,8 @@ Scheduling policy of one step (see docs/engine.md):
 2. running requests that decode get their one token (plus up to num_draft_tokens drafts), then
    running requests in the middle of a prefill get their next chunk, in admission order;
 3. waiting requests are admitted in FIFO order (preempted ones first) while the batch has fewer than
-   max_batch_size sequences and the step fewer than max_num_tokens tokens; each gets a prefill chunk
+   max_batch_size sequences, the step fewer than max_num_tokens tokens and the pool seems to hold the
+   first chunk (a free-block watermark, always passed when nothing runs); each gets a prefill chunk
    of what the token budget leaves (chunked prefill across steps); every chunk is also cut to
    KVCacheManager.max_step_tokens (windowed rings, max_seq_len);
 4. the batch is planned in one KVCacheManager plan. If the pool cannot hold it (KVCacheExhausted),
@@ -196,7 +197,16 @@ class Engine:
             else:
                 entries.append(_Entry(r, r.tokens[r.num_computed:r.num_computed + room]))
             budget -= len(entries[-1].ids)
+        # admission watermark: a waiting request is admitted while the full-attention pool seems to hold its
+        # first chunk on top of this step's growth of the running ones (a heuristic: prefix hits are not
+        # counted; _plan's retry is the exact check). With nothing running, the head is always admitted.
+        full = "full" in self.model.groups
+        spare = self.kv.num_free_blocks("full") - sum(self._new_blocks(e) for e in entries) if full else 0
         while self.waiting and len(entries) < self.max_batch_size and budget >= 1:
+            need = -(-min(budget, len(self.waiting[0].tokens)) // self.model.block_size)
+            if full and self.running and need > spare:
+                break
+            spare -= need
             r = self.waiting.popleft()
             hit = self.kv.add_sequence(r.request_id, r.tokens)
             self.stats.prefix_hit_tokens += hit
@@ -207,6 +217,11 @@ class Engine:
             entries.append(_Entry(r, r.tokens[hit:hit + room], new=True))
             budget -= len(entries[-1].ids)
         return entries
+
+    def _new_blocks(self, e: _Entry) -> int:
+        """Full-attention blocks a running entry's step allocates (its cached length grows by len(ids))."""
+        bs, length = self.model.block_size, self.kv.length(e.req.request_id)
+        return -(-(length + len(e.ids)) // bs) - -(-length // bs)
 
     def _drafts(self, r: Request, room: int) -> list[int]:
         k = min(r.params.num_draft_tokens, room, r.params.max_new_tokens - r.num_output - 1,
