@@ -199,6 +199,24 @@ def _torch_type(type_str: str) -> torch.dtype:
     return dtypes.torch_dtype(type_str)
 
 
+def layer_cache_spec(cfg: DecoderConfig, args: dict, i: int) -> LayerCacheSpec:
+    """Layer i's cache spec from the session's inputs `args` (name -> NodeArg): dtype, KV heads, head size, scales."""
+    key = args.get(cfg.name(N.past_names_key("key"), i))
+    if key is None:
+        raise ValueError(f"model has no cache input {cfg.name(N.past_names_key('key'), i)!r} for layer {i}")
+    if key.type not in _CACHE_DTYPE:
+        raise ValueError(f"input {key.name!r}: cache element type {key.type} is not a paged cache type")
+    kv = key.shape[2] if len(key.shape) > 2 and isinstance(key.shape[2], int) else cfg.kv_num_heads
+    layers = {int(l["layer"]): l for l in cfg.pagedkit.get("layers", [])}
+    head = int(layers.get(i, {}).get("head_size", cfg.head_size))
+    scales = {}
+    for side in ("key", "value"):
+        s = args.get(cfg.name(N.past_names_key(f"{side}_scale"), i))
+        scales[side] = dtypes.numpy_name(dtypes.elem_type(s.type)) if s is not None else None  # float16 / 32
+    return LayerCacheSpec(i, kv, head, _CACHE_DTYPE[key.type], scales["key"], scales["value"],
+                          latent=cfg.name(N.past_names_key("value"), i) not in args)
+
+
 class _PagedState:
     """The paged layout: a KVCacheManager owns the caches; one plan per step."""
 
@@ -216,7 +234,7 @@ class _PagedState:
         chunk = max(1, min(cfg.chunk_size or bs, self.max_seq_len)) if cfg.windowed_layers else self.max_seq_len
         groups = []
         for windowed in (False, True):
-            layers = [self._layer(cfg, args, i) for i in range(cfg.num_layers) if (i in cfg.windowed_layers) == windowed]
+            layers = [layer_cache_spec(cfg, args, i) for i in range(cfg.num_layers) if (i in cfg.windowed_layers) == windowed]
             if not layers:
                 continue
             table = cfg.inputs.get(N.BLOCK_TABLE_WINDOWED if windowed else N.BLOCK_TABLE)
@@ -240,23 +258,6 @@ class _PagedState:
         self.input_names = set(args)
         self.gen = gen
         self.seq = 0
-
-    @staticmethod
-    def _layer(cfg: DecoderConfig, args: dict, i: int) -> LayerCacheSpec:
-        key = args.get(cfg.name(N.past_names_key("key"), i))
-        if key is None:
-            raise ValueError(f"model has no cache input {cfg.name(N.past_names_key('key'), i)!r} for layer {i}")
-        if key.type not in _CACHE_DTYPE:
-            raise ValueError(f"input {key.name!r}: cache element type {key.type} is not a paged cache type")
-        kv = key.shape[2] if len(key.shape) > 2 and isinstance(key.shape[2], int) else cfg.kv_num_heads
-        layers = {int(l["layer"]): l for l in cfg.pagedkit.get("layers", [])}
-        head = int(layers.get(i, {}).get("head_size", cfg.head_size))
-        scales = {}
-        for side in ("key", "value"):
-            s = args.get(cfg.name(N.past_names_key(f"{side}_scale"), i))
-            scales[side] = dtypes.numpy_name(dtypes.elem_type(s.type)) if s is not None else None  # float16 / 32
-        return LayerCacheSpec(i, kv, head, _CACHE_DTYPE[key.type], scales["key"], scales["value"],
-                              latent=cfg.name(N.past_names_key("value"), i) not in args)
 
     def start(self, prompt: Sequence[int]) -> None:
         self.seq += 1

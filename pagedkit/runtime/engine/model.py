@@ -23,7 +23,7 @@ import torch
 from ...interface import names as N
 from ...interface.paths import inside_folder
 from ...validators.contract import block_size_error
-from ..generate import DecoderConfig, _PagedState, read_config
+from ..generate import DecoderConfig, layer_cache_spec, read_config
 from ..kv.cache import KVCacheManager
 from ..kv.config import GroupConfig, KVCacheConfig
 from ..kv.plan import StepPlan
@@ -67,7 +67,7 @@ class PagedModel:
         chunk = max(1, min(cfg.chunk_size or bs, self.max_seq_len))
         groups = []
         for windowed in (False, True):
-            layers = [_PagedState._layer(cfg, args, i) for i in range(cfg.num_layers)
+            layers = [layer_cache_spec(cfg, args, i) for i in range(cfg.num_layers)
                       if (i in cfg.windowed_layers) == windowed]
             if not layers:
                 continue
