@@ -1,0 +1,257 @@
+"""`paged-bench`: end-to-end decode tokens/s and time to first token of a model folder, pagedkit's engine
+against onnxruntime (CUDA EP, the same ONNX file) and against the bandwidth floor.
+
+    paged-bench MODEL_DIR [--batches 1 8 32] [--contexts 1024 4096] [--decode-steps 32]
+                          [--device cpu|cuda] [--arms pagedkit ort] [--out DIR] [--warmup 1] [--seed 0]
+
+Each (batch B, context C) row: B random prompts of C - decode_steps tokens, prefilled together (TTFT),
+then decode_steps greedy decode steps timed (ms per step, tokens/s); at the last one each sequence has C
+cached tokens. The floor: (weight bytes + B x C x KV bytes per token) / bandwidth (default 4.4 TB/s).
+Rows whose context exceeds the model's context_length are skipped with the reason; an arm that cannot
+run (the ORT arm without CUDA, or a model ORT refuses) is skipped with a one-line reason. Writes
+DIR/paged_bench.json and DIR/paged_bench.png. Exit status: 0 ok, 2 bad arguments or model (one line on
+stderr, no traceback). See docs/bench.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from ...cli_errors import cli_main, one_line
+from . import engine_arm, floor, ort_arm, report
+
+PROG = "paged-bench"
+ARMS = ("pagedkit", "ort")
+# default step budget cap: a 32 x 4096-token prefill in one step would need [131k, vocab] logits
+DEFAULT_MAX_NUM_TOKENS = 16384
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir", help="folder with model.onnx and genai_config.json (paged layout)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (default 1 8 32)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096],
+                   help="cached tokens per sequence at the last decode step (default 1024 4096)")
+    p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps after the prefill (default 32)")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
+    p.add_argument("--arms", nargs="+", default=list(ARMS), help="what to run: pagedkit, ort (default both)")
+    p.add_argument("--out", default="paged_bench", help="output folder (default ./paged_bench)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs of each row before the timed one (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    p.add_argument("--max-num-tokens", type=int,
+                   help="token budget of one step, both arms (default: the largest batch x prompt, at most "
+                        f"{DEFAULT_MAX_NUM_TOKENS}; a larger prefill is chunked over steps)")
+    p.add_argument("--bandwidth", type=float, default=floor.DEFAULT_BANDWIDTH / 1e12,
+                   help="read bandwidth of the floor in TB/s (default 4.4)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _check_args(args) -> str | None:
+    for name in ("batches", "contexts"):
+        bad = [v for v in getattr(args, name) if v < 1]
+        if bad:
+            return f"--{name}: expected integers >= 1, got {bad[0]}"
+    for name, low in (("decode_steps", 1), ("warmup", 0), ("seed", 0), ("max_num_tokens", 1)):
+        v = getattr(args, name)
+        if v is not None and v < low:
+            return f"--{name.replace('_', '-')}: expected an integer >= {low}, got {v}"
+    bad = [a for a in args.arms if a not in ARMS]
+    if bad:
+        return f"--arms: expected some of {' '.join(ARMS)}, got {bad[0]!r}"
+    if not args.bandwidth > 0:
+        return f"--bandwidth: expected a number of TB/s > 0, got {args.bandwidth}"
+    return None
+
+
+def _device(choice: str | None) -> str:
+    import torch
+
+    if choice is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: CUDA is not available on this machine (use --device cpu)")
+    return choice
+
+
+def _plan_rows(args, max_seq_len: int) -> tuple[list[engine_arm.Row], list[dict]]:
+    """The rows to measure, and the skipped ones with their reason."""
+    rows, skipped = [], []
+    for ctx in args.contexts:
+        for b in args.batches:
+            why = None
+            if ctx > max_seq_len:
+                why = f"context {ctx} exceeds the model's context_length {max_seq_len}"
+            elif ctx <= args.decode_steps:
+                why = f"context {ctx} leaves no prompt token before {args.decode_steps} decode steps (--decode-steps)"
+            if why:
+                skipped.append({"batch": b, "context": ctx, "skipped": why})
+            else:
+                rows.append(engine_arm.Row(b, ctx, args.decode_steps))
+    return rows, skipped
+
+
+def _model_summary(model_dir: Path, cfg, model_path: Path, weights: int, layers, pm) -> dict:
+    specs = [s for g in pm.groups.values() for s in g.layers]
+    return {"name": model_dir.resolve().name, "path": str(model_dir), "file": str(model_path),
+            "layers": cfg.num_layers, "heads": cfg.num_heads, "kv_heads": cfg.kv_num_heads,
+            "head_size": cfg.head_size, "vocab_size": cfg.vocab_size, "context_length": cfg.context_length,
+            "dtype": cfg.pagedkit.get("dtype"), "cache_dtypes": sorted({s.cache_dtype for s in specs}),
+            "latent_layers": sum(1 for s in specs if s.latent), "windowed_layers": len(cfg.windowed_layers),
+            "block_size": pm.block_size, "weight_bytes": weights,
+            "kv_bytes_per_token": sum(c.bytes_per_token for c in layers)}
+
+
+@cli_main(PROG)
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    problem = _check_args(args)
+    if problem:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return 2
+    model_dir = Path(args.model_dir)
+    if not model_dir.is_dir():
+        print(f"{PROG}: error: MODEL_DIR {model_dir}: not a folder (expected a model folder with model.onnx and "
+              "genai_config.json)", file=sys.stderr)
+        return 2
+    from ...interface.paths import inside_folder
+    from ..generate import read_config
+
+    cfg = read_config(model_dir)
+    model_path = Path(inside_folder(model_dir, cfg.filename, "model.decoder.filename",
+                                    str(model_dir / "genai_config.json")))
+    if not model_path.is_file():
+        print(f"{PROG}: error: MODEL_DIR {model_dir}: no {cfg.filename} (expected a model folder with model.onnx "
+              "and genai_config.json)", file=sys.stderr)
+        return 2
+    device = _device(args.device)
+    rows, skipped = _plan_rows(args, cfg.context_length)
+    arms = [a for a in ARMS if a in args.arms]
+    result = _run(args, model_dir, cfg, model_path, device, rows, skipped, arms)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "paged_bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    for line in report.table(result):
+        print(line)
+    why = report.plot(result, out / "paged_bench.png")
+    if why:
+        print(f"{PROG}: {why}", file=sys.stderr)
+    print(f"{PROG}: wrote {out / 'paged_bench.json'}" + ("" if why else f" and {out / 'paged_bench.png'}"))
+    return 0
+
+
+def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
+    from ..engine import Engine
+
+    budget = args.max_num_tokens or min(DEFAULT_MAX_NUM_TOKENS, max([r.batch * r.prompt_tokens for r in rows] or [1]))
+    bs = _block_size(model_dir, cfg)
+    blocks = max([engine_arm.blocks_needed(r, budget, cfg.context_length, bs) for r in rows] or [1])
+    engine = Engine(model_dir, device, max_batch_size=max([r.batch for r in rows] or [1]), max_num_tokens=budget,
+                    num_blocks=blocks, enable_prefix_caching=False)
+    pm = engine.model
+    weights = floor.weight_bytes(model_path)
+    layers = floor.cache_layers(pm.groups.values())
+    bandwidth = args.bandwidth * 1e12
+    ort_reason, runner = None, None
+    if "ort" in arms:
+        ort_reason = ort_arm.unavailable(device)
+        if ort_reason is None:
+            try:
+                runner = ort_arm.OrtRunner(str(model_path), ort_arm.host_input_names(pm))
+            except Exception as exc:  # onnxruntime refuses the model (an op or input it lacks, ...)
+                ort_reason = f"onnxruntime refused the model: {type(exc).__name__}: {one_line(str(exc))}"[:600]
+        if ort_reason:
+            print(f"{PROG}: ort arm skipped: {ort_reason}", file=sys.stderr)
+    vocab = cfg.vocab_size or 3
+    result = {
+        "command": " ".join(shlex.quote(a) for a in [PROG, *args.argv]),
+        "device": device, "device_name": report.device_name(device),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": report.versions(), "pagedkit_commit": report.pagedkit_commit(),
+        "model": _model_summary(model_dir, cfg, model_path, weights, layers, pm),
+        "settings": {"batches": args.batches, "contexts": args.contexts, "decode_steps": args.decode_steps,
+                     "warmup": args.warmup, "seed": args.seed, "arms": arms, "max_num_tokens": budget,
+                     "num_blocks": blocks, "bandwidth_bytes_per_s": bandwidth,
+                     "prompt_tokens": "context - decode_steps", "cuda_graphs": False,
+                     "prefix_caching": False},
+        "arms": {"pagedkit": {"ran": "pagedkit" in arms, "cuda_graphs": False,
+                              "note": "the engine runs eagerly (CUDA-graph capture of decode steps is planned)"},
+                 "ort": {"ran": runner is not None, "skipped": ort_reason if "ort" in arms else "not asked (--arms)",
+                         "cuda_graph": False,
+                         "version": runner.version if runner else report.versions()["onnxruntime"]}},
+        "rows": [],
+    }
+    if runner is not None:
+        result["arms"]["ort"].pop("skipped")
+    progress = _progress(len(rows) * max(1, len(arms)), args.no_progress)
+    measured = {}
+    for i, row in enumerate(rows):
+        rec = {"batch": row.batch, "context": row.context, "prompt_tokens": row.prompt_tokens,
+               "decode_steps": row.decode_steps,
+               "floor": floor.floor_row(weights, layers, row.batch, row.context, bandwidth), "arms": {}}
+        for arm in arms:
+            progress.set_description(f"{arm} batch {row.batch} context {row.context}")
+            rec["arms"][arm] = _arm(arm, engine, runner, ort_reason, row, vocab, args, device)
+            progress.update(1)
+        if "tokens" in rec["arms"].get("pagedkit", {}) and "tokens" in rec["arms"].get("ort", {}):
+            rec["parity"] = ort_arm.parity(rec["arms"]["pagedkit"]["tokens"], rec["arms"]["ort"]["tokens"],
+                                           row.decode_steps)
+        for a in rec["arms"].values():
+            a.pop("tokens", None)
+        measured[(row.batch, row.context)] = report.finish_row(rec)
+    progress.close()
+    order = {(b, c): None for c in args.contexts for b in args.batches}
+    skipped_by = {(s["batch"], s["context"]): s for s in skipped}
+    result["rows"] = [measured.get(k) or skipped_by[k] for k in order]
+    return result
+
+
+def _arm(arm, engine, runner, ort_reason, row, vocab, args, device) -> dict:
+    if arm == "ort" and runner is None:
+        return {"skipped": ort_reason}
+    for rep in range(args.warmup + 1):
+        prompts = engine_arm.prompts_for(row, vocab, args.seed * 1_000_003 + rep)
+        try:
+            if arm == "pagedkit":
+                rec = engine_arm.run_row(engine, row, prompts, device)
+            else:
+                rec = ort_arm.run_row(engine.model, runner, row, prompts, device)
+        except Exception as exc:  # the arm fails on this row (e.g. ORT refuses an input at run time): say so
+            if arm == "pagedkit" and not isinstance(exc, RuntimeError):
+                raise
+            return {"skipped": f"failed: {type(exc).__name__}: {one_line(str(exc))}"[:600]}
+    rec["warmup_runs"] = args.warmup
+    return rec
+
+
+def _block_size(model_dir, cfg) -> int:
+    """The block size the engine will use (the same rule as PagedModel, read from the ONNX inputs)."""
+    import onnx
+
+    from ...interface import names as N
+
+    model = onnx.load(str(model_dir / cfg.filename), load_external_data=False)
+    key0 = cfg.name(N.past_names_key("key"), 0)
+    for i in model.graph.input:
+        if i.name == key0:
+            dims = i.type.tensor_type.shape.dim
+            if len(dims) > 1 and dims[1].HasField("dim_value"):
+                return dims[1].dim_value
+    return cfg.block_size or 16
+
+
+def _progress(total: int, off: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=PROG, unit="run", file=sys.stderr, disable=off)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

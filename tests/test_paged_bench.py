@@ -1,0 +1,214 @@
+"""paged-bench (pagedkit/runtime/bench) on the CPU over a tiny random Llama export: the JSON it writes,
+the floor arithmetic against an independent count, skipped rows and arms, the plot, bad arguments; and
+the ORT arm's loop (plans, in-place caches, greedy tokens, parity) driven by a stand-in runner that runs
+pagedkit's own session, since onnxruntime's PagedAttention is CUDA-only (the real OrtRunner is not run
+here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from pagedkit.runtime.bench import cli, ort_arm
+
+ARGS = ["--device", "cpu", "--batches", "1", "2", "--contexts", "32", "64", "--decode-steps", "4", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    pytest.importorskip("transformers")
+    from export_utils import export_tiny, tiny_model
+
+    out = tmp_path_factory.mktemp("bench-llama") / "onnx"
+    export_tiny(tiny_model("LlamaConfig"), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-out")
+    rc = cli.main([str(tiny_llama), *ARGS, "--contexts", "32", "64", "1000", "--out", str(out)])
+    assert rc == 0
+    return json.loads((out / "paged_bench.json").read_text()), out
+
+
+def _independent_counts(model_dir: Path):
+    model = onnx.load(str(model_dir / "model.onnx"))
+    weights = sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+    cfg = json.loads((model_dir / "genai_config.json").read_text())["model"]["decoder"]
+    kv_per_token = cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * 2 * cfg["head_size"] * 2  # K+V fp16
+    return weights, kv_per_token
+
+
+def test_json_fields(bench):
+    result, out = bench
+    for key in ("command", "device", "device_name", "date", "versions", "pagedkit_commit", "model", "settings",
+                "arms", "rows"):
+        assert key in result, key
+    assert result["command"].startswith("paged-bench ")
+    assert result["device"] == "cpu"
+    assert {"torch", "onnxruntime"} <= set(result["versions"])
+    assert result["model"]["layers"] == 2 and result["model"]["heads"] == 4 and result["model"]["kv_heads"] == 2
+    assert result["model"]["dtype"] == "float16"
+    assert result["arms"]["pagedkit"]["cuda_graphs"] is False
+    assert result["arms"]["ort"]["cuda_graph"] is False
+    assert [(r["batch"], r["context"]) for r in result["rows"]] == [(b, c) for c in (32, 64, 1000) for b in (1, 2)]
+    assert (out / "paged_bench.png").stat().st_size > 1000
+
+
+def test_pagedkit_arm_positive(bench):
+    result, _ = bench
+    rows = [r for r in result["rows"] if "skipped" not in r]
+    assert len(rows) == 4
+    for r in rows:
+        pk = r["arms"]["pagedkit"]
+        assert r["prompt_tokens"] == r["context"] - 4
+        for k in ("ms_per_step", "tokens_per_s", "ttft_ms", "fraction_of_floor"):
+            assert pk[k] > 0, (k, r)
+        assert pk["decode_tokens"] == r["batch"] * 4
+        assert pk["min_sequences_per_step"] == r["batch"]
+        assert r["pagedkit_over_ort"] is None
+
+
+def test_ort_arm_skipped_naming_cuda(bench):
+    result, _ = bench
+    assert result["arms"]["ort"]["ran"] is False
+    assert "CUDA" in result["arms"]["ort"]["skipped"]
+    for r in result["rows"]:
+        if "skipped" not in r:
+            assert "CUDA" in r["arms"]["ort"]["skipped"]
+
+
+def test_floor_arithmetic(bench, tiny_llama):
+    result, _ = bench
+    weights, kv_per_token = _independent_counts(tiny_llama)
+    assert result["model"]["weight_bytes"] == weights
+    for r in result["rows"]:
+        if "skipped" in r:
+            continue
+        f = r["floor"]
+        kv = r["batch"] * r["context"] * kv_per_token
+        assert (f["weight_bytes"], f["kv_bytes"], f["bytes_per_step"]) == (weights, kv, weights + kv)
+        assert f["ms_per_step"] == pytest.approx((weights + kv) / 4.4e12 * 1e3)
+        assert f["tokens_per_s"] == pytest.approx(r["batch"] / ((weights + kv) / 4.4e12))
+        pk = r["arms"]["pagedkit"]
+        assert pk["fraction_of_floor"] == pytest.approx(pk["tokens_per_s"] / f["tokens_per_s"])
+
+
+def test_context_beyond_length_skipped(bench):
+    result, _ = bench
+    skipped = [r for r in result["rows"] if r["context"] == 1000]
+    assert len(skipped) == 2
+    assert all("exceeds the model's context_length 256" in r["skipped"] for r in skipped)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--batches", "0"], "--batches: expected integers >= 1, got 0"),
+    (["--contexts", "-4"], "--contexts: expected integers >= 1, got -4"),
+    (["--decode-steps", "0"], "--decode-steps: expected an integer >= 1, got 0"),
+    (["--arms", "vllm"], "--arms: expected some of pagedkit ort, got 'vllm'"),
+])
+def test_bad_arguments(tiny_llama, tmp_path, capsys, argv, expected):
+    assert cli.main([str(tiny_llama), "--device", "cpu", "--out", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"paged-bench: error: {expected}"]
+
+
+def test_folder_without_model(tiny_llama, tmp_path, capsys):
+    (tmp_path / "genai_config.json").write_text((tiny_llama / "genai_config.json").read_text())
+    assert cli.main([str(tmp_path), "--device", "cpu", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no model.onnx" in err[0] and "Traceback" not in err[0]
+    assert cli.main([str(tmp_path / "missing"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a folder" in err[0]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main([str(empty), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "genai_config.json" in err[0]
+
+
+class PagedkitAsOrt:
+    """Stands in for OrtRunner on the CPU: the same `run(feeds, outputs)` contract (outputs filled in
+    place, present caches = the past tensors), served by pagedkit's session of the engine."""
+
+    cuda_graph = False
+    version = "stand-in"
+
+    def __init__(self, pm):
+        self.pm = pm
+        self.input_names = set(pm.input_names)
+        self.output_types = {o.name: o.type for o in pm.session.get_outputs()}
+        self.calls = 0
+
+    def run(self, feeds, outputs):
+        past = self.pm.mgr.cache_feeds()
+        for name, t in outputs.items():  # the present outputs alias the bound past inputs
+            if name != self.pm.logits_name:
+                assert any(t is p for p in past.values()), name
+        out = self.pm.session.run_torch(feeds, [self.pm.logits_name])[self.pm.logits_name]
+        outputs[self.pm.logits_name].copy_(out.reshape(outputs[self.pm.logits_name].shape))
+        self.calls += 1
+
+
+def test_ort_arm_loop_with_stand_in_runner(tiny_llama, tmp_path, monkeypatch):
+    """The whole CLI with both arms, the ORT arm's runner replaced: rows get ratios and a parity check
+    whose greedy tokens agree (the same session computes both), and the pool is left empty."""
+    made = []
+
+    def runner(model_path, host_inputs):
+        assert host_inputs == {"attention_metadata"}
+        made.append(PagedkitAsOrt(engine_model[0]))
+        return made[-1]
+
+    engine_model = []  # the PagedModel of the Engine the CLI builds (cli imports Engine at run time)
+    from pagedkit.runtime import engine as engine_pkg
+
+    orig = engine_pkg.Engine
+
+    class Recording(orig):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            engine_model.append(self.model)
+
+    monkeypatch.setattr(engine_pkg, "Engine", Recording)
+    monkeypatch.setattr(ort_arm, "unavailable", lambda device: None)
+    monkeypatch.setattr(ort_arm, "OrtRunner", runner)
+    assert cli.main([str(tiny_llama), *ARGS, "--out", str(tmp_path), "--max-num-tokens", "40"]) == 0
+    result = json.loads((tmp_path / "paged_bench.json").read_text())
+    assert result["arms"]["ort"]["ran"] is True and "skipped" not in result["arms"]["ort"]
+    assert made and made[0].calls > 0
+    for r in result["rows"]:
+        ort = r["arms"]["ort"]
+        assert ort["tokens_per_s"] > 0 and ort["ttft_ms"] > 0 and ort["decode_tokens"] == r["batch"] * 4
+        assert r["pagedkit_over_ort"] == pytest.approx(r["arms"]["pagedkit"]["tokens_per_s"] / ort["tokens_per_s"])
+        assert r["parity"]["equal"], r["parity"]
+        if r["batch"] * r["prompt_tokens"] > 40:
+            assert ort["prefill_steps"] > 1 and r["arms"]["pagedkit"]["prefill_steps"] > 1  # chunked
+    pm = engine_model[0]
+    assert not pm.mgr.seqs and pm.mgr.check_invariants() == []
+
+
+def test_parity_reports_mismatch():
+    rep = ort_arm.parity([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]], steps=2)
+    assert rep["equal"] is False and rep["mismatched_requests"] == [1]
+    assert rep["first_mismatch_position"] == {"1": 1}
+
+
+def test_kv_bytes_quantized_and_latent():
+    from pagedkit.runtime.bench import floor
+    from pagedkit.runtime.kv.config import LayerCacheSpec
+
+    assert floor.layer_kv_bytes_per_token(LayerCacheSpec(0, 8, 128, "float16")) == 8 * 2 * 128 * 2
+    assert floor.layer_kv_bytes_per_token(LayerCacheSpec(0, 8, 128, "int8", "float32", "float32")) == 8 * 2 * 128 + 8 * 2 * 4
+    assert floor.layer_kv_bytes_per_token(LayerCacheSpec(0, 8, 128, "int4", "float16", "float16")) == 8 * 2 * 64 + 8 * 2 * 2
+    assert floor.layer_kv_bytes_per_token(LayerCacheSpec(0, 1, 576, "float16", latent=True)) == 576 * 2
+    layers = [floor.CacheLayer(0, 100), floor.CacheLayer(1, 100, window=16)]
+    assert floor.kv_bytes(layers, 2, 64) == 2 * (64 * 100 + 16 * 100)
+    assert np.isclose(floor.floor_row(1000, layers, 2, 64)["ms_per_step"], (1000 + 2 * 8000) / 4.4e12 * 1e3)
