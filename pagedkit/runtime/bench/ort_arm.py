@@ -70,6 +70,7 @@ class OrtRunner:
                                list(t.shape), t.data_ptr())
         for name, t in outputs.items():
             binding.bind_output(name, "cuda", 0, dtypes.elem_type_of_torch(t.dtype), list(t.shape), t.data_ptr())
+        torch.cuda.synchronize()  # the plan's buffers are written on torch's stream; ORT runs on its own
         self.session.run_with_iobinding(binding)
         torch.cuda.synchronize()
 
