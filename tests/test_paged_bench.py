@@ -212,3 +212,20 @@ def test_kv_bytes_quantized_and_latent():
     layers = [floor.CacheLayer(0, 100), floor.CacheLayer(1, 100, window=16)]
     assert floor.kv_bytes(layers, 2, 64) == 2 * (64 * 100 + 16 * 100)
     assert np.isclose(floor.floor_row(1000, layers, 2, 64)["ms_per_step"], (1000 + 2 * 8000) / 4.4e12 * 1e3)
+
+
+def test_ort_refusal_skips_the_arm(tiny_llama, tmp_path, monkeypatch, capsys):
+    """onnxruntime refusing the model at session creation: the arm is skipped with that reason, printed."""
+    def refuse(model_path, host_inputs):
+        raise RuntimeError("Could not find an implementation for PagedAttention(1) node with name 'attn_0'")
+
+    monkeypatch.setattr(ort_arm, "unavailable", lambda device: None)
+    monkeypatch.setattr(ort_arm, "OrtRunner", refuse)
+    args = ["--device", "cpu", "--batches", "1", "--contexts", "32", "--decode-steps", "2", "--no-progress"]
+    assert cli.main([str(tiny_llama), *args, "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "paged_bench.json").read_text())
+    reason = result["arms"]["ort"]["skipped"]
+    assert reason.startswith("onnxruntime refused the model: RuntimeError: Could not find an implementation")
+    assert result["rows"][0]["arms"]["ort"] == {"skipped": reason}
+    assert result["rows"][0]["arms"]["pagedkit"]["tokens_per_s"] > 0
+    assert "ort arm skipped: onnxruntime refused the model" in capsys.readouterr().err
