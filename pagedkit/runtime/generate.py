@@ -199,6 +199,18 @@ def _torch_type(type_str: str) -> torch.dtype:
     return dtypes.torch_dtype(type_str)
 
 
+def resolve_block_size(cfg: DecoderConfig, key_dims: Sequence, requested: int | None = None, who: str = "") -> int:
+    """The block size of a paged model: `requested` (refused where the graph fixes another), else the graph's
+    static dimension 1 of the first layer's key cache input (`key_dims`: its shape, ints or names), else
+    genai_config's pagedkit block_size, else 16."""
+    fixed = key_dims[1] if len(key_dims) > 1 and isinstance(key_dims[1], int) else None
+    if requested and fixed and requested != fixed:
+        key0 = cfg.name(N.past_names_key("key"), 0)
+        raise ValueError(f"{who}block_size {requested}: the model's caches fix block_size {fixed} "
+                         f"(input '{key0}' dimension 1); use {fixed}")
+    return requested or fixed or cfg.block_size or 16
+
+
 def layer_cache_spec(cfg: DecoderConfig, args: dict, i: int) -> LayerCacheSpec:
     """Layer i's cache spec from the session's inputs `args` (name -> NodeArg): dtype, KV heads, head size, scales."""
     key = args.get(cfg.name(N.past_names_key("key"), i))
@@ -224,12 +236,7 @@ class _PagedState:
         cfg, sess = gen.config, gen.session
         args = {a.name: a for a in sess.get_inputs()}
         key0 = cfg.name(N.past_names_key("key"), 0)
-        dims = args[key0].shape if key0 in args else []
-        fixed = dims[1] if len(dims) > 1 and isinstance(dims[1], int) else None  # the graph's static block_size
-        if block_size and fixed and block_size != fixed:
-            raise ValueError(f"block_size {block_size}: the model's caches fix block_size {fixed} "
-                             f"(input '{key0}' dimension 1); use {fixed}")
-        bs = block_size or fixed or cfg.block_size or 16
+        bs = resolve_block_size(cfg, args[key0].shape if key0 in args else [], block_size)
         self.max_seq_len = gen.max_seq_len
         chunk = max(1, min(cfg.chunk_size or bs, self.max_seq_len)) if cfg.windowed_layers else self.max_seq_len
         groups = []

@@ -232,19 +232,17 @@ def _arm(arm, engine, runner, ort_reason, row, vocab, args, device) -> dict:
 
 
 def _block_size(model_dir, cfg) -> int:
-    """The block size the engine will use (the same rule as PagedModel, read from the ONNX inputs)."""
+    """The block size the engine will use (generate.resolve_block_size over the ONNX inputs, no session)."""
     import onnx
 
     from ...interface import names as N
+    from ..generate import resolve_block_size
 
     model = onnx.load(str(model_dir / cfg.filename), load_external_data=False)
     key0 = cfg.name(N.past_names_key("key"), 0)
-    for i in model.graph.input:
-        if i.name == key0:
-            dims = i.type.tensor_type.shape.dim
-            if len(dims) > 1 and dims[1].HasField("dim_value"):
-                return dims[1].dim_value
-    return cfg.block_size or 16
+    dims = next(([d.dim_value if d.HasField("dim_value") else d.dim_param for d in i.type.tensor_type.shape.dim]
+                 for i in model.graph.input if i.name == key0), [])
+    return resolve_block_size(cfg, dims)
 
 
 def _progress(total: int, off: bool):

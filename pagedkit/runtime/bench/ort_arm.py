@@ -79,10 +79,7 @@ def step_feeds(pm, runner, plan, token_ids: list[int]) -> tuple[dict, dict]:
     """(inputs, outputs) of one planned step, as PagedModel.run builds them; outputs: the present caches
     (the very tensors of their past inputs) and a fresh logits buffer [T, V]."""
     mgr = pm.mgr
-    feeds = {pm.renames.get(k, k): v for k, v in plan.feeds(query_positions=True).items()}
-    feeds = {k: v for k, v in feeds.items() if k in runner.input_names}
-    feeds |= {k: v for k, v in mgr.cache_feeds().items() if k in runner.input_names}
-    feeds[pm.input_ids_name] = torch.tensor(token_ids, dtype=torch.int64, device=mgr.config.device)
+    feeds = pm.feeds(plan, token_ids, runner.input_names)
     outputs = {k: v for k, v in mgr.cache_feeds(present=True).items() if k in runner.output_types}
     logits_type = runner.output_types[pm.logits_name]
     vocab = pm.config.vocab_size

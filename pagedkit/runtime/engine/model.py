@@ -23,7 +23,7 @@ import torch
 from ...interface import names as N
 from ...interface.paths import inside_folder
 from ...validators.contract import block_size_error
-from ..generate import DecoderConfig, layer_cache_spec, read_config
+from ..generate import DecoderConfig, layer_cache_spec, read_config, resolve_block_size
 from ..kv.cache import KVCacheManager
 from ..kv.config import GroupConfig, KVCacheConfig
 from ..kv.plan import StepPlan
@@ -57,12 +57,7 @@ class PagedModel:
         self.logits_name = cfg.outputs.get(N.LOGITS) or N.LOGITS
         args = {a.name: a for a in self.session.get_inputs()}
         key0 = cfg.name(N.past_names_key("key"), 0)
-        dims = args[key0].shape if key0 in args else []
-        fixed = dims[1] if len(dims) > 1 and isinstance(dims[1], int) else None
-        if block_size and fixed and block_size != fixed:
-            raise ValueError(f"Engine: block_size {block_size}: the model's caches fix block_size {fixed} "
-                             f"(input '{key0}' dimension 1); use {fixed} or None")
-        bs = block_size or fixed or cfg.block_size or 16
+        bs = resolve_block_size(cfg, args[key0].shape if key0 in args else [], block_size, who="Engine: ")
         self.block_size = bs
         chunk = max(1, min(cfg.chunk_size or bs, self.max_seq_len))
         groups = []
@@ -98,16 +93,24 @@ class PagedModel:
         return {name: (g.ring_blocks if g.windowed else math.ceil(num_tokens / g.block_size))
                 for name, g in self.groups.items()}
 
+    def feeds(self, plan: StepPlan, token_ids: Sequence[int], input_names=None) -> dict[str, torch.Tensor]:
+        """The model inputs of one planned step (token_ids: the plan's T tokens, batch order): the plan's step
+        inputs under the model's names, the caches, input_ids; only names in `input_names` (default: the
+        session's inputs)."""
+        names = self.input_names if input_names is None else input_names
+        feeds = {self.renames.get(k, k): v for k, v in plan.feeds(query_positions=True).items()}
+        feeds = {k: v for k, v in feeds.items() if k in names}
+        feeds |= {k: v for k, v in self.mgr.cache_feeds().items() if k in names}
+        feeds[self.input_ids_name] = torch.tensor(list(token_ids), dtype=torch.int64, device=self.mgr.config.device)
+        return feeds
+
     def run(self, plan: StepPlan, token_ids: Sequence[int], rows: Sequence[int] | None = None) -> torch.Tensor:
         """Run one planned step (token_ids: the plan's T tokens, batch order); the logits of the flat
         token positions `rows` (all T when None) as [len(rows), V] float32 on the CPU: only the rows that
         are sampled leave the device. The caller commits (on an exception here the plan is aborted
         before re-raising)."""
         mgr, sess = self.mgr, self.session
-        feeds = {self.renames.get(k, k): v for k, v in plan.feeds(query_positions=True).items()}
-        feeds = {k: v for k, v in feeds.items() if k in self.input_names}
-        feeds |= mgr.cache_feeds()
-        feeds[self.input_ids_name] = torch.tensor(list(token_ids), dtype=torch.int64, device=sess.device)
+        feeds = self.feeds(plan, token_ids)
         try:
             out = sess.run_torch(feeds, [self.logits_name], plan=plan.hint)[self.logits_name]
         except BaseException:
