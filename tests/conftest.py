@@ -17,6 +17,17 @@ def _has_cuda() -> bool:
 
 if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A tiny random Llama (tests/export_utils.TINY) exported once per session; tests only read the folder."""
+    pytest.importorskip("transformers")
+    from export_utils import export_tiny, tiny_model
+
+    out = tmp_path_factory.mktemp("tiny-llama") / "onnx"
+    export_tiny(tiny_model("LlamaConfig"), out)
+    return out
+
+
 def pytest_collection_modifyitems(config, items):
     if _has_cuda():
         return

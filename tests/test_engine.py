@@ -30,16 +30,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> Path:
-    pytest.importorskip("transformers")
-    from export_utils import export_tiny, tiny_model
-
-    out = tmp_path_factory.mktemp("engine-llama") / "onnx"
-    export_tiny(tiny_model("LlamaConfig"), out)
-    return out
-
-
-@pytest.fixture(scope="session")
 def oracle(tiny_llama) -> Generator:
     return Generator(tiny_llama)
 

@@ -13,7 +13,7 @@ from pagedkit.runtime.engine.genai import Generator, GeneratorParams, Model
 import test_engine
 from test_engine import assert_pool_free, assert_same_greedy, prompts_of
 
-tiny_llama, oracle = test_engine.tiny_llama, test_engine.oracle  # the session fixtures
+oracle = test_engine.oracle  # the session fixture (tiny_llama: conftest.py)
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -13,7 +13,7 @@ from pagedkit.runtime.kv.cache import KVCacheManager
 import test_engine
 from test_engine import assert_pool_free, assert_same_greedy, check_stream, greedy_alone, prompts_of
 
-tiny_llama, oracle = test_engine.tiny_llama, test_engine.oracle  # the session fixtures
+oracle = test_engine.oracle  # the session fixture (tiny_llama: conftest.py)
 
 
 def test_ngram_draft():

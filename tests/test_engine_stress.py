@@ -11,7 +11,7 @@ import test_engine
 from pagedkit.runtime.engine import Engine, SamplingParams
 from test_engine import assert_pool_free, check_stream, greedy_alone
 
-tiny_llama, oracle = test_engine.tiny_llama, test_engine.oracle  # the session fixtures
+oracle = test_engine.oracle  # the session fixture (tiny_llama: conftest.py)
 
 
 def test_random_workload(tiny_llama, oracle):

@@ -20,16 +20,6 @@ ARGS = ["--device", "cpu", "--batches", "1", "2", "--contexts", "32", "64", "--d
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> Path:
-    pytest.importorskip("transformers")
-    from export_utils import export_tiny, tiny_model
-
-    out = tmp_path_factory.mktemp("bench-llama") / "onnx"
-    export_tiny(tiny_model("LlamaConfig"), out)
-    return out
-
-
-@pytest.fixture(scope="module")
 def bench(tiny_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-out")
     rc = cli.main([str(tiny_llama), *ARGS, "--contexts", "32", "64", "1000", "--out", str(out)])
