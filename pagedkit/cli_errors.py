@@ -104,3 +104,11 @@ def cli_main(prog: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
         return run
 
     return wrap
+
+
+def folder_problem(path, expected: str) -> str | None:
+    """A CLI's MODEL_DIR check: None when `path` is a folder, else the one-line reason naming what it should hold."""
+    from pathlib import Path
+
+    return None if Path(path).is_dir() else f"{path}: not a folder (expected a model folder with {expected})"
+

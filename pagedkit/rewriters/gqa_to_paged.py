@@ -187,7 +187,7 @@ def gqa_to_paged(model: onnx.ModelProto | ir.Model, *, dtype: ir.DataType = F16
         report.model.append(f"removed input '{N.ATTENTION_MASK}' and its seqlens_k / total_sequence_length subgraph")
     if table_w is not None and not table_w.uses():
         g.inputs.remove(table_w)
-    report.model.append(f"input_ids [B, S] -> [num_tokens]; logits -> [num_tokens, vocab]")
+    report.model.append("input_ids [B, S] -> [num_tokens]; logits -> [num_tokens, vocab]")
     report.model.append("caches -> paged [num_blocks, block_size, kv_heads, head_size], updated in place")
     report.model.append("new inputs: " + ", ".join(v.name for v in (table, table_w, csl, past, meta) if v is not None))
     if any(n.op_type == "Cast" and "/paged/" in (n.name or "") for n in g):

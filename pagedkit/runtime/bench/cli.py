@@ -22,7 +22,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ...cli_errors import cli_main, one_line
+from ...cli_errors import cli_main, folder_problem, one_line
 from . import engine_arm, floor, ort_arm, report
 
 PROG = "paged-bench"
@@ -112,14 +112,10 @@ def _model_summary(model_dir: Path, cfg, model_path: Path, weights: int, layers,
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    problem = _check_args(args)
+    model_dir = Path(args.model_dir)
+    problem = _check_args(args) or folder_problem(model_dir, "model.onnx and genai_config.json")
     if problem:
         print(f"{PROG}: error: {problem}", file=sys.stderr)
-        return 2
-    model_dir = Path(args.model_dir)
-    if not model_dir.is_dir():
-        print(f"{PROG}: error: MODEL_DIR {model_dir}: not a folder (expected a model folder with model.onnx and "
-              "genai_config.json)", file=sys.stderr)
         return 2
     from ...interface.paths import inside_folder
     from ..generate import read_config

@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from ...cli_errors import cli_main
+from ...cli_errors import cli_main, folder_problem
 
 PROG = "paged-serve"
 
@@ -58,14 +58,10 @@ def _needs(module: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    problem = _check_args(args)
+    model_dir = Path(args.model_dir)
+    problem = _check_args(args) or folder_problem(model_dir, "model.onnx, genai_config.json and tokenizer.json")
     if problem:
         print(f"{PROG}: error: {problem}", file=sys.stderr)
-        return 2
-    model_dir = Path(args.model_dir)
-    if not model_dir.is_dir():
-        print(f"{PROG}: error: {model_dir}: not a folder (expected a model folder with model.onnx, "
-              "genai_config.json and tokenizer.json)", file=sys.stderr)
         return 2
     if args.device == "cuda":
         import torch
