@@ -4,7 +4,10 @@ its caches, sized for a batch (max_batch_size sequences, max_num_tokens tokens a
 Cache geometry (same rules as generate.Generator): block_size is the graph's static cache dimension 1
 if it has one, else the argument, else genai_config's block size, else 16. Pools:
 - "full" group (full-attention layers, `block_table`): num_blocks blocks, default max_batch_size x
-  ceil(max_seq_len / block_size) (every running sequence can reach the context length);
+  ceil(max_seq_len / block_size) (every running sequence can reach the context length); on CUDA the default
+  is also capped by GPU_MEMORY_FRACTION of the free GPU memory once the session holds its weights (and the
+  windowed rings are counted), so a long context or a large batch takes what the GPU has and the engine
+  preempts when it runs out;
 - "windowed" group (sliding-window layers, `block_table_windowed`): one ring per running sequence,
   max_batch_size x ring_blocks, rings sized for prefill chunks of chunk = genai search.chunk_size or
   block_size tokens (each step of a sequence is cut to KVCacheManager.max_step_tokens).
@@ -28,6 +31,25 @@ from ..kv.cache import KVCacheManager
 from ..kv.config import GroupConfig, KVCacheConfig
 from ..kv.plan import StepPlan
 from ..session import InferenceSession, _cpu_backend
+
+
+GPU_MEMORY_FRACTION = 0.9  # of the free GPU memory the default full-attention pool may take
+
+
+def block_bytes(layers, block_size: int) -> int:
+    """Bytes one block of a group holds over its layers: K (and V) codes and any scale caches."""
+    total = 0
+    for spec in layers:
+        for shape, dtype in spec.shapes(1, block_size).values():
+            total += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return total
+
+
+def pool_blocks(free_bytes: int, fraction: float, bytes_per_block: int, cap: int) -> int:
+    """Blocks of the full-attention pool that `fraction` of `free_bytes` holds, at most `cap`; >= 1."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"Engine: gpu_memory_fraction must be in (0, 1], got {fraction!r}")
+    return max(1, min(cap, int(free_bytes * fraction) // max(1, bytes_per_block)))
 
 
 class PagedModel:
@@ -72,6 +94,15 @@ class PagedModel:
             n = max_batch_size * g.ring_blocks if windowed else (
                 num_blocks or max_batch_size * math.ceil(self.max_seq_len / bs))
             groups.append(GroupConfig(g.name, n, bs, g.layers, g.window, chunk, table))
+        self.pool_sizing = "num_blocks" if num_blocks else "max_batch_size x context"
+        if num_blocks is None and self.session.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.session.device)
+            ring_bytes = sum(g.num_blocks * block_bytes(g.layers, bs) for g in groups if g.window is not None)
+            groups = [GroupConfig(g.name, pool_blocks(free - ring_bytes, GPU_MEMORY_FRACTION,
+                                                      block_bytes(g.layers, bs), g.num_blocks),
+                                  bs, g.layers, g.window, g.chunk_tokens, g.table_name)
+                      if g.window is None else g for g in groups]
+            self.pool_sizing = f"free GPU memory x {GPU_MEMORY_FRACTION} (capped at max_batch_size x context)"
         self.prefix_caching_off_reason = None
         if not enable_prefix_caching:
             self.prefix_caching_off_reason = "enable_prefix_caching=False"
