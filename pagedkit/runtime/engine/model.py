@@ -17,6 +17,7 @@ False and `prefix_caching_off_reason` says why).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Sequence
@@ -93,14 +94,13 @@ class PagedModel:
                             window=cfg.window if windowed else None, chunk_tokens=chunk, table_name=table)
             n = max_batch_size * g.ring_blocks if windowed else (
                 num_blocks or max_batch_size * math.ceil(self.max_seq_len / bs))
-            groups.append(GroupConfig(g.name, n, bs, g.layers, g.window, chunk, table))
+            groups.append(dataclasses.replace(g, num_blocks=n))
         self.pool_sizing = "num_blocks" if num_blocks else "max_batch_size x context"
         if num_blocks is None and self.session.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.session.device)
             ring_bytes = sum(g.num_blocks * block_bytes(g.layers, bs) for g in groups if g.window is not None)
-            groups = [GroupConfig(g.name, pool_blocks(free - ring_bytes, GPU_MEMORY_FRACTION,
-                                                      block_bytes(g.layers, bs), g.num_blocks),
-                                  bs, g.layers, g.window, g.chunk_tokens, g.table_name)
+            groups = [dataclasses.replace(g, num_blocks=pool_blocks(free - ring_bytes, GPU_MEMORY_FRACTION,
+                                                                    block_bytes(g.layers, bs), g.num_blocks))
                       if g.window is None else g for g in groups]
             self.pool_sizing = f"free GPU memory x {GPU_MEMORY_FRACTION} (capped at max_batch_size x context)"
         self.prefix_caching_off_reason = None
