@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 
 from ...interface import dtypes
-from ...validators.contract import CACHE_FORMATS
+from ..engine.model import block_bytes
 
 DEFAULT_BANDWIDTH = 4.4e12  # bytes / s
 
@@ -63,16 +63,9 @@ def _tensor_bytes(t: onnx.TensorProto, folder: Path, whole_files: set) -> int:
 
 
 def layer_kv_bytes_per_token(spec) -> int:
-    """Cached bytes of one token in one layer (LayerCacheSpec): key + value (+ PER_TOKEN scales)."""
-    fmt = CACHE_FORMATS[spec.cache_dtype]
-    elem = dtypes.numpy_dtype(dtypes.elem_type(fmt.storage)).itemsize
-    width = fmt.width(spec.head_size)
-    sides = 1 if spec.latent else 2
-    out = spec.kv_num_heads * sides * width * elem
-    for scale in (spec.key_scale_dtype, spec.value_scale_dtype):
-        if scale is not None:
-            out += spec.kv_num_heads * np.dtype(scale).itemsize
-    return out
+    """Cached bytes of one token in one layer (LayerCacheSpec): key + value (+ PER_TOKEN scales), from the
+    very cache tensors the engine allocates (engine.model.block_bytes of a one-token block)."""
+    return block_bytes((spec,), 1)
 
 
 @dataclass(frozen=True)
