@@ -22,7 +22,7 @@ import torch
 
 from ...interface import dtypes
 from ...interface import names as N
-from .engine_arm import Row
+from .engine_arm import Row, _sync
 
 
 def unavailable(device: str) -> str | None:
@@ -106,7 +106,8 @@ def _step(pm, runner, batch: list[tuple[str, list[int]]]) -> torch.Tensor:
 
 def run_row(pm, runner, row: Row, prompts: list[list[int]], device: str) -> dict:
     """Measure one row with the runner over the engine's KV cache manager (its sequences freed after)."""
-    mgr, budget = pm.mgr, mgr_budget(pm)
+    mgr = pm.mgr
+    budget = mgr.config.max_num_tokens
     sids = [f"ort-bench-{i}" for i in range(len(prompts))]
     tokens = {s: [] for s in sids}
     try:
@@ -153,18 +154,9 @@ def run_row(pm, runner, row: Row, prompts: list[list[int]], device: str) -> dict
             "tokens": [tokens[s] for s in sids]}
 
 
-def mgr_budget(pm) -> int:
-    return pm.mgr.config.max_num_tokens
-
-
 def host_input_names(pm) -> set[str]:
     """The host-resident inputs (ORT's OrtMemTypeCPUInput): attention_metadata under its configured name."""
     return {pm.config.input(N.ATTENTION_METADATA)}
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def parity(a: list[list[int]], b: list[list[int]], steps: int) -> dict:
