@@ -6,6 +6,7 @@ client disconnect, 400s naming the field, and the incremental detokenizer itself
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 import httpx
@@ -316,3 +317,8 @@ def test_cli_bad_arguments(capsys, tmp_path, tok_dir):
 
         main([str(tok_dir), "--port", "x"])
     assert exc.value.code == 2
+
+
+def test_cli_missing_serve_package_names_the_extra(capsys, monkeypatch, tok_dir):
+    monkeypatch.setitem(sys.modules, "starlette", None)  # import starlette -> ModuleNotFoundError
+    _one_line_error(capsys, [str(tok_dir)], "'starlette'", 'pip install "pagedkit[serve]"')

@@ -47,13 +47,6 @@ def _check_args(args) -> str | None:
     return None
 
 
-def _needs(module: str) -> None:
-    try:
-        __import__(module)
-    except ImportError:
-        raise ValueError(f"paged-serve needs the optional package {module!r}: pip install \"pagedkit[serve]\"") from None
-
-
 @cli_main(PROG)
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
@@ -73,8 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {model_dir / 'tokenizer.json'}: no such file (paged-serve needs the model folder's "
               "tokenizer; paged-export copies it from the checkpoint)", file=sys.stderr)
         return 2
-    for module in ("starlette", "uvicorn"):
-        _needs(module)
+    # before the engine loads: a missing one is cli_errors' one line naming the extra (pagedkit[serve])
+    import starlette  # noqa: F401
+    import uvicorn
+
     from .tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)  # before the engine: a folder without tokenizer fails fast
@@ -82,8 +77,6 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = Engine(model_dir, device=args.device, max_batch_size=args.max_batch_size,
                     max_num_tokens=args.max_num_tokens, num_blocks=args.num_blocks)
-    import uvicorn
-
     from .app import create_app
 
     name = args.model_name or model_dir.resolve().name
