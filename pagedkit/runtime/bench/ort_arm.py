@@ -116,6 +116,7 @@ def run_row(pm, runner, row: Row, prompts: list[list[int]], device: str) -> dict
         for s, p in zip(sids, prompts):
             mgr.add_sequence(s, p)
         done = {s: 0 for s in sids}  # prompt tokens cached
+        length = {s: len(p) for s, p in zip(sids, prompts)}
         prefill = 0
         while any(done[s] < len(p) for s, p in zip(sids, prompts)):
             batch, left = [], budget
@@ -126,12 +127,16 @@ def run_row(pm, runner, row: Row, prompts: list[list[int]], device: str) -> dict
                     left -= n
             logits = _step(pm, runner, batch)
             prefill += 1
-            end = 0
+            end, ready, rows = 0, [], []  # sequences whose prompt is now cached, and their last flat position
             for s, ids in batch:
                 end += len(ids)
                 done[s] += len(ids)
-                if done[s] == len(prompts[sids.index(s)]):
-                    tokens[s].append(int(logits[end - 1].float().argmax()))
+                if done[s] == length[s]:
+                    ready.append(s)
+                    rows.append(end - 1)
+            if rows:  # one argmax and one copy to the host for the step, not one a sequence
+                for s, t in zip(ready, logits[rows].float().argmax(-1).tolist()):
+                    tokens[s].append(int(t))
         _sync(device)
         ttft = time.perf_counter() - t0
         times = []
