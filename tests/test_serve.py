@@ -322,3 +322,15 @@ def test_cli_bad_arguments(capsys, tmp_path, tok_dir):
 def test_cli_missing_serve_package_names_the_extra(capsys, monkeypatch, tok_dir):
     monkeypatch.setitem(sys.modules, "starlette", None)  # import starlette -> ModuleNotFoundError
     _one_line_error(capsys, [str(tok_dir)], "'starlette'", 'pip install "pagedkit[serve]"')
+
+
+def test_cli_port_in_use_or_unknown_host(capsys, tok_dir):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        _one_line_error(capsys, [str(tok_dir), "--port", port], "--port " + port, "cannot listen")
+    _one_line_error(capsys, [str(tok_dir), "--host", "no-such-host.invalid"], "--host no-such-host.invalid",
+                    "cannot listen")

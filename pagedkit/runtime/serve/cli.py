@@ -6,7 +6,7 @@ folder, on pagedkit's engine (continuous batching) with starlette + uvicorn.
 
 MODEL_DIR holds model.onnx, genai_config.json and the tokenizer (tokenizer.json, tokenizer_config.json
 with the chat template, as paged-export copies them). The model's name in the API (`model`) is the
-folder's name. Needs `pip install "pagedkit[serve,export]"`. Exit status: 2 bad arguments or model
+folder's name. Needs `pip install "pagedkit[serve,export]"`. Exit status: 2 bad arguments (a --host / --port it cannot listen on included) or model
 (one line on stderr, no traceback); the server runs until Ctrl-C. See docs/serve.md.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -37,6 +38,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _listen_problem(host: str, port: int) -> str | None:
+    """Why uvicorn could not listen on host:port (an unknown host, a port in use...), else None: checked by
+    binding (with asyncio's socket options) and closing every address the host resolves to."""
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in addresses:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+    except OSError as exc:
+        return f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})"
+    return None
+
+
 def _check_args(args) -> str | None:
     if not 0 <= args.port <= 65535:
         return f"--port: expected 0..65535, got {args.port}"
@@ -44,7 +61,7 @@ def _check_args(args) -> str | None:
         value = getattr(args, name)
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')}: expected an integer >= 1, got {value}"
-    return None
+    return _listen_problem(args.host, args.port)  # uvicorn would log it and exit 3 (pagedkit's internal error)
 
 
 @cli_main(PROG)
