@@ -166,11 +166,12 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
         if ort_reason:
             print(f"{PROG}: ort arm skipped: {ort_reason}", file=sys.stderr)
     vocab = cfg.vocab_size or 3
+    versions = report.versions()
     result = {
         "command": " ".join(shlex.quote(a) for a in [PROG, *args.argv]),
         "device": device, "device_name": report.device_name(device),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "versions": report.versions(), "pagedkit_commit": report.pagedkit_commit(),
+        "versions": versions, "pagedkit_commit": report.pagedkit_commit(),
         "model": _model_summary(model_dir, cfg, model_path, weights, layers, pm),
         "settings": {"batches": args.batches, "contexts": args.contexts, "decode_steps": args.decode_steps,
                      "warmup": args.warmup, "seed": args.seed, "arms": arms, "max_num_tokens": budget,
@@ -181,7 +182,7 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
                               "note": "the engine runs eagerly (CUDA-graph capture of decode steps is planned)"},
                  "ort": {"ran": runner is not None, "skipped": ort_reason if "ort" in arms else "not asked (--arms)",
                          "cuda_graph": False,
-                         "version": runner.version if runner else report.versions()["onnxruntime"]}},
+                         "version": runner.version if runner else versions["onnxruntime"]}},
         "rows": [],
     }
     if runner is not None:
