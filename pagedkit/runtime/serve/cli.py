@@ -6,8 +6,9 @@ folder, on pagedkit's engine (continuous batching) with starlette + uvicorn.
 
 MODEL_DIR holds model.onnx, genai_config.json and the tokenizer (tokenizer.json, tokenizer_config.json
 with the chat template, as paged-export copies them). The model's name in the API (`model`) is the
-folder's name. Needs `pip install "pagedkit[serve,export]"`. Exit status: 2 bad arguments (a --host / --port it cannot listen on included) or model
-(one line on stderr, no traceback); the server runs until Ctrl-C. See docs/serve.md.
+folder's name. Needs `pip install "pagedkit[serve,export]"`. Exit status: 2 bad arguments (a --host /
+--port it cannot listen on included) or model (one line on stderr, no traceback); the server runs until
+Ctrl-C. See docs/serve.md.
 """
 
 from __future__ import annotations
