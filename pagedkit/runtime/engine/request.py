@@ -96,12 +96,13 @@ class Request:
 
     def emit(self) -> RequestOutput | None:
         """The output of this step: the newly visible tokens, or None when nothing changed."""
+        p = len(self.prompt)  # slices of tokens, not of two fresh copies of the whole output
         upto = self.num_output - self._holdback()
-        new = self.output[self.num_emitted:upto] if upto > self.num_emitted else []
+        new = self.tokens[p + self.num_emitted:p + upto] if upto > self.num_emitted else []
         if not new and not self.finished:
             return None
         self.num_emitted = max(self.num_emitted, upto)
-        return RequestOutput(self.request_id, new, self.output[:self.num_emitted], self.finished,
+        return RequestOutput(self.request_id, new, self.tokens[p:p + self.num_emitted], self.finished,
                              self.finish_reason, self.reason)
 
 
