@@ -51,6 +51,17 @@ class TextStream:
             return after[len(before):]
         return ""
 
+    def _append(self, new: str) -> None:
+        """text += new, cut before the first stop string (only the tail new can complete is searched)."""
+        if not new:
+            return
+        start = max(0, len(self.text) - max((len(s) for s in self.stops), default=0))
+        self.text += new
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+
     def _release(self, final: bool) -> str:
         end = len(self.text)
         if not final and not self.stopped:
@@ -67,23 +78,11 @@ class TextStream:
                 break
             self._ids.append(int(tok))
             self.num_tokens += 1
-            new = self._decode_new(final=False)
-            if not new:
-                continue
-            start = max(0, len(self.text) - max((len(s) for s in self.stops), default=0))
-            self.text += new
-            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-            if hits:
-                self.text = self.text[:min(hits)]
-                self.stopped = True
+            self._append(self._decode_new(final=False))
         return self._release(final=False)
 
     def finish(self) -> str:
         """The generation ended: the rest of the text (held back partial matches, unfinished characters)."""
         if not self.stopped and self._read < len(self._ids):
-            self.text += self._decode_new(final=True)
-            hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
-            if hits:
-                self.text = self.text[:min(hits)]
-                self.stopped = True
+            self._append(self._decode_new(final=True))
         return self._release(final=True)
