@@ -332,12 +332,13 @@ class Engine:
         return toks
 
     def _retire(self, r: Request) -> None:
-        if r.status == RUNNING or r in self.running:
+        """Drop a finished request (every caller has called r.finish, so its status is already FINISHED)
+        from the running list (its blocks freed) or the queue, and from the live ids."""
+        if r in self.running:
             self.kv.free(r.request_id)
             self.running.remove(r)
         elif r in self.waiting:
             self.waiting.remove(r)
-        r.status = "finished"
         with self._lock:
             self._live.pop(r.request_id, None)
 
