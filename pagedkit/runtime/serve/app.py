@@ -231,24 +231,21 @@ async def _chunks(srv: _Server, gen, first, head: dict, chat: bool, prompt_len: 
             choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
         return head | {"choices": [choice]} | ({"usage": None} if include_usage else {})
 
-    text = first[2]
+    def events(piece: str, reason: str | None) -> list[bytes]:
+        if piece and reason:  # the last piece of text, then the finish reason on its own chunk
+            return [_sse(chunk(piece, None)), _sse(chunk("", reason))]
+        return [_sse(chunk(piece, reason))] if piece or reason else []
+
+    piece, reason, text = first
     try:
         if chat:
             yield _sse(chunk("", None, role=True))
-        items = [first]
-        while items:
-            piece, reason, text = items.pop()
-            if piece and reason:  # the last piece of text, then the finish reason on its own chunk
-                yield _sse(chunk(piece, None))
-                piece = ""
-            if piece or reason:
-                yield _sse(chunk(piece, reason))
-            if reason:
-                break
-            try:
-                items.append(await gen.__anext__())
-            except StopAsyncIteration:  # pragma: no cover - generate always ends on a finish reason
-                break
+        for event in events(piece, reason):
+            yield event
+        if reason is None:  # generate's last item has the finish reason, and it ends there
+            async for piece, reason, text in gen:
+                for event in events(piece, reason):
+                    yield event
         if include_usage:
             yield _sse(head | {"choices": [], "usage": srv.usage(prompt_len, text)})
     except EngineFailure as exc:
