@@ -64,32 +64,29 @@ def _asm_f16(x, ASM: tl.constexpr):
 def _values(x, FMT: tl.constexpr, HIGH: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr,
             ASM: tl.constexpr = False):
     """Loaded cache values -> DT (float16 / bfloat16; float caches pass through): codes are exact in DT, so
-    this is exact. ASM (GPU, DT float16): the packed conversions above. Integer codes skip the integer-to-float unit (I2F is 16 lanes / clock / SM on Hopper,
-    which made quantized decode compute-bound): the code goes into a float's mantissa by bit operations
-    and the exponent's offset is subtracted (fp16 0x6400 = 1024, bf16 0x4300 = 128, fp32 0x4B000000 =
-    2**23). int4: the low (HIGH False) or high nibble, minus 8; int8 as bfloat16 goes through float32 (bf16
-    holds only 128 integers at one exponent). The interpreter (no bfloat16 arithmetic) converts plainly."""
-    if ASM and FMT == 3 and DT == tl.float16 and not INTERP:
-        if HIGH:
+    this is exact. ASM (GPU, DT float16): the packed conversions above. Otherwise integer codes skip the
+    integer-to-float unit (I2F is 16 lanes / clock / SM on Hopper, which made quantized decode compute-bound):
+    the code goes into a float's mantissa by bit operations and the exponent's offset is subtracted (fp16 0x6400 =
+    1024, fp32 0x4B000000 = 2**23). int4 (float16 only: the decode kernel's quantized dots run in float16): the
+    low (HIGH False) or high nibble, minus 8; int8 as bfloat16 (the MLA kernel) goes through float32 (bf16 holds
+    only 128 integers at one exponent). The interpreter (no bfloat16 arithmetic) converts plainly."""
+    if ASM and FMT != 0 and DT == tl.float16 and not INTERP:
+        if FMT == 1:
+            return _asm_f16(x, _ASM_I8)
+        elif FMT == 2:
+            return _asm_f16(x, _ASM_FP8)
+        elif HIGH:
             return _asm_f16(x, _ASM_I4_HI)
         else:
             return _asm_f16(x, _ASM_I4_LO)
-    elif ASM and FMT == 2 and DT == tl.float16 and not INTERP:
-        return _asm_f16(x, _ASM_FP8)
-    elif ASM and FMT == 1 and DT == tl.float16 and not INTERP:
-        return _asm_f16(x, _ASM_I8)
     elif FMT == 3:
+        tl.static_assert(DT == tl.float16, "int4 codes convert to float16 only")
         xi = x.to(tl.int16)  # uint8 zero-extended
         if HIGH:
             n = (xi >> 4) & 15
         else:
             n = xi & 15
-        if DT == tl.float16:
-            return (n | 0x6400).to(tl.float16, bitcast=True) - 1032.0  # 1024 + n - 1032 = n - 8
-        elif INTERP:
-            return (n - 8).to(tl.float32).to(DT)
-        else:
-            return (n | 0x4300).to(tl.bfloat16, bitcast=True) - 136.0  # 128 + n - 136
+        return (n | 0x6400).to(tl.float16, bitcast=True) - 1032.0  # 1024 + n - 1032 = n - 8
     elif FMT == 2:  # fp8 e4m3 cache loaded through a uint8 view (defined zero fill for masked lanes)
         if INTERP:
             return x.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DT)

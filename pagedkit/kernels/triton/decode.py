@@ -78,42 +78,63 @@ MAX_GRID_Z = 65535  # CUDA's limit on grid dimension z (splits x lanes)
 # 0.42 ms, int4 0.59 -> 0.54 ms); smaller grids keep the per-block tiles, which fill the SMs with splits
 QUANT_WIDE_PROGRAMS = 2
 BNSH_BLOCK = 256  # positions per virtual block of the contiguous (BNSH) accessor
+_FMT_NAMES = {"int8": common.FMT_INT8, "fp8": common.FMT_FP8, "int4": common.FMT_INT4}
+
+
+def _sides(value: str, what: str) -> str:
+    """'k' / 'v' / 'kv' / '0' (none) -> the sides named; anything else is refused naming `what`."""
+    sides = "" if value == "0" else value
+    if sides not in ("", "k", "v", "kv", "vk"):
+        raise ValueError(f"{what}: expected k, v, kv or 0, got {value!r}")
+    return sides
+
+
+def parse_quant_asm(spec: str) -> dict[int, str]:
+    """"kv" | "v" | "0" (all formats) or "int8:v,fp8:kv,..." (the others "kv") -> {format code: sides}."""
+    what = "PAGEDKIT_QUANT_ASM"
+    if ":" not in spec:
+        return {f: _sides(spec, what) for f in _FMT_NAMES.values()}
+    out = {f: "kv" for f in _FMT_NAMES.values()}
+    for item in filter(None, spec.split(",")):
+        name, _, sides = (part.strip() for part in item.partition(":"))
+        if name not in _FMT_NAMES:
+            raise ValueError(f"{what}: cache format {name!r} should be one of {sorted(_FMT_NAMES)}")
+        out[_FMT_NAMES[name]] = _sides(sides, f"{what} {name}")
+    return out
+
+
+def _env(name: str, parse, default=None):
+    """The environment override `name` parsed (None / empty: default); a bad value is refused naming it."""
+    value = os.environ.get(name)
+    if not value:
+        return default
+    try:
+        return parse(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}={value!r}: {exc}") from None
+
+
 # int8 caches through the integer tensor cores on the sides named ("k": the scores, q as two int8 digits against
 # the cache codes with int32 accumulation; "v": p @ V likewise). Default "k" (H200, GQA 32 / 8 heads, head 128,
 # batch 64 / context 4096, benchmarks/results/quant_tuning.json: 0.2123 ms with float16 dots on both sides,
 # 0.1733 with the scores on integer dots, 0.2155 on both: V's codes, reduced over its rows, go through shared
 # memory one byte per load). PAGEDKIT_INT8_MMA overrides: "k" / "kv" / "0" ("1" = "kv")
-_MMA_ENV = os.environ.get("PAGEDKIT_INT8_MMA", "k")
-INT8_MMA = {"1": "kv", "0": ""}.get(_MMA_ENV, _MMA_ENV)
+INT8_MMA = _env("PAGEDKIT_INT8_MMA", lambda v: "kv" if v == "1" else _sides(v, "the sides"), "k")
 # per cache format, the sides ("k" / "v") whose codes are converted to float16 by packed inline asm in the load's
 # layout (_decode_kernels._ASM_*); the others take the plain conversions. Default V only on every format (same
 # sweep: int8 0.2466 ms asm on both sides, 0.2123 V only, 0.2574 none; fp8 at batch 64 / context 8192, 256-token
 # blocks, 0.4744 / 0.3717 / 0.4361; int4 batch 16 0.0657 / 0.0654 / 0.0720): K's codes are reduced along their
 # contiguous channels and Triton's own conversion reads them as words. PAGEDKIT_QUANT_ASM overrides: "kv" / "v" /
 # "0" for every format, or per format as "int8:v,fp8:kv,int4:0"
-_FMT_NAMES = {"int8": common.FMT_INT8, "fp8": common.FMT_FP8, "int4": common.FMT_INT4}
-
-
-def parse_quant_asm(spec: str) -> dict[int, str]:
-    """"kv" | "v" | "0" (all formats) or "int8:v,fp8:kv,..." -> {format code: sides}."""
-    if ":" not in spec:
-        return {f: spec.replace("0", "") for f in _FMT_NAMES.values()}
-    out = {f: "kv" for f in _FMT_NAMES.values()}
-    for item in filter(None, spec.split(",")):
-        name, _, sides = item.partition(":")
-        out[_FMT_NAMES[name.strip()]] = sides.strip().replace("0", "")
-    return out
-
-
-QUANT_ASM = parse_quant_asm(os.environ.get("PAGEDKIT_QUANT_ASM", "v"))
+QUANT_ASM = parse_quant_asm(_env("PAGEDKIT_QUANT_ASM", str, "v"))
 # software-pipeline stages of the attention kernel on quantized caches (None: Triton's default); tuning runs set it
-QUANT_STAGES: int | None = int(os.environ["PAGEDKIT_QUANT_STAGES"]) if os.environ.get("PAGEDKIT_QUANT_STAGES") else None
+QUANT_STAGES: int | None = _env("PAGEDKIT_QUANT_STAGES", int)
 # (block_n, num_warps) of quantized caches once the grid fills the SMs (see QUANT_WIDE_PROGRAMS);
 # PAGEDKIT_QUANT_TILE="BNxNW" overrides (tuning runs)
-QUANT_WIDE_TILE = tuple(int(v) for v in os.environ.get("PAGEDKIT_QUANT_TILE", "128x4").split("x"))
+QUANT_WIDE_TILE: tuple[int, int] = _env("PAGEDKIT_QUANT_TILE", lambda v: tuple(int(x) for x in v.split("x", 1)),
+                                        (128, 4))
 # programs per SM the splits aim for with those tiles (None: WAVES); PAGEDKIT_QUANT_WAVES overrides (tuning runs)
-QUANT_WIDE_WAVES: float | None = float(os.environ["PAGEDKIT_QUANT_WAVES"]) if os.environ.get(
-    "PAGEDKIT_QUANT_WAVES") else None
+QUANT_WIDE_WAVES: float | None = _env("PAGEDKIT_QUANT_WAVES", float)
 _POISON = False  # tests: fill outputs and workspaces with NaN instead of leaving them uninitialized
 
 
