@@ -15,7 +15,7 @@ import pytest
 from pagedkit.runtime.serve import create_app
 from pagedkit.runtime.serve.textstream import TextStream
 from pagedkit.runtime.serve.tokenizer import ServeTokenizer, load_tokenizer
-from test_serve_helpers import FakeEngine, FakeParams, ServerThread, fake_continuation, sse_events, write_tokenizer
+from test_serve_helpers import FakeEngine, ServerThread, fake_continuation, sse_events, write_tokenizer
 
 MODEL = "tiny-serve"
 
@@ -37,7 +37,7 @@ def shared_url(tok_dir):
 
 
 def serve(engine, tok_dir, **kw):
-    return ServerThread(create_app(engine, load_tokenizer(tok_dir), MODEL, sampling_params_cls=FakeParams, **kw))
+    return ServerThread(create_app(engine, load_tokenizer(tok_dir), MODEL, **kw))
 
 
 def _expected(tok, prompt_ids, n, **kw):

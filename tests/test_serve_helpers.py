@@ -7,8 +7,9 @@ import json
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
+
+from pagedkit.runtime.engine.params import RequestOutput, SamplingParams
 
 VOCAB_SIZE = 144  # tests/export_utils.py TINY: vocab 144, bos 1, eos 2, pad 0
 WORDS = ["user", "assistant", "system", ":", "hello", "world", "the", "cat", "sat", "on", "mat", "a", "dog"]
@@ -43,29 +44,7 @@ def write_tokenizer(folder: Path, chat_template: str | None = CHAT_TEMPLATE) -> 
     return folder
 
 
-# -- a fake engine (the interface of pagedkit.runtime.engine.Engine) -------------------------------------
-
-@dataclass
-class FakeParams:
-    max_new_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple = ()
-    stop_sequences: tuple = ()
-    ignore_eos: bool = False
-    num_draft_tokens: int = 0
-
-
-@dataclass
-class FakeOutput:
-    request_id: str
-    new_token_ids: list
-    token_ids: list
-    finished: bool
-    finish_reason: str | None
-
+# -- a fake engine (the interface of pagedkit.runtime.engine.Engine; its SamplingParams / RequestOutput) ---
 
 def fake_continuation(prompt: list[int], n: int, eos: int | None = None, eos_at: int | None = None) -> list[int]:
     """The fake engine's tokens for a prompt: each a function of the sequence so far (batching-independent)."""
@@ -86,13 +65,13 @@ class FakeEngine:
         self.delay, self.eos_at, self.fail, self.fail_after = delay, eos_at, fail, fail_after
         self._lock = threading.Lock()
         self._reqs: dict[str, dict] = {}
-        self.params: dict[str, FakeParams] = {}
+        self.params: dict[str, SamplingParams] = {}
         self.aborted: list[str] = []
         self.steps = 0
         self.max_batch = 0
 
     def add_request(self, prompt_token_ids, params=None, request_id=None, drafter=None) -> str:
-        params = params or FakeParams()
+        params = params or SamplingParams()
         with self._lock:
             self.params[request_id] = params
             self._reqs[request_id] = {"prompt": list(prompt_token_ids), "out": [], "params": params,
@@ -122,8 +101,8 @@ class FakeEngine:
                 r["out"].append(tok)
                 stop = tok in r["params"].stop_token_ids or (tok == 2 and not r["params"].ignore_eos)
                 done = stop or len(r["out"]) >= r["params"].max_new_tokens
-                outs.append(FakeOutput(rid, [tok], r["prompt"] + r["out"], done,
-                                       ("stop" if stop else "length") if done else None))
+                outs.append(RequestOutput(rid, [tok], r["prompt"] + r["out"], done,
+                                          ("stop" if stop else "length") if done else None))
                 if done:
                     del self._reqs[rid]
         return outs
