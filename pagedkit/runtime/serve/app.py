@@ -29,8 +29,6 @@ from .textstream import TextStream
 from .tokenizer import as_serve_tokenizer
 from .worker import EngineWorker
 
-FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
-
 
 class EngineFailure(Exception):
     """engine.step() raised while this request was running."""
@@ -89,7 +87,7 @@ class _Server:
                 if out.finished:
                     done = True
                     piece += text.finish()
-                    reason = "stop" if text.stopped else FINISH_REASONS.get(out.finish_reason, "stop")
+                    reason = "length" if out.finish_reason == "length" and not text.stopped else "stop"
                     yield piece, reason, text
                     return
                 if piece:
@@ -201,8 +199,8 @@ def create_app(engine, tokenizer, model_name: str, *, sampling_params_cls=None) 
 
 
 async def _complete(srv: _Server, gen, first, head: dict, chat: bool, prompt_len: int) -> Response:
-    pieces, (piece, reason, text) = [], first
-    pieces.append(piece)
+    piece, reason, text = first
+    pieces = [piece]
     try:
         async for piece, reason, text in gen:
             pieces.append(piece)
