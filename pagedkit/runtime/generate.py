@@ -211,6 +211,18 @@ def resolve_block_size(cfg: DecoderConfig, key_dims: Sequence, requested: int | 
     return requested or fixed or cfg.block_size or 16
 
 
+def step_feeds(plan, mgr: KVCacheManager, token_ids: Sequence[int], renames: dict, input_names,
+               input_ids_name: str) -> dict[str, torch.Tensor]:
+    """The model inputs of one planned step of a paged model (token_ids: the plan's T tokens, batch order): the
+    plan's step inputs under the model's names (`renames`), the caches and input_ids; only names in
+    `input_names`."""
+    feeds = {renames.get(k, k): v for k, v in plan.feeds(query_positions=True).items()}
+    feeds = {k: v for k, v in feeds.items() if k in input_names}
+    feeds |= {k: v for k, v in mgr.cache_feeds().items() if k in input_names}
+    feeds[input_ids_name] = torch.tensor(list(token_ids), dtype=torch.int64, device=mgr.config.device)
+    return feeds
+
+
 def layer_cache_spec(cfg: DecoderConfig, args: dict, i: int) -> LayerCacheSpec:
     """Layer i's cache spec from the session's inputs `args` (name -> NodeArg): dtype, KV heads, head size, scales."""
     key = args.get(cfg.name(N.past_names_key("key"), i))
@@ -278,11 +290,7 @@ class _PagedState:
             n = min(len(ids) - done, mgr.max_step_tokens(self.seq))
             chunk = list(ids[done:done + n])
             plan = mgr.plan([(self.seq, chunk)])
-            feeds = {self.renames.get(k, k): v for k, v in plan.feeds(query_positions=True).items()}
-            feeds = {k: v for k, v in feeds.items() if k in self.input_names}
-            feeds |= mgr.cache_feeds()
-            feeds[self.gen.config.input(N.INPUT_IDS)] = torch.tensor(
-                chunk, dtype=torch.int64, device=sess.device)
+            feeds = step_feeds(plan, mgr, chunk, self.renames, self.input_names, self.gen.config.input(N.INPUT_IDS))
             try:
                 out = sess.run_torch(feeds, [self.gen.logits_name], plan=plan.hint)[self.gen.logits_name]
             except BaseException:

@@ -27,7 +27,7 @@ import torch
 from ...interface import names as N
 from ...interface.paths import inside_folder
 from ...validators.contract import block_size_error
-from ..generate import DecoderConfig, layer_cache_spec, read_config, resolve_block_size
+from ..generate import DecoderConfig, layer_cache_spec, read_config, resolve_block_size, step_feeds
 from ..kv.cache import KVCacheManager
 from ..kv.config import GroupConfig, KVCacheConfig
 from ..kv.plan import StepPlan
@@ -128,12 +128,8 @@ class PagedModel:
         """The model inputs of one planned step (token_ids: the plan's T tokens, batch order): the plan's step
         inputs under the model's names, the caches, input_ids; only names in `input_names` (default: the
         session's inputs)."""
-        names = self.input_names if input_names is None else input_names
-        feeds = {self.renames.get(k, k): v for k, v in plan.feeds(query_positions=True).items()}
-        feeds = {k: v for k, v in feeds.items() if k in names}
-        feeds |= {k: v for k, v in self.mgr.cache_feeds().items() if k in names}
-        feeds[self.input_ids_name] = torch.tensor(list(token_ids), dtype=torch.int64, device=self.mgr.config.device)
-        return feeds
+        return step_feeds(plan, self.mgr, token_ids, self.renames,
+                          self.input_names if input_names is None else input_names, self.input_ids_name)
 
     def run(self, plan: StepPlan, token_ids: Sequence[int], rows: Sequence[int] | None = None) -> torch.Tensor:
         """Run one planned step (token_ids: the plan's T tokens, batch order); the logits of the flat
