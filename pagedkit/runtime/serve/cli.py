@@ -80,15 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print(f"{PROG}: error: --device cuda but CUDA is not available", file=sys.stderr)
             return 2
-    if not (model_dir / "tokenizer.json").is_file():
-        print(f"{PROG}: error: {model_dir / 'tokenizer.json'}: no such file (paged-serve needs the model folder's "
-              "tokenizer; paged-export copies it from the checkpoint)", file=sys.stderr)
+    from .tokenizer import load_tokenizer, missing_tokenizer
+
+    problem = missing_tokenizer(model_dir)
+    if problem:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
         return 2
     # before the engine loads: a missing one is cli_errors' one line naming the extra (pagedkit[serve])
     import starlette  # noqa: F401
     import uvicorn
-
-    from .tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)  # before the engine: a folder without tokenizer fails fast
     from ..engine import Engine

@@ -17,15 +17,23 @@ from .protocol import RequestError
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
+def missing_tokenizer(model_dir: str | Path) -> str | None:
+    """The one-line reason when MODEL_DIR has no tokenizer.json, else None."""
+    path = Path(model_dir) / "tokenizer.json"
+    if path.is_file():
+        return None
+    return (f"{path}: no such file (paged-serve needs the model folder's tokenizer; paged-export copies it "
+            "from the checkpoint)")
+
+
 def load_tokenizer(model_dir: str | Path):
     """PreTrainedTokenizerFast of MODEL_DIR (no hub access, no remote code); ValueError / OSError otherwise."""
     from ...interface.paths import inside_folder
 
     model_dir = Path(model_dir)
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        raise OSError(f"{path}: no such file (paged-serve needs the model folder's tokenizer; "
-                      "paged-export copies it from the checkpoint)")
+    problem = missing_tokenizer(model_dir)
+    if problem:
+        raise OSError(problem)
     for name in TOKENIZER_FILES:  # UnsafePathError: a symlink leading out of the folder
         if (model_dir / name).exists():
             inside_folder(model_dir, name)
