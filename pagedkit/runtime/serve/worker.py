@@ -88,10 +88,10 @@ class EngineWorker:
             pass
 
     def _dispatch(self, outputs) -> None:
-        for out in outputs:
-            with self._lock:
-                target = (self._queues.pop(out.request_id, None) if out.finished
-                          else self._queues.get(out.request_id))
+        with self._lock:  # once a step, not once an output
+            targets = [(self._queues.pop(out.request_id, None) if out.finished else self._queues.get(out.request_id),
+                        out) for out in outputs]
+        for target, out in targets:
             if target is not None:
                 self._put(*target, out)
 
