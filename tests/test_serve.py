@@ -15,7 +15,8 @@ import pytest
 from pagedkit.runtime.serve import create_app
 from pagedkit.runtime.serve.textstream import TextStream
 from pagedkit.runtime.serve.tokenizer import ServeTokenizer, load_tokenizer
-from test_serve_helpers import FakeEngine, ServerThread, fake_continuation, sse_events, write_tokenizer
+from test_serve_helpers import (FakeEngine, ServerThread, completion_text, fake_continuation, sse_events,
+                                write_tokenizer)
 
 MODEL = "tiny-serve"
 
@@ -157,20 +158,8 @@ def test_concurrent_requests_each_equal_to_alone(tok_dir):
 
         async def together():
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-                async def one(i, p):
-                    if i % 2:
-                        async with client.stream("POST", "/v1/completions",
-                                                 json={"prompt": p, "max_tokens": 8 + i, "stream": True}) as r:
-                            text = ""
-                            async for line in r.aiter_lines():
-                                if line.startswith("data: {"):
-                                    import json
-                                    text += json.loads(line[6:])["choices"][0]["text"]
-                            return text
-                    r = await client.post("/v1/completions", json={"prompt": p, "max_tokens": 8 + i})
-                    return r.json()["choices"][0]["text"]
-
-                return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+                return await asyncio.gather(*(completion_text(client, {"prompt": p, "max_tokens": 8 + i}, stream=i % 2)
+                                              for i, p in enumerate(prompts)))
 
         engine.max_batch = 0
         assert asyncio.run(together()) == alone

@@ -6,7 +6,6 @@ same request run alone; stop strings; seeded sampling; and `paged-serve MODEL_DI
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 import subprocess
@@ -21,7 +20,7 @@ from export_utils import export_tiny, tiny_model
 from pagedkit.runtime.engine import Engine
 from pagedkit.runtime.serve import create_app
 from pagedkit.runtime.serve.tokenizer import load_tokenizer
-from test_serve_helpers import ServerThread, sse_events, write_tokenizer
+from test_serve_helpers import ServerThread, completion_text, sse_events, write_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,17 +84,7 @@ def test_concurrent_requests_equal_alone(url, engine):
 
     async def together():
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-            async def one(i, r):
-                if i % 2:
-                    text = ""
-                    async with client.stream("POST", "/v1/completions", json=r | {"stream": True}) as s:
-                        async for line in s.aiter_lines():
-                            if line.startswith("data: {"):
-                                text += json.loads(line[6:])["choices"][0]["text"]
-                    return text
-                return (await client.post("/v1/completions", json=r)).json()["choices"][0]["text"]
-
-            return await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
+            return await asyncio.gather(*(completion_text(client, r, stream=i % 2) for i, r in enumerate(reqs)))
 
     engine.stats.max_batch = 0
     assert asyncio.run(together()) == alone

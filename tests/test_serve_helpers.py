@@ -142,6 +142,18 @@ class ServerThread:
         self.sock.close()
 
 
+async def completion_text(client, body: dict, stream: bool) -> str:
+    """The text of one /v1/completions request on an httpx.AsyncClient: the response's, or its SSE chunks' joined."""
+    if not stream:
+        return (await client.post("/v1/completions", json=body)).json()["choices"][0]["text"]
+    text = ""
+    async with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
 def sse_events(response) -> list:
     """The `data:` payloads of a Server-Sent Events response (httpx streaming), JSON-decoded; '[DONE]' kept."""
     events, buf = [], ""
