@@ -107,10 +107,8 @@ def test_teeth_accepting_every_draft_fails(tiny_llama, oracle, monkeypatch):
     prompt = prompts_of((11,), seed=22)[0]
     ref, _ = greedy_alone(oracle, prompt, 12, ignore_eos=True)
 
-    def accept_all(e, rows):
-        from pagedkit.runtime.engine.sampling import sample_token
-
-        return e.ids[1:] + [sample_token(rows[-1], e.req.params, e.req.generator)]
+    def accept_all(e, rows, start):
+        return e.ids[1:] + [rows.token(start + e.drafts, e.req.generator)]
 
     monkeypatch.setattr(Engine, "_verify", staticmethod(accept_all))
     engine = Engine(tiny_llama, max_batch_size=2)

@@ -224,6 +224,7 @@ class InferenceSession:
                                                       capturable=capturable, base_dir=self._base_dir,
                                                       release_initializers=owned)
         self._dev_copies: dict[int, torch.Tensor] = {}  # id(host const) -> its device copy (mixed ops)
+        self._capture_keep: list | None = None  # set by a CUDA-graph capture (engine/graphs.py): pinned host copies
         self._programs: dict[int, plan_mod.Program] = {}  # id(subgraph) -> its plan
         self._envs: list = []  # values of the graphs being run (subgraphs read their enclosing scopes)
         self._main = self._bind(self._compiled.graph)
@@ -444,7 +445,13 @@ class InferenceSession:
             t = inputs[i]
             if t.device.type != dev.type:
                 cached = self._dev_copies.get(id(t)) if id(t) in self._compiled.host_const_ids else None
-                if cached is None:  # a small host value (shape arithmetic): no wait for the copy
+                if cached is None and self._capture_keep is not None:  # inside a CUDA-graph capture: the
+                    # captured copy reads this host buffer at every replay, so it is pinned and kept alive (and a
+                    # constant's copy made here exists only in replays: not kept for eager runs)
+                    pinned = t.pin_memory()
+                    self._capture_keep.append(pinned)
+                    cached = pinned.to(dev, non_blocking=True)
+                elif cached is None:  # a small host value (shape arithmetic): no wait for the copy
                     cached = t.to(dev, non_blocking=True)
                     if id(t) in self._compiled.host_const_ids:
                         self._dev_copies[id(t)] = cached

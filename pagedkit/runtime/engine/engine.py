@@ -38,7 +38,7 @@ from ..kv.cache import KVCacheExhausted
 from .model import PagedModel
 from .params import RequestOutput, SamplingParams
 from .request import RUNNING, WAITING, Request, new_request
-from .sampling import ngram_draft, sample_token
+from .sampling import Choices, ngram_draft
 
 log = logging.getLogger("pagedkit.engine")
 
@@ -53,6 +53,7 @@ class EngineStats:
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     max_batch: int = 0  # most sequences seen in one step
+    graph_steps: int = 0  # decode steps CUDA graphs served (replays, and each graph's first, eager step)
 
 
 @dataclass
@@ -69,15 +70,17 @@ class Engine:
     max_batch_size: most sequences in one step; max_num_tokens: most tokens in one step (prefill chunks
     included); num_blocks: blocks of the full-attention pool (default: every one of max_batch_size
     sequences can reach the context length); block_size: None = the model's; enable_prefix_caching:
-    reuse cached full blocks of identical prefixes (off for models with sliding-window layers).
+    reuse cached full blocks of identical prefixes (off for models with sliding-window layers); cuda_graphs:
+    decode steps as CUDA-graph replays per batch bucket (graphs.py), None = on for CUDA; "padded" plans decode
+    steps as the graphs do (batch buckets, replay-wide bounds) but runs them eagerly, on any device.
     add_request / abort may be called from any thread; step() from one thread at a time."""
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", *, max_batch_size: int = 16,
                  max_num_tokens: int = 512, num_blocks: int | None = None, block_size: int | None = None,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, cuda_graphs: bool | None = None):
         self.model = PagedModel(model_dir, device, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                                 num_blocks=num_blocks, block_size=block_size,
-                                enable_prefix_caching=enable_prefix_caching)
+                                enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs)
         self.kv = self.model.mgr
         self.eos_token_ids: list[int] = list(self.model.config.eos_token_ids)
         self.vocab_size: int | None = self.model.config.vocab_size
@@ -246,7 +249,7 @@ class Engine:
                 if e.drafts:
                     self.kv.speculate(e.req.request_id, e.drafts)
             try:
-                return self.kv.plan([(e.req.request_id, e.ids) for e in entries])
+                return self.model.plan([(e.req.request_id, e.ids) for e in entries])
             except KVCacheExhausted as exc:
                 newly = [e for e in entries if e.new]
                 if newly:
@@ -279,24 +282,30 @@ class Engine:
     def _execute(self, entries: list[_Entry], plan) -> list[RequestOutput]:
         ids = [t for e in entries for t in e.ids]
         wanted, starts, flat = [], [], 0  # the flat positions whose logits are sampled, per entry
+        params = []  # the sampling params of each sampled row
         for e in entries:
             starts.append(len(wanted))
             n = len(e.ids)
             if e.drafts:
                 wanted += range(flat, flat + n)  # every position verifies a draft or gives the next token
+                params += [e.req.params] * n
             elif e.req.num_computed + n == len(e.req.tokens):
                 wanted.append(flat + n - 1)  # the prompt (+ generated) is now all cached: sample
+                params.append(e.req.params)
             flat += n
+        graphed = self.model.graphs is not None and self.model.graphs.serves(plan)
         logits = self.model.run(plan, ids, wanted)
+        rows = Choices(logits, params)  # greedy rows: one argmax on the device, one small copy
         self.kv.commit(plan)
         self.stats.steps += 1
+        self.stats.graph_steps += int(graphed)
         self.stats.tokens += len(ids)
         self.stats.max_batch = max(self.stats.max_batch, len(entries))
         outputs = []
         for e, start in zip(entries, starts):
             r, n = e.req, len(e.ids)
             if e.drafts:
-                toks = self._verify(e, logits[start:start + n])
+                toks = self._verify(e, rows, start)
                 accepted = len(toks) - 1
                 self.kv.accept(r.request_id, accepted)
                 r.num_computed += 1 + accepted
@@ -304,7 +313,7 @@ class Engine:
                 self.stats.accepted_draft_tokens += accepted
             else:
                 r.num_computed += n
-                toks = [sample_token(logits[start], r.params, r.generator)] if r.num_computed == len(r.tokens) else []
+                toks = [rows.token(start, r.generator)] if r.num_computed == len(r.tokens) else []
             if self.kv.length(r.request_id) != r.num_computed:
                 raise RuntimeError(f"request {r.request_id}: the cache holds {self.kv.length(r.request_id)} tokens, "
                                    f"the engine counts {r.num_computed}")
@@ -319,14 +328,14 @@ class Engine:
         return outputs
 
     @staticmethod
-    def _verify(e: _Entry, rows) -> list[int]:
+    def _verify(e: _Entry, rows: Choices, start: int) -> list[int]:
         """Speculative verification of [last] + drafts (rows: their logits): the target's choice at each
         position (greedy, or one draw with the request's generator) while it equals the draft; the
         first differing choice, or the choice after the last draft, ends the list. Returns the accepted
         drafts plus that one token (for a point-mass drafter this keeps the target's distribution)."""
         r, toks = e.req, []
         for i in range(e.drafts + 1):  # the target's choice after [last] + drafts[:i]
-            toks.append(sample_token(rows[i], r.params, r.generator))
+            toks.append(rows.token(start + i, r.generator))
             if i < e.drafts and toks[-1] != e.ids[i + 1]:
                 break
         return toks

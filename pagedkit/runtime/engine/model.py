@@ -32,6 +32,7 @@ from ..kv.cache import KVCacheManager
 from ..kv.config import GroupConfig, KVCacheConfig
 from ..kv.plan import StepPlan
 from ..session import InferenceSession, _cpu_backend
+from .graphs import DecodeGraphs
 
 
 GPU_MEMORY_FRACTION = 0.9  # of the free GPU memory the default full-attention pool may take
@@ -55,7 +56,8 @@ def pool_blocks(free_bytes: int, fraction: float, bytes_per_block: int, cap: int
 
 class PagedModel:
     def __init__(self, model_dir: str | Path, device: str, *, max_batch_size: int, max_num_tokens: int,
-                 num_blocks: int | None, block_size: int | None, enable_prefix_caching: bool):
+                 num_blocks: int | None, block_size: int | None, enable_prefix_caching: bool,
+                 cuda_graphs: bool | None = None):
         for name, v in (("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Engine: {name} must be an integer >= 1, got {v!r}")
@@ -65,6 +67,11 @@ class PagedModel:
             raise ValueError(f"Engine: block_size: {block_size_error(block_size)}")
         if device not in ("cpu", "cuda"):
             raise ValueError(f"Engine: device must be 'cpu' or 'cuda', got {device!r}")
+        if cuda_graphs not in (None, True, False, "padded"):
+            raise ValueError(f"Engine: cuda_graphs must be None (on for CUDA), True, False or 'padded', got "
+                             f"{cuda_graphs!r}")
+        if cuda_graphs is True and device != "cuda":
+            raise ValueError(f"Engine: cuda_graphs=True needs device 'cuda' (CUDA graphs), got device {device!r}")
         self.config: DecoderConfig = read_config(model_dir)
         cfg = self.config
         if not cfg.paged:
@@ -109,15 +116,18 @@ class PagedModel:
         elif any(g.windowed for g in groups):
             self.prefix_caching_off_reason = "the model has sliding-window layers (their ring blocks are recycled)"
         self.prefix_caching = self.prefix_caching_off_reason is None
+        graphs = device == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         self.mgr = KVCacheManager(KVCacheConfig(
             tuple(groups), max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
             max_seq_len=self.max_seq_len, device=str(self.session.device), prefix_caching=self.prefix_caching,
+            pad_block=graphs,
             names={k: past for k, (past, _) in cfg.caches.items()},
             present_names={k: pres for k, (_, pres) in cfg.caches.items()}))
         self.groups = {g.name: g for g in groups}
         self.renames = {k: cfg.input(k) for k in N.STEP_INPUTS}
         self.input_names = set(args)
         self.input_ids_name = cfg.input(N.INPUT_IDS)
+        self.graphs = DecodeGraphs(self, capture=cuda_graphs != "padded") if graphs else None
 
     def blocks_needed(self, num_tokens: int) -> dict[str, int]:
         """Blocks of each group one sequence of num_tokens cached tokens holds."""
@@ -131,19 +141,29 @@ class PagedModel:
         return step_feeds(plan, self.mgr, token_ids, self.renames,
                           self.input_names if input_names is None else input_names, self.input_ids_name)
 
+    def plan(self, batch: Sequence[tuple]) -> StepPlan:
+        """One step's plan for batch [(seq_id, token ids)]: a decode step CUDA graphs serve is padded to its
+        batch bucket with replay-wide bounds (graphs.py); anything else is the manager's plain plan."""
+        return self.graphs.plan(batch) if self.graphs is not None else self.mgr.plan(batch)
+
     def run(self, plan: StepPlan, token_ids: Sequence[int], rows: Sequence[int] | None = None) -> torch.Tensor:
         """Run one planned step (token_ids: the plan's T tokens, batch order); the logits of the flat
-        token positions `rows` (all T when None) as [len(rows), V] float32 on the CPU: only the rows that
-        are sampled leave the device. The caller commits (on an exception here the plan is aborted
-        before re-raising)."""
+        token positions `rows` (all T when None) as [len(rows), V] on the run device in the model's logits
+        dtype (a decode step CUDA graphs serve: a replay). The caller commits (on an exception here the plan
+        is aborted before re-raising)."""
         mgr, sess = self.mgr, self.session
-        feeds = self.feeds(plan, token_ids)
         try:
-            out = sess.run_torch(feeds, [self.logits_name], plan=plan.hint)[self.logits_name]
+            if self.graphs is not None and self.graphs.serves(plan):
+                out = self.graphs.run(plan, token_ids)
+            else:
+                feeds = self.feeds(plan, token_ids)
+                out = sess.run_torch(feeds, [self.logits_name], plan=plan.hint)[self.logits_name]
         except BaseException:
+            if self.graphs is not None:
+                self.graphs.abort(plan)
             mgr.abort(plan)
             raise
         out = out.reshape(len(token_ids), -1)
-        if rows is not None:
+        if rows is not None and list(rows) != list(range(len(token_ids))):
             out = out.index_select(0, torch.tensor(list(rows), dtype=torch.int64, device=out.device))
-        return out.float().cpu()
+        return out

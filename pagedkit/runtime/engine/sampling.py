@@ -39,6 +39,34 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+class Choices:
+    """The token choices of one step's sampled rows, logits [R, V] on the run device: the greedy rows' argmax
+    is taken on the device in one call and copied as R ints (not R x V floats); the other rows are copied
+    to the host once, as float32, and drawn from only when asked (`token`), so a request's generator draws
+    exactly once per emitted token."""
+
+    def __init__(self, logits: torch.Tensor, params: Sequence[SamplingParams]):
+        if logits.dim() != 2 or logits.shape[0] != len(params):
+            raise ValueError(f"Choices: logits should be [{len(params)}, vocab], got {tuple(logits.shape)}")
+        self.params = list(params)
+        greedy = [i for i, p in enumerate(self.params) if p.temperature == 0]
+        drawn = [i for i, p in enumerate(self.params) if p.temperature != 0]
+        self._argmax: dict[int, int] = {}
+        if greedy:
+            sel = logits if len(greedy) == len(self.params) else logits[greedy]
+            self._argmax = dict(zip(greedy, sel.argmax(-1).tolist()))
+        self._host: dict[int, torch.Tensor] = {}
+        if drawn:
+            host = logits[drawn].float().cpu()
+            self._host = {i: host[k] for k, i in enumerate(drawn)}
+
+    def token(self, i: int, generator: torch.Generator) -> int:
+        """Row i's token: its argmax (greedy), else one draw under its params with `generator`."""
+        if i in self._argmax:
+            return int(self._argmax[i])
+        return sample_token(self._host[i], self.params[i], generator)
+
+
 def ngram_draft(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
     """Prompt-lookup drafts: for n from max_ngram down to min_ngram, find the latest earlier occurrence
     of the last n tokens in `tokens` (prompt + generated) and propose up to k tokens that followed it;

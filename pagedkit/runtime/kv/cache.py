@@ -73,7 +73,7 @@ class KVCacheManager:
             for layer in g.layers:
                 self.caches[layer.layer_id] = {
                     kind: torch.zeros(shape, dtype=dt, device=self.device)
-                    for kind, (shape, dt) in layer.shapes(g.num_blocks, g.block_size).items()
+                    for kind, (shape, dt) in layer.shapes(config.cache_blocks(g), g.block_size).items()
                 }
         self.blocks = {g.name: GroupBlocks(g, self.pools[g.name], self._copier(g)) for g in config.groups}
         self.buffers = PlanBuffers(config)
@@ -208,18 +208,29 @@ class KVCacheManager:
         return min([self.config.max_seq_len - seq.length] + [b.max_step(seq.length) for b in self.blocks.values()])
 
     # ---- stepping ----------------------------------------------------------------------------------
-    def plan(self, batch: Sequence[tuple], bounds: tuple[int, int, int] | None = None) -> StepPlan:
+    def plan(self, batch: Sequence[tuple], bounds: tuple[int, int, int] | None = None,
+             pad_to: int | None = None) -> StepPlan:
         """Reserve slots for batch = [(seq_id, n_new_tokens or new token ids), ...] and write the step's
-        inputs into the persistent buffers. bounds overrides config.bounds (replay-wide metadata)."""
+        inputs into the persistent buffers. bounds overrides config.bounds (replay-wide metadata).
+        pad_to (needs config.pad_block): the step's tensors get pad_to - len(batch) extra rows after the
+        batch, each a one-token sequence with no past that writes and reads only the pad block (a CUDA-graph
+        bucket's fixed shapes); the plan's host facts (seq_ids, lengths) stay the batch's."""
         if self._open_plan is not None:
             raise RuntimeError("plan: the previous plan is neither committed nor aborted")
-        parsed = self._parse_batch(batch)
+        if pad_to is not None:
+            cfg = self.config
+            if not cfg.pad_block:
+                raise ValueError("plan: pad_to needs KVCacheConfig.pad_block=True (the pad rows' own block)")
+            if not len(batch) <= pad_to <= cfg.max_batch_size:
+                raise ValueError(f"plan: pad_to should be in [{len(batch)}, {cfg.max_batch_size}] (the batch size .. "
+                                 f"max_batch_size), got {pad_to}")
+        parsed = self._parse_batch(batch, pad_to)
         entries = [(seq, n) for seq, n, _ in parsed]
         bounds = bounds if bounds is not None else self.config.bounds
         step_metadata([n for _, n in entries], [seq.length + n for seq, n in entries], bounds)  # check first
         slots = self._reserve(entries)  # raises before any change when a pool is exhausted
         self._record_tokens(parsed)
-        plan = self._write(entries, slots, bounds)
+        plan = self._write(entries, slots, bounds, pad_to)
         self._open_plan = plan
         return plan
 
@@ -280,7 +291,7 @@ class KVCacheManager:
             raise ValueError(f"sequence {seq_id!r} would reach {total} tokens, beyond max_seq_len "
                              f"{self.config.max_seq_len} (max_blocks_per_seq {widths})")
 
-    def _parse_batch(self, batch) -> list[tuple[_Seq, int, object]]:
+    def _parse_batch(self, batch, pad_to: int | None = None) -> list[tuple[_Seq, int, object]]:
         cfg = self.config
         if not 1 <= len(batch) <= cfg.max_batch_size:
             raise ValueError(f"plan: batch size should be in [1, {cfg.max_batch_size}], got {len(batch)}")
@@ -303,9 +314,10 @@ class KVCacheManager:
                 if known and known != [int(t) for t in new[: len(known)]]:
                     raise ValueError(f"plan: token ids for sequence {seq_id!r} differ from its known tokens")
             entries.append((seq, n, new))
-        total = sum(n for _, n, _ in entries)
+        total = sum(n for _, n, _ in entries) + (pad_to - len(entries) if pad_to else 0)
         if total > cfg.max_num_tokens:
-            raise ValueError(f"plan: {total} tokens in the step, beyond max_num_tokens {cfg.max_num_tokens}")
+            raise ValueError(f"plan: {total} tokens in the step{' (pad rows included)' if pad_to else ''}, beyond "
+                             f"max_num_tokens {cfg.max_num_tokens}")
         return entries
 
     @staticmethod
@@ -340,8 +352,9 @@ class KVCacheManager:
         return slots
 
     # ---- buffers -----------------------------------------------------------------------------------
-    def _write(self, entries, slots, bounds) -> StepPlan:
+    def _write(self, entries, slots, bounds, pad_to=None) -> StepPlan:
         self._plan_count += 1
+        pad = {g.name: g.num_blocks for g in self.config.groups} if pad_to else None
         return self.buffers.write(
             self._plan_count,
             seq_ids=[seq.seq_id for seq, _ in entries],
@@ -351,6 +364,7 @@ class KVCacheManager:
             tables={g.name: [seq.groups[g.name].table for seq, _ in entries] for g in self.config.groups},
             slots={g: [s for per_seq in v for s in per_seq] for g, v in slots.items()},
             bounds=bounds,
+            pad=(pad_to - len(entries), pad) if pad_to else None,
         )
 
     # ---- introspection ---------------------------------------------------------------------------

@@ -184,6 +184,9 @@ class KVCacheConfig:
     bounds: fixed replay-wide attention_metadata (max_query_len_bound, max_kv_len_bound,
     max_kv_len_lower_bound) for CUDA-graph replay, or None to write each step's exact values.
     prefix_caching: reuse full blocks by hash of their token ids (full-attention groups only).
+    pad_block: every group's caches get one extra block (index num_blocks, never in the pool) that the pad
+    rows of a padded plan (`KVCacheManager.plan(pad_to=...)`, CUDA-graph batch buckets) write and read, so
+    padding never touches a sequence's blocks.
     """
 
     groups: tuple[GroupConfig, ...]
@@ -193,6 +196,7 @@ class KVCacheConfig:
     device: str = "cpu"
     prefix_caching: bool = False
     bounds: tuple[int, int, int] | None = None
+    pad_block: bool = False
     names: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_NAMES))
     present_names: dict[str, str] = field(default_factory=lambda: dict(PRESENT_NAMES))
 
@@ -239,6 +243,10 @@ class KVCacheConfig:
             if g.name == name:
                 return g
         raise KeyError(f"no KV cache group named {name!r}; groups: {[g.name for g in self.groups]}")
+
+    def cache_blocks(self, group: GroupConfig) -> int:
+        """Blocks the group's cache tensors hold: the pool's, plus the pad block (`pad_block`)."""
+        return group.num_blocks + (1 if self.pad_block else 0)
 
     def max_blocks_per_seq(self, group: GroupConfig) -> int:
         """Block-table width of a group: the table is indexed by absolute position (design §9.3.1)."""

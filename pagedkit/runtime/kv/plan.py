@@ -37,6 +37,8 @@ class StepPlan:
     cumulative_sequence_length [B + 1], past_seqlens [B], query_positions [T]  (int32, run device)
     attention_metadata [3] int32 on the CPU: max_query_len_bound, max_kv_len_bound, max_kv_len_lower_bound
     host_slots[group]: the slot mapping as a Python list (host bookkeeping, tests).
+    pad_rows: rows after the batch's (a padded plan): one-token sequences with no past on the pad block; the
+    device tensors hold B + pad_rows rows (T + pad_rows tokens), the host facts the batch's only.
     """
 
     plan_id: int
@@ -53,10 +55,16 @@ class StepPlan:
     host_slots: dict[str, list[int]]
     table_names: dict[str, str] = field(default_factory=dict)  # group -> model input name
     slot_names: dict[str, str] = field(default_factory=dict)
+    pad_rows: int = 0
 
     @property
     def batch_size(self) -> int:
         return len(self.seq_ids)
+
+    @property
+    def padded_batch_size(self) -> int:
+        """Rows of the step's device tensors (batch + pad rows)."""
+        return len(self.seq_ids) + self.pad_rows
 
     @property
     def num_tokens(self) -> int:
@@ -175,22 +183,32 @@ class PlanBuffers:
             self.events[self._current] = ev
         return out
 
-    def write(self, plan_id: int, seq_ids, query_lens, past_lens, draft_lens, tables, slots, bounds) -> StepPlan:
+    def write(self, plan_id: int, seq_ids, query_lens, past_lens, draft_lens, tables, slots, bounds,
+              pad: tuple[int, dict[str, int]] | None = None) -> StepPlan:
         """Fill the buffers for one step. tables[group] = one block-table row (list) per sequence,
-        slots[group] = the flat slot mapping [T]."""
+        slots[group] = the flat slot mapping [T]. pad = (rows, pad block per group): that many one-token pad
+        rows after the batch (no past; position 0 of the pad block, written and read by the pad row only)."""
         cfg = self.config
         host = self.begin()
+        n_pad, pad_blocks = pad if pad else (0, {})
         B, T = len(seq_ids), sum(query_lens)
+        lens = list(query_lens) + [1] * n_pad
         host["cu"][0] = 0
-        host["cu"][1 : B + 1] = np.cumsum(query_lens)
+        host["cu"][1 : B + n_pad + 1] = np.cumsum(lens)
         host["past"][:B] = past_lens
+        host["past"][B : B + n_pad] = 0
         host["qpos"][:T] = np.concatenate([np.arange(p, p + q) for p, q in zip(past_lens, query_lens)])
+        host["qpos"][T : T + n_pad] = 0
         for g in cfg.groups:
             table = host[("table", g.name)]
-            table[:B] = -1
+            table[: B + n_pad] = -1
             for b, row in enumerate(tables[g.name]):
                 table[b, : len(row)] = row
             host[("slots", g.name)][:T] = slots[g.name]
+            if n_pad:
+                table[B : B + n_pad, 0] = pad_blocks[g.name]
+                host[("slots", g.name)][T : T + n_pad] = pad_blocks[g.name] * g.block_size
+        B, T = B + n_pad, T + n_pad  # the device rows
         meta = step_metadata(query_lens, [p + q for p, q in zip(past_lens, query_lens)], bounds)
         self.metadata.copy_(torch.tensor(meta, dtype=torch.int32))
         used = {("table", g.name): B for g in cfg.groups} | {("slots", g.name): T for g in cfg.groups}
@@ -210,4 +228,5 @@ class PlanBuffers:
             host_slots={g.name: list(slots[g.name]) for g in cfg.groups},
             table_names={g.name: g.block_table_name for g in cfg.groups},
             slot_names={g.name: g.slot_name for g in cfg.groups},
+            pad_rows=n_pad,
         )

@@ -1,0 +1,169 @@
+"""Decode steps as CUDA-graph replays, one graph per (batch bucket, KV-length bucket).
+
+A decode step (every sequence adds one token over a cached context) is planned padded to a batch bucket
+(`KVCacheManager.plan(pad_to=...)`: the pad rows are one-token sequences on the pad block) with replay-wide
+attention_metadata bounds (max_query_len 1, max_kv_len the KV bucket, lower bound 0 = unknown), so every
+step of one key has the same shapes, the same host facts and the same buffer addresses:
+
+    input_ids   [Bp] int64         persistent (self.ids), written by a non-blocking copy each step
+    block_table [Bp, max_blocks]   views of the KVCacheManager's persistent plan buffers
+    cumulative_sequence_lengths [Bp + 1], past_sequence_lengths [Bp], query_positions / slot_mapping [Bp]
+    caches      [NB + 1, BS, Hkv, Dc]  the manager's tensors (block NB: the pad block), updated in place
+    attention_metadata [3] int32   CPU, read on the host at capture: (1, kv bucket, 0) for the key's graph
+
+The first step of a key runs eagerly on a side stream (it is that step's real result, and it warms up the
+kernels and the session's host-constant copies), then the graph is captured (capture records, it does not
+run); later steps of the key replay it. All graphs share one memory pool; a graph's logits [Bp, V] are
+read before the next replay. Host values that an op copies to the device at run time are pinned and kept
+alive with the graph, so the captured copy reads the same bytes on every replay.
+
+`DecodeGraphs(model, capture=False)` runs the same padded plans eagerly (what the CPU tests check: padding
+changes no real row's logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+KV_BUCKET_MIN = 256  # smallest replay-wide max_kv_len bound: short contexts share one graph per batch bucket
+
+
+def batch_buckets(max_batch_size: int) -> tuple[int, ...]:
+    """Batch sizes graphs are captured for: 1, 2, 4, 8, then every multiple of 8, and max_batch_size."""
+    out = {b for b in (1, 2, 4, 8) if b <= max_batch_size}
+    out |= set(range(16, max_batch_size + 1, 8)) | {max_batch_size}
+    return tuple(sorted(out))
+
+
+def kv_bucket(max_kv_len: int, max_seq_len: int) -> int:
+    """The replay-wide max_kv_len bound of a step whose longest sequence reaches max_kv_len tokens: the next
+    power of two >= max(max_kv_len, KV_BUCKET_MIN), at most max_seq_len."""
+    b = KV_BUCKET_MIN
+    while b < max_kv_len:
+        b *= 2
+    return min(b, max_seq_len)
+
+
+@dataclass
+class _Graph:
+    graph: object  # torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [Bp, V] (or [Bp, 1, V]): the captured output, rewritten by every replay
+    keep: list = field(default_factory=list)  # pinned host tensors the captured copies read
+
+
+@dataclass
+class GraphStats:
+    captured: int = 0  # graphs captured
+    replays: int = 0  # steps replayed
+    eager_padded: int = 0  # padded decode steps run eagerly (each key's first step, or capture=False)
+    keys: list = field(default_factory=list)  # (batch bucket, kv bucket) of the captured graphs, in order
+
+
+class DecodeGraphs:
+    """Plans and runs padded decode steps of a PagedModel; on CUDA (capture=True) as CUDA-graph replays."""
+
+    def __init__(self, model, capture: bool = True):
+        self.model = model
+        mgr = model.mgr
+        if not mgr.config.pad_block:
+            raise ValueError("DecodeGraphs needs a KVCacheManager built with KVCacheConfig(pad_block=True)")
+        self.capture = capture
+        if capture and mgr.device.type != "cuda":
+            raise ValueError(f"cuda_graphs: CUDA graphs need device 'cuda', the model runs on {mgr.device}")
+        cfg = mgr.config
+        self.buckets = tuple(b for b in batch_buckets(cfg.max_batch_size) if b <= cfg.max_num_tokens)
+        self.ids = torch.zeros(max(self.buckets), dtype=torch.int64, device=mgr.device)
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool = None
+        self.stream = None
+        self.stats = GraphStats()
+        self._keys: dict[int, tuple[int, int]] = {}  # plan id -> key of a padded plan not yet run
+
+    # ---- planning ----------------------------------------------------------------------------------
+    def key(self, batch: Sequence[tuple]) -> tuple[int, int] | None:
+        """(batch bucket, kv bucket) when `batch` [(seq_id, ids)] is a decode step graphs serve, else None."""
+        mgr = self.model.mgr
+        if not batch or len(batch) > self.buckets[-1]:
+            return None
+        longest = 0
+        for sid, new in batch:
+            n = new if isinstance(new, int) else len(new)
+            length = mgr.length(sid)
+            if n != 1 or length < 1 or mgr.seqs[sid].pending_draft:
+                return None
+            longest = max(longest, length + 1)
+        bucket = next(b for b in self.buckets if b >= len(batch))
+        return bucket, kv_bucket(longest, mgr.config.max_seq_len)
+
+    def plan(self, batch: Sequence[tuple]):
+        """The step's plan: padded with replay-wide bounds when graphs serve it, else the manager's plain plan."""
+        mgr = self.model.mgr
+        key = self.key(batch)
+        if key is None:
+            return mgr.plan(batch)
+        plan = mgr.plan(batch, bounds=(1, key[1], 0), pad_to=key[0])
+        self._keys[plan.plan_id] = key
+        return plan
+
+    def serves(self, plan) -> bool:
+        return plan.plan_id in self._keys
+
+    # ---- running -----------------------------------------------------------------------------------
+    def run(self, plan, token_ids: Sequence[int]) -> torch.Tensor:
+        """Logits [B, V] of a padded decode plan's real rows (a view: valid until the next step)."""
+        key = self._keys.pop(plan.plan_id)
+        bp, b = key[0], len(token_ids)
+        ids = self.ids[:bp]
+        host = torch.zeros(bp, dtype=torch.int64, pin_memory=self.capture)
+        host[:b] = torch.as_tensor(list(token_ids), dtype=torch.int64)
+        ids.copy_(host, non_blocking=self.capture)
+        g = self.graphs.get(key)
+        if g is not None:
+            g.graph.replay()
+            self.stats.replays += 1
+            return g.logits.reshape(bp, -1)[:b]
+        feeds = self.model.feeds(plan, [0] * bp)
+        feeds[self.model.input_ids_name] = ids
+        out = self._eager(feeds, plan.hint)
+        self.stats.eager_padded += 1
+        if self.capture:
+            self._capture(key, feeds, plan.hint)
+        return out.reshape(bp, -1)[:b]
+
+    def _run(self, feeds, hint):
+        m = self.model
+        return m.session.run_torch(feeds, [m.logits_name], plan=hint)[m.logits_name]
+
+    def _eager(self, feeds, hint) -> torch.Tensor:
+        if not self.capture:
+            return self._run(feeds, hint)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.model.mgr.device)
+        main = torch.cuda.current_stream(self.model.mgr.device)
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):  # warm-up off the capture stream (torch.cuda.graphs' advice)
+            out = self._run(feeds, hint)
+        main.wait_stream(self.stream)
+        return out
+
+    def _capture(self, key, feeds, hint) -> None:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        keep: list = []
+        session = self.model.session
+        session._capture_keep = keep  # run-time host -> device copies are pinned and kept (session._place)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                logits = self._run(feeds, hint)
+        finally:
+            session._capture_keep = None
+        self.graphs[key] = _Graph(graph, logits, keep)
+        self.stats.captured += 1
+        self.stats.keys.append(key)
+
+    def abort(self, plan) -> None:
+        self._keys.pop(plan.plan_id, None)
