@@ -15,9 +15,8 @@ the other over identical manager operations, so the block tables are identical):
   graph: Engine(cuda_graphs=True).model: decode steps planned by PagedModel.plan (padded to the batch
          bucket, replay-wide attention_metadata bounds); the first step of a graph key runs eagerly and
          captures, later steps replay.
-  eager: a second model whose decode steps are the same padded plans (same bounds), run eagerly
-         (graphs.DecodeGraphs(capture=False)); where that is unavailable, cuda_graphs=False plain plans
-         (then the JSON says the eager inputs differ from the graph's).
+  eager: Engine(cuda_graphs="padded").model: the same padded plans (same bounds), run eagerly; where that
+         is refused, cuda_graphs=False plain plans (then the JSON says the eager inputs differ from the graph's).
   ort:   onnxruntime's CUDAExecutionProvider (bench.ort_arm.OrtRunner, IOBinding) fed ort_arm.step_feeds over
          KVCacheManager(graph model's config): plain plans.
 Logits of a step: [B, V] in the model's logits dtype on the GPU (prefill: the last prompt position of each
@@ -103,16 +102,13 @@ def load_models(model_dir: Path, device: str, batch: int, prompt_len: int, steps
     kw = dict(max_batch_size=batch, max_num_tokens=batch * prompt_len, enable_prefix_caching=False,
               num_blocks=batch * math.ceil((prompt_len + steps) / bs) + 1)
     graph = Engine(model_dir, device, cuda_graphs=True, **kw).model
-    try:
-        from pagedkit.runtime.engine.graphs import DecodeGraphs
-
-        eager = Engine(model_dir, device, cuda_graphs=True, **kw).model
-        eager.graphs = DecodeGraphs(eager, capture=False)  # same padded plans and bounds, no capture
-        mode = "padded plans with replay-wide bounds, run eagerly (DecodeGraphs(capture=False)): the graph's inputs"
-    except (ImportError, TypeError, ValueError) as exc:
+    try:  # cuda_graphs="padded": the same padded plans and replay-wide bounds, run eagerly (no capture)
+        eager = Engine(model_dir, device, cuda_graphs="padded", **kw).model
+        mode = "cuda_graphs='padded': the graph's padded plans and replay-wide bounds, run eagerly"
+    except ValueError as exc:
         eager = Engine(model_dir, device, cuda_graphs=False, **kw).model
         mode = (f"cuda_graphs=False plain plans (exact bounds, no padding; the graph's inputs differ): "
-                f"DecodeGraphs(capture=False) unavailable ({type(exc).__name__}: {exc})")
+                f"cuda_graphs='padded' refused ({exc})")
     return graph, eager, mode
 
 
