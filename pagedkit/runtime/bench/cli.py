@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bandwidth", type=float, default=floor.DEFAULT_BANDWIDTH / 1e12,
                    help="read bandwidth of the floor in TB/s (default 4.4)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run the engine's decode steps eagerly (default on CUDA: CUDA-graph replays)")
     return p
 
 
@@ -150,7 +152,9 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
     bs = _block_size(model_dir, cfg)
     blocks = max([engine_arm.blocks_needed(r, budget, cfg.context_length, bs) for r in rows] or [1])
     engine = Engine(model_dir, device, max_batch_size=max([r.batch for r in rows] or [1]), max_num_tokens=budget,
-                    num_blocks=blocks, enable_prefix_caching=False)
+                    num_blocks=blocks, enable_prefix_caching=False,
+                    cuda_graphs=False if args.no_cuda_graphs else None)
+    graphs = engine.model.graphs is not None and engine.model.graphs.capture
     pm = engine.model
     weights = floor.weight_bytes(model_path)
     layers = floor.cache_layers(pm.groups.values())
@@ -176,10 +180,12 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
         "settings": {"batches": args.batches, "contexts": args.contexts, "decode_steps": args.decode_steps,
                      "warmup": args.warmup, "seed": args.seed, "arms": arms, "max_num_tokens": budget,
                      "num_blocks": blocks, "bandwidth_bytes_per_s": bandwidth,
-                     "prompt_tokens": "context - decode_steps", "cuda_graphs": False,
+                     "prompt_tokens": "context - decode_steps", "cuda_graphs": graphs,
                      "prefix_caching": False},
-        "arms": {"pagedkit": {"ran": "pagedkit" in arms, "cuda_graphs": False,
-                              "note": "the engine runs eagerly (CUDA-graph capture of decode steps is planned)"},
+        "arms": {"pagedkit": {"ran": "pagedkit" in arms, "cuda_graphs": graphs,
+                              "note": ("decode steps are CUDA-graph replays, one graph per (batch bucket, KV bucket), "
+                                       "captured at a key's first step (in the warm-up)") if graphs else
+                              "the engine runs eagerly"},
                  "ort": {"ran": runner is not None, "skipped": ort_reason if "ort" in arms else "not asked (--arms)",
                          "cuda_graph": False,
                          "version": runner.version if runner else versions["onnxruntime"]}},

@@ -88,6 +88,8 @@ def run_row(engine: Engine, row: Row, prompts: list[list[int]], device: str) -> 
         ttft = max(first.values()) - t0
         ttft_first = min(first.values()) - t0
         times, emitted, smallest = [], 0, row.batch
+        graphs = engine.model.graphs
+        replays0 = graphs.stats.replays if graphs is not None else 0
         for _ in range(row.decode_steps):
             s = time.perf_counter()
             outs = engine.step()
@@ -106,7 +108,9 @@ def run_row(engine: Engine, row: Row, prompts: list[list[int]], device: str) -> 
     rec = {"ttft_ms": ttft * 1e3, "ttft_first_ms": ttft_first * 1e3, "prefill_steps": prefill,
            "ms_per_step": statistics.median(times) * 1e3, "ms_per_step_mean": total / len(times) * 1e3,
            "tokens_per_s": emitted / total if total > 0 else None, "decode_tokens": emitted,
-           "min_sequences_per_step": smallest, "cuda_graphs": False,
+           "min_sequences_per_step": smallest,
+           "cuda_graphs": graphs is not None and graphs.capture,
+           "graph_replays": (graphs.stats.replays - replays0) if graphs is not None else 0,
            "tokens": [tokens[rid] for rid in ids]}
     if smallest < row.batch:
         rec["note"] = (f"some timed steps decoded only {smallest} of {row.batch} sequences (the context length "

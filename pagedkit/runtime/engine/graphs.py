@@ -26,7 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import logging
+
 import torch
+
+log = logging.getLogger("pagedkit.engine")
 
 KV_BUCKET_MIN = 256  # smallest replay-wide max_kv_len bound: short contexts share one graph per batch bucket
 
@@ -60,6 +64,7 @@ class GraphStats:
     replays: int = 0  # steps replayed
     eager_padded: int = 0  # padded decode steps run eagerly (each key's first step, or capture=False)
     keys: list = field(default_factory=list)  # (batch bucket, kv bucket) of the captured graphs, in order
+    capture_error: str | None = None  # why a capture failed (decode steps then run eagerly, unpadded)
 
 
 class DecodeGraphs:
@@ -86,7 +91,7 @@ class DecodeGraphs:
     def key(self, batch: Sequence[tuple]) -> tuple[int, int] | None:
         """(batch bucket, kv bucket) when `batch` [(seq_id, ids)] is a decode step graphs serve, else None."""
         mgr = self.model.mgr
-        if not batch or len(batch) > self.buckets[-1]:
+        if not batch or len(batch) > self.buckets[-1] or self.stats.capture_error:
             return None
         longest = 0
         for sid, new in batch:
@@ -116,10 +121,7 @@ class DecodeGraphs:
         """Logits [B, V] of a padded decode plan's real rows (a view: valid until the next step)."""
         key = self._keys.pop(plan.plan_id)
         bp, b = key[0], len(token_ids)
-        ids = self.ids[:bp]
-        host = torch.zeros(bp, dtype=torch.int64, pin_memory=self.capture)
-        host[:b] = torch.as_tensor(list(token_ids), dtype=torch.int64)
-        ids.copy_(host, non_blocking=self.capture)
+        ids = self._write_ids(bp, token_ids)
         g = self.graphs.get(key)
         if g is not None:
             g.graph.replay()
@@ -130,8 +132,22 @@ class DecodeGraphs:
         out = self._eager(feeds, plan.hint)
         self.stats.eager_padded += 1
         if self.capture:
-            self._capture(key, feeds, plan.hint)
+            try:
+                self._capture(key, feeds, plan.hint)
+            except Exception as exc:  # this step's result stands (it ran eagerly); later steps run unpadded
+                self.stats.capture_error = f"{type(exc).__name__}: {exc}"[:500]
+                log.warning("CUDA-graph capture of decode bucket %s failed, decode steps run eagerly: %s", key,
+                            self.stats.capture_error)
         return out.reshape(bp, -1)[:b]
+
+    def _write_ids(self, bp: int, token_ids: Sequence[int]) -> torch.Tensor:
+        """The persistent input_ids [bp]: the step's ids, then zeros for the pad rows (a non-blocking copy from
+        pinned memory on CUDA)."""
+        host = torch.zeros(bp, dtype=torch.int64, pin_memory=self.capture)
+        host[: len(token_ids)] = torch.as_tensor(list(token_ids), dtype=torch.int64)
+        ids = self.ids[:bp]
+        ids.copy_(host, non_blocking=self.capture)
+        return ids
 
     def _run(self, feeds, hint):
         m = self.model
@@ -147,6 +163,7 @@ class DecodeGraphs:
         with torch.cuda.stream(self.stream):  # warm-up off the capture stream (torch.cuda.graphs' advice)
             out = self._run(feeds, hint)
         main.wait_stream(self.stream)
+        out.record_stream(main)
         return out
 
     def _capture(self, key, feeds, hint) -> None:
