@@ -12,7 +12,9 @@ concatenated ([g | l], fusion 2), or (swiglu, fusion 0) g from fc1 and l from fc
 with fc3 gate it: act(fc1 x) * (fc3 x).
 Matmuls run in the input dtype (float32 for half inputs, see _experts); activations and the weighted sum of expert outputs in float32.
 Small batches (tokens * k <= experts, i.e. decode) gather the chosen experts' weights and stay on
-the device; larger ones group tokens by expert, which reads the per-expert counts on the host.
+the device; on CUDA, steps of up to DENSE_MAX_TOKENS tokens with more routes than experts run every expert
+on every token (no host read: CUDA-graph capturable); larger ones group tokens by expert, which reads the
+per-expert counts on the host.
 
 com.microsoft QMoE (quant_type 'int': 2/4/8-bit expert weights [E, N, K * bits / 8] packed along K, low
 bits first, scales [E, N, K / block_size] or per row [E, N], zero points packed like the weights, default
@@ -98,6 +100,39 @@ def _experts(x, sel, w, attrs, where):
     return _linear(a.to(x.dtype), fc2_w, fc2_b)
 
 
+DENSE_MAX_TOKENS = 64  # CUDA steps of at most this many tokens with tokens * k > experts run every expert densely
+
+
+def _all_experts(xs, w, attrs, where):
+    """Every expert's FFN on every token, [E, T, hidden] float32: each expert's weights read once, routing
+    applied by the caller, no host read (a CUDA-graph capturable decode step). Same float32 arithmetic as
+    _experts (the weights converted per call)."""
+    fc1_w, fc1_b, fc2_w, fc2_b, fc3_w, fc3_b = w
+
+    def lin(x, wt, bt):  # x [T, in] or [E, T, in]; wt [E, out, in]; bt [E, out]
+        y = torch.matmul(x, wt.float().transpose(1, 2))
+        return y + bt.float().unsqueeze(1) if bt is not None else y
+
+    x = xs.float()
+    h = lin(x, fc1_w, fc1_b)
+    if attrs.get("activation_type", "relu") in ("swiglu", "geglu"):
+        fusion = attrs.get("swiglu_fusion", 0)
+        if fusion == 1:
+            g, l = h[..., 0::2], h[..., 1::2]
+        elif fusion == 2:
+            g, l = h.chunk(2, dim=-1)
+        elif fc3_w is not None:
+            g, l = h, lin(x, fc3_w, fc3_b)
+        else:
+            raise ValueError(f"{where}: swiglu_fusion=0 needs fc3_experts_weights")
+        a = _glu(g, l, attrs)
+    else:
+        a = _activate(h, attrs, where)
+        if fc3_w is not None:
+            a = a * lin(x, fc3_w, fc3_b).float()
+    return lin(a, fc2_w, fc2_b)
+
+
 @register("MoE", domain=MS_DOMAIN)
 def moe(inputs, attrs, ctx):
     x, router = inputs[0], inputs[1]  # x [T, hidden] or [B, S, hidden]; router [T, E] logits
@@ -114,6 +149,11 @@ def moe(inputs, attrs, ctx):
         top_w = top_w / top_w.sum(-1, keepdim=True)
     rows = torch.arange(n_tok, device=x.device).repeat_interleave(k)  # [T*k] token of each route
     route_e, route_w = top_e.reshape(-1), top_w.reshape(-1)
+    if n_tok * k > n_exp and n_tok <= DENSE_MAX_TOKENS and x.is_cuda:  # decode on CUDA: every expert, densely
+        dense = torch.zeros(n_tok, n_exp, dtype=torch.float32, device=x.device).scatter_(1, top_e, top_w)  # [T, E]
+        y = _all_experts(xs, weights, attrs, where)  # [E, T, hidden]
+        out = (y * dense.T.unsqueeze(-1)).sum(0)
+        return [out.to(x.dtype).reshape(x.shape)]
     if n_tok * k <= n_exp:  # gather the chosen experts' weights: no host read
         y = _experts(xs[rows], route_e, weights, attrs, where).float()
         contrib, dest = y * route_w.unsqueeze(-1), rows
