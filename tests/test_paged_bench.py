@@ -219,3 +219,13 @@ def test_ort_refusal_skips_the_arm(tiny_llama, tmp_path, monkeypatch, capsys):
     assert result["rows"][0]["arms"]["ort"] == {"skipped": reason}
     assert result["rows"][0]["arms"]["pagedkit"]["tokens_per_s"] > 0
     assert "ort arm skipped: onnxruntime refused the model" in capsys.readouterr().err
+
+
+def test_chunked_prefill_rows_leave_headroom_for_the_early_requests():
+    """With a chunked prefill, the first requests decode while later ones prefill: their prompts are shortened by
+    the prefill's steps so every timed step still decodes all B sequences within the context."""
+    from pagedkit.runtime.bench.engine_arm import Row, with_headroom
+
+    assert with_headroom(Row(1, 4096, 32), 16384) == Row(1, 4096, 32)  # one prefill step: nothing to leave
+    r = with_headroom(Row(32, 4096, 32), 16384)
+    assert r.headroom == -(-32 * 4064 // (16384 - 32)) == 8 and r.prompt_tokens == 4056

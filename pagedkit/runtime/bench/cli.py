@@ -149,6 +149,7 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
     from ..engine import Engine
 
     budget = args.max_num_tokens or min(DEFAULT_MAX_NUM_TOKENS, max([r.batch * r.prompt_tokens for r in rows] or [1]))
+    rows = [engine_arm.with_headroom(r, budget) for r in rows]
     bs = _block_size(model_dir, cfg)
     blocks = max([engine_arm.blocks_needed(r, budget, cfg.context_length, bs) for r in rows] or [1])
     engine = Engine(model_dir, device, max_batch_size=max([r.batch for r in rows] or [1]), max_num_tokens=budget,
@@ -180,7 +181,7 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
         "settings": {"batches": args.batches, "contexts": args.contexts, "decode_steps": args.decode_steps,
                      "warmup": args.warmup, "seed": args.seed, "arms": arms, "max_num_tokens": budget,
                      "num_blocks": blocks, "bandwidth_bytes_per_s": bandwidth,
-                     "prompt_tokens": "context - decode_steps", "cuda_graphs": graphs,
+                     "prompt_tokens": "context - decode_steps - headroom (the steps of a chunked prefill)", "cuda_graphs": graphs,
                      "prefix_caching": False},
         "arms": {"pagedkit": {"ran": "pagedkit" in arms, "cuda_graphs": graphs,
                               "note": ("decode steps are CUDA-graph replays, one graph per (batch bucket, KV bucket), "
@@ -196,7 +197,7 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
     progress = _progress(len(rows) * max(1, len(arms)), args.no_progress)
     measured = {}
     for i, row in enumerate(rows):
-        rec = {"batch": row.batch, "context": row.context, "prompt_tokens": row.prompt_tokens,
+        rec = {"batch": row.batch, "context": row.context, "prompt_tokens": row.prompt_tokens, "headroom": row.headroom,
                "decode_steps": row.decode_steps,
                "floor": floor.floor_row(weights, layers, row.batch, row.context, bandwidth), "arms": {}}
         for arm in arms:

@@ -10,6 +10,7 @@ ms_per_step = the median step. The cached context at the last timed step is `con
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import statistics
@@ -26,10 +27,20 @@ class Row:
     batch: int
     context: int
     decode_steps: int
+    headroom: int = 0  # decode steps an early request may run while later ones still prefill (chunked prefill)
 
     @property
     def prompt_tokens(self) -> int:
-        return self.context - self.decode_steps
+        return self.context - self.decode_steps - self.headroom
+
+
+def with_headroom(row: Row, max_num_tokens: int) -> Row:
+    """The row with prompts shortened by the steps a chunked prefill takes after the first request's first token,
+    so no request reaches the context before the timed steps end and every timed step decodes all B sequences."""
+    if row.batch * row.prompt_tokens <= max_num_tokens:
+        return row
+    steps = math.ceil(row.batch * row.prompt_tokens / max(1, max_num_tokens - row.batch))
+    return dataclasses.replace(row, headroom=steps)
 
 
 def prompts_for(row: Row, vocab: int, seed: int) -> list[list[int]]:

@@ -295,8 +295,8 @@ class Engine:
             flat += n
         graphed = self.model.graphs is not None and self.model.graphs.serves(plan)
         logits = self.model.run(plan, ids, wanted)
-        rows = Choices(logits, params)  # greedy rows: one argmax on the device, one small copy
-        self.kv.commit(plan)
+        self.kv.commit(plan)  # host bookkeeping while the device runs the step
+        rows = Choices(logits, params)  # greedy rows: one argmax on the device, one small copy (waits for it)
         self.stats.steps += 1
         self.stats.graph_steps += int(graphed)
         self.stats.tokens += len(ids)

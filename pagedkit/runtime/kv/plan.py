@@ -151,6 +151,9 @@ class PlanBuffers:
         self._next = 0
         self._current = 0
         self.metadata = torch.zeros(3, dtype=torch.int32)  # CPU-resident by contract
+        # the views never change: made once (numpy views of each staging buffer, device views by segment)
+        self._host_views = [{key: self._view(flat, key).numpy() for key in shapes} for flat in self.staging]
+        self._dev_views = {key: self._view(self.dev, key) for key in shapes}
 
     def _view(self, flat: torch.Tensor, key) -> torch.Tensor:
         off, shape = self.offsets[key], self.shapes[key]
@@ -164,7 +167,7 @@ class PlanBuffers:
         if self.events[k] is not None:
             self.events[k].synchronize()  # the copy that last read this staging buffer has finished
             self.events[k] = None
-        return {key: self._view(self.staging[k], key).numpy() for key in self.shapes}
+        return self._host_views[k]
 
     def finish(self, used_rows: dict[object, int]) -> dict[object, torch.Tensor]:
         """Copy the used leading rows of each segment to the device; return device views sliced to them."""
@@ -176,7 +179,7 @@ class PlanBuffers:
             off = self.offsets[key]
             if self.on_cuda and n:
                 self.dev[off : off + n].copy_(src[off : off + n], non_blocking=True)
-            out[key] = self._view(self.dev, key)[:rows]
+            out[key] = self._dev_views[key][:rows]
         if self.on_cuda:
             ev = torch.cuda.Event()
             ev.record()
