@@ -71,7 +71,7 @@ def test_decode_step_has_no_host_sync_outside_attention(tmp_path, dtype):
         pytest.skip(f"export --dtype {dtype}: {exc}")
     gen = Generator(tmp_path / "m", device="cuda", max_seq_len=64)
     logits = _decode_step_under_sync_debug(gen, [3, 9, 4, 17, 5])
-    assert set(gen.session.last_run_variants().values()) == {"triton_paged"}  # the decode step's kernels
+    assert set(gen.session.last_run_variants.values()) == {"triton_paged"}  # the decode step's kernels
     assert logits.is_cuda and torch.isfinite(logits).all()
 
 
