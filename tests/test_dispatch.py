@@ -143,7 +143,7 @@ def test_registered_dummy_variant_is_picked_reported_refused_and_documented(dumm
     sess = InferenceSession(case.model())
     assert sess.attention_dispatch[NODE] == {"serving": ["dummy_decode", "torch_planned", "torch_sdpa", "reference"], "refused": {"triton_mla": "runs on cuda only, not cpu", "sdpa_prefill": "runs on cuda only, not cpu",
                                                       "triton_paged": "runs on cuda only, not cpu"}}
-    assert sess.attention_variants == {NODE: "dummy_decode"}
+    assert sess.attention_variants == {NODE: "torch_planned"}  # what a run without a hint runs (checked below)
     feeds = _clone(case.inputs)
     out = sess.run_torch(feeds, plan="decode")
     assert sess.last_run_variants == {NODE: "dummy_decode"} and len(dummy_variant.CALLS) == 1

@@ -339,8 +339,12 @@ class AttentionCall:
 
     @property
     def name(self) -> str:
-        """The variant a call without a plan hint runs (the default pick)."""
-        return self.variant.name
+        """The variant a call without a plan hint runs (the first serving one that serves "mixed"; a node
+        that only plan-specific variants serve names its first)."""
+        try:
+            return self.pick(None).name
+        except ValueError:
+            return self.variant.name
 
     @property
     def op_type(self) -> str:
