@@ -9,8 +9,8 @@ with share one device buffer (no copies). Inputs the ORT graph does not have are
 does. The row: the B prompts prefilled (chunked to the engine's token budget), then `decode_steps` greedy
 steps (argmax of ORT's own logits), each timed up to `torch.cuda.synchronize()`.
 
-ORT's CUDA graphs (`enable_cuda_graph`) are not tried: attention_metadata is a host input, which ORT's
-graph capture refuses; the JSON records `"cuda_graph": false`.
+ORT's CUDA graphs (`enable_cuda_graph`) are not tried (a replay needs fixed input addresses and shapes: one
+session or graph id per batch shape, host inputs bound once); the JSON records `"cuda_graph": false`.
 """
 
 from __future__ import annotations
