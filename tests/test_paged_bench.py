@@ -152,8 +152,10 @@ def test_ort_arm_loop_with_stand_in_runner(tiny_llama, tmp_path, monkeypatch):
     whose greedy tokens agree (the same session computes both), and the pool is left empty."""
     made = []
 
-    def runner(model_path, host_inputs):
+    def runner(model_path, host_inputs, cuda_graph=False):
         assert host_inputs == {"attention_metadata"}
+        if cuda_graph:  # this stand-in has no graph mode: refused at creation, the CLI falls back to plain runs
+            raise RuntimeError("stand-in: no CUDA graph")
         made.append(PagedkitAsOrt(engine_model[0]))
         return made[-1]
 
@@ -174,6 +176,7 @@ def test_ort_arm_loop_with_stand_in_runner(tiny_llama, tmp_path, monkeypatch):
     result = json.loads((tmp_path / "paged_bench.json").read_text())
     assert result["arms"]["ort"]["ran"] is True and "skipped" not in result["arms"]["ort"]
     assert made and made[0].calls > 0
+    assert result["arms"]["ort"]["cuda_graph"] is False
     for r in result["rows"]:
         ort = r["arms"]["ort"]
         assert ort["tokens_per_s"] > 0 and ort["ttft_ms"] > 0 and ort["decode_tokens"] == r["batch"] * 4
@@ -206,7 +209,7 @@ def test_kv_bytes_quantized_and_latent():
 
 def test_ort_refusal_skips_the_arm(tiny_llama, tmp_path, monkeypatch, capsys):
     """onnxruntime refusing the model at session creation: the arm is skipped with that reason, printed."""
-    def refuse(model_path, host_inputs):
+    def refuse(model_path, host_inputs, cuda_graph=False):
         raise RuntimeError("Could not find an implementation for PagedAttention(1) node with name 'attn_0'")
 
     monkeypatch.setattr(ort_arm, "unavailable", lambda device: None)
@@ -229,3 +232,72 @@ def test_chunked_prefill_rows_leave_headroom_for_the_early_requests():
     assert with_headroom(Row(1, 4096, 32), 16384) == Row(1, 4096, 32)  # one prefill step: nothing to leave
     r = with_headroom(Row(32, 4096, 32), 16384)
     assert r.headroom == -(-32 * 4064 // (16384 - 32)) == 8 and r.prompt_tokens == 4056
+
+
+class PagedkitAsOrtGraph(PagedkitAsOrt):
+    """The stand-in in onnxruntime's CUDA-graph mode: keyed decode runs must bind the same buffers every step of
+    a key (a replay reads fixed addresses) with the replay-wide metadata of the key."""
+
+    cuda_graph = True
+
+    def __init__(self, pm):
+        super().__init__(pm)
+        self.keys, self.plain, self.kept = {}, 0, {}
+
+    def run(self, feeds, outputs, graph_key=None):
+        if graph_key is None:
+            self.plain += 1
+        else:
+            ptrs = {n: t.data_ptr() for n, t in (feeds | outputs).items()}
+            assert self.keys.setdefault(graph_key, ptrs) == ptrs, f"buffers moved within graph key {graph_key}"
+            assert feeds["attention_metadata"].tolist() == [1, graph_key[1], 0]
+        super().run(feeds, outputs)
+
+
+def test_ort_arm_graph_mode_binds_fixed_buffers_per_key(tiny_llama, tmp_path, monkeypatch):
+    made = []
+    from pagedkit.runtime import engine as engine_pkg
+
+    orig, engine_model = engine_pkg.Engine, []
+
+    class Recording(orig):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            engine_model.append(self.model)
+
+    def runner(model_path, host_inputs, cuda_graph=False):
+        made.append((PagedkitAsOrtGraph if cuda_graph else PagedkitAsOrt)(engine_model[0]))
+        return made[-1]
+
+    monkeypatch.setattr(engine_pkg, "Engine", Recording)
+    monkeypatch.setattr(ort_arm, "unavailable", lambda device: None)
+    monkeypatch.setattr(ort_arm, "OrtRunner", runner)
+    assert cli.main([str(tiny_llama), *ARGS, "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "paged_bench.json").read_text())
+    (r,) = made
+    assert isinstance(r, PagedkitAsOrtGraph) and r.keys and r.plain > 0  # prefills plain, decodes keyed
+    assert result["arms"]["ort"]["cuda_graph"] is True
+    for row in result["rows"]:
+        assert row["parity"]["equal"], row["parity"]  # the same logits as the engine through the graph path
+
+
+def test_teeth_graph_buffers_made_per_row_are_caught(tiny_llama, tmp_path, monkeypatch):
+    """Buffers kept per row instead of per runner would move under a captured graph: the row fails, named."""
+    from pagedkit.runtime import engine as engine_pkg
+
+    orig, engine_model = engine_pkg.Engine, []
+
+    class Recording(orig):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            engine_model.append(self.model)
+
+    class Forgetful(PagedkitAsOrtGraph):
+        kept = property(lambda self: {}, lambda self, v: None)  # a fresh dict at every row
+
+    monkeypatch.setattr(engine_pkg, "Engine", Recording)
+    monkeypatch.setattr(ort_arm, "unavailable", lambda device: None)
+    monkeypatch.setattr(ort_arm, "OrtRunner", lambda p, h, cuda_graph=False: Forgetful(engine_model[0]))
+    assert cli.main([str(tiny_llama), *ARGS, "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "paged_bench.json").read_text())
+    assert all("buffers moved" in r["arms"]["ort"]["skipped"] for r in result["rows"])

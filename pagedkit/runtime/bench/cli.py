@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bandwidth", type=float, default=floor.DEFAULT_BANDWIDTH / 1e12,
                    help="read bandwidth of the floor in TB/s (default 4.4)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-ort-cuda-graph", action="store_true",
+                   help="run onnxruntime without its CUDA graph (default: enable_cuda_graph=1 for decode steps, "
+                        "plain runs where onnxruntime refuses it)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run the engine's decode steps eagerly (default on CUDA: CUDA-graph replays)")
     return p
@@ -164,10 +167,18 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
     if "ort" in arms:
         ort_reason = ort_arm.unavailable(device)
         if ort_reason is None:
-            try:
-                runner = ort_arm.OrtRunner(str(model_path), ort_arm.host_input_names(pm))
-            except Exception as exc:  # onnxruntime refuses the model (an op or input it lacks, ...)
-                ort_reason = f"onnxruntime refused the model: {type(exc).__name__}: {one_line(str(exc))}"[:600]
+            graph_refused = None
+            for graph in ([True, False] if not args.no_ort_cuda_graph else [False]):
+                try:
+                    runner = ort_arm.OrtRunner(str(model_path), ort_arm.host_input_names(pm), cuda_graph=graph)
+                    ort_reason = None
+                    break
+                except Exception as exc:  # onnxruntime refuses the model (an op or input it lacks, ...)
+                    why = f"{type(exc).__name__}: {one_line(str(exc))}"[:600]
+                    ort_reason = f"onnxruntime refused the model: {why}"
+                    graph_refused = graph_refused or (why if graph else None)
+            if runner is not None and graph_refused:
+                runner.graph_refused = f"at session creation: {graph_refused}"
         if ort_reason:
             print(f"{PROG}: ort arm skipped: {ort_reason}", file=sys.stderr)
     vocab = cfg.vocab_size or 3
@@ -188,7 +199,7 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
                                        "captured at a key's first step (in the warm-up)") if graphs else
                               "the engine runs eagerly"},
                  "ort": {"ran": runner is not None, "skipped": ort_reason if "ort" in arms else "not asked (--arms)",
-                         "cuda_graph": False,
+                         "cuda_graph": bool(runner is not None and runner.cuda_graph),
                          "version": runner.version if runner else versions["onnxruntime"]}},
         "rows": [],
     }

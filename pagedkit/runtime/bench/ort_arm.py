@@ -9,8 +9,13 @@ with share one device buffer (no copies). Inputs the ORT graph does not have are
 does. The row: the B prompts prefilled (chunked to the engine's token budget), then `decode_steps` greedy
 steps (argmax of ORT's own logits), each timed up to `torch.cuda.synchronize()`.
 
-ORT's CUDA graphs (`enable_cuda_graph`) are not tried (a replay needs fixed input addresses and shapes: one
-session or graph id per batch shape, host inputs bound once); the JSON records `"cuda_graph": false`.
+With `cuda_graph=True` the session is created with `enable_cuda_graph=1` (onnxruntime at its best): decode
+steps are planned with replay-wide attention_metadata bounds (1, KV bucket, 0; engine/graphs.kv_bucket) and
+run with one `gpu_graph_id` per (batch, KV bucket), every input and output bound once to persistent buffers
+(input ids and logits copied in / kept per key; the plan's inputs and the caches are persistent already), so
+onnxruntime captures at a key's first run and replays afterwards; prefill steps run with `gpu_graph_id` -1
+(no graph). If onnxruntime refuses the graph mode (at creation or at a run), the arm falls back to plain runs
+and the JSON says why (`cuda_graph_refused`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 
 from ...interface import dtypes
 from ...interface import names as N
+from ..engine.graphs import kv_bucket
 from .engine_arm import Row, _sync
 
 
@@ -41,18 +47,23 @@ def unavailable(device: str) -> str | None:
 
 
 class OrtRunner:
-    """An onnxruntime session on CUDA with IOBinding; `run(feeds, outputs)` binds torch tensors in place."""
+    """An onnxruntime session on CUDA with IOBinding; `run(feeds, outputs)` binds torch tensors in place;
+    with cuda_graph, `run(..., graph_key=k)` replays onnxruntime's CUDA graph of key k (module doc)."""
 
-    cuda_graph = False
-
-    def __init__(self, model_path: str, host_inputs: set[str]):
+    def __init__(self, model_path: str, host_inputs: set[str], cuda_graph: bool = False):
         import onnxruntime as ort
 
         if hasattr(ort, "preload_dlls"):
             ort.preload_dlls()
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
-        self.session = ort.InferenceSession(model_path, opts, providers=["CUDAExecutionProvider"])
+        cuda = ("CUDAExecutionProvider", {"enable_cuda_graph": "1"}) if cuda_graph else "CUDAExecutionProvider"
+        self.session = ort.InferenceSession(model_path, opts, providers=[cuda])
+        self.cuda_graph = self.graph_session = cuda_graph
+        self.graph_refused: str | None = None
+        self._graphs: dict = {}  # key -> (binding, run options, kept tensors, their data pointers)
+        self.kept: dict = {}  # key -> (input ids, logits): the persistent buffers a key's graph binds (_step)
+        self._ort = ort
         if self.session.get_providers()[0] != "CUDAExecutionProvider":
             raise RuntimeError(f"onnxruntime placed the model on {self.session.get_providers()}, not CUDA")
         self.input_names = {i.name for i in self.session.get_inputs()}
@@ -60,7 +71,7 @@ class OrtRunner:
         self.host_inputs = host_inputs
         self.version = ort.__version__
 
-    def run(self, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
+    def _bind(self, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]):
         binding = self.session.io_binding()
         for name, t in feeds.items():
             host = name in self.host_inputs
@@ -70,8 +81,39 @@ class OrtRunner:
                                list(t.shape), t.data_ptr())
         for name, t in outputs.items():
             binding.bind_output(name, "cuda", 0, dtypes.elem_type_of_torch(t.dtype), list(t.shape), t.data_ptr())
+        return binding
+
+    def run(self, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], graph_key=None) -> None:
+        if self.cuda_graph and graph_key is not None:
+            try:
+                return self._run_graph(feeds, outputs, graph_key)
+            except Exception as exc:  # onnxruntime refuses its graph for this model: plain runs from now on
+                self.graph_refused = f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500]
+                self.cuda_graph = False
+        binding = self._bind(feeds, outputs)
+        ro = None
+        if self.graph_session:  # a graph-enabled session runs without a graph only under gpu_graph_id -1
+            ro = self._ort.RunOptions()
+            ro.add_run_config_entry("gpu_graph_id", "-1")
+        self._run(binding, ro)
+
+    def _run_graph(self, feeds, outputs, key) -> None:
+        g = self._graphs.get(key)
+        ptrs = {n: t.data_ptr() for n, t in (feeds | outputs).items()}
+        if g is None:
+            ro = self._ort.RunOptions()
+            ro.add_run_config_entry("gpu_graph_id", str(len(self._graphs) + 1))
+            g = self._graphs[key] = (self._bind(feeds, outputs), ro, (feeds, outputs), ptrs)
+        elif g[3] != ptrs:
+            raise RuntimeError(f"ORT CUDA graph {key}: an input or output moved between steps")
+        self._run(g[0], g[1])
+
+    def _run(self, binding, ro) -> None:
         torch.cuda.synchronize()  # the plan's buffers are written on torch's stream; ORT runs on its own
-        self.session.run_with_iobinding(binding)
+        if ro is None:
+            self.session.run_with_iobinding(binding)
+        else:
+            self.session.run_with_iobinding(binding, ro)
         torch.cuda.synchronize()
 
 
@@ -90,13 +132,24 @@ def step_feeds(pm, runner, plan, token_ids: list[int]) -> tuple[dict, dict]:
     return feeds, outputs
 
 
-def _step(pm, runner, batch: list[tuple[str, list[int]]]) -> torch.Tensor:
-    """Plan, run and commit one step; the logits [T, V] of its tokens."""
+def _step(pm, runner, batch: list[tuple[str, list[int]]], persistent: dict | None = None) -> torch.Tensor:
+    """Plan, run and commit one step; the logits [T, V] of its tokens. persistent (a decode step under
+    onnxruntime's CUDA graph): replay-wide bounds, input ids and logits in buffers kept per graph key."""
     mgr = pm.mgr
-    plan = mgr.plan(batch)
+    ids = [t for _, tokens in batch for t in tokens]
+    key = None
+    if persistent is not None:
+        key = (len(batch), kv_bucket(max(mgr.length(s) + 1 for s, _ in batch), mgr.config.max_seq_len))
+    plan = mgr.plan(batch, bounds=(1, key[1], 0)) if key else mgr.plan(batch)
     try:
-        feeds, outputs = step_feeds(pm, runner, plan, [t for _, ids in batch for t in ids])
-        runner.run(feeds, outputs)
+        feeds, outputs = step_feeds(pm, runner, plan, ids)
+        if key is not None:
+            kept = persistent.get(key)
+            if kept is None:
+                kept = persistent[key] = (feeds[pm.input_ids_name].clone(), outputs[pm.logits_name])
+            kept[0].copy_(feeds[pm.input_ids_name])
+            feeds[pm.input_ids_name], outputs[pm.logits_name] = kept
+        runner.run(feeds, outputs, graph_key=key) if key is not None else runner.run(feeds, outputs)
     except BaseException:
         mgr.abort(plan)
         raise
@@ -140,9 +193,12 @@ def run_row(pm, runner, row: Row, prompts: list[list[int]], device: str) -> dict
         _sync(device)
         ttft = time.perf_counter() - t0
         times = []
+        # decode steps under onnxruntime's CUDA graph: input ids / logits buffers kept with the runner, whose
+        # graphs replay them (the same buffers in every row of a key)
+        persistent = runner.kept if getattr(runner, "cuda_graph", False) else None
         for _ in range(row.decode_steps):
             s0 = time.perf_counter()
-            logits = _step(pm, runner, [(s, [tokens[s][-1]]) for s in sids])
+            logits = _step(pm, runner, [(s, [tokens[s][-1]]) for s in sids], persistent)
             nxt = logits.float().argmax(-1).tolist()
             _sync(device)
             times.append(time.perf_counter() - s0)
@@ -156,6 +212,7 @@ def run_row(pm, runner, row: Row, prompts: list[list[int]], device: str) -> dict
     return {"ttft_ms": ttft * 1e3, "prefill_steps": prefill, "ms_per_step": statistics.median(times) * 1e3,
             "ms_per_step_mean": total / len(times) * 1e3, "tokens_per_s": row.batch * len(times) / total,
             "decode_tokens": row.batch * len(times), "cuda_graph": getattr(runner, "cuda_graph", False),
+            "cuda_graph_refused": getattr(runner, "graph_refused", None),
             "tokens": [tokens[s] for s in sids]}
 
 
