@@ -70,6 +70,28 @@ def _glu(g: torch.Tensor, l: torch.Tensor, attrs: dict) -> torch.Tensor:
     return g * torch.sigmoid(alpha * g) * (l + beta)
 
 
+def _ffn_hidden(x, lin, w, attrs, where):
+    """The activated hidden state of an expert FFN: act(fc1 x) (gated by fc3 x), or the GLU of fc1's halves
+    (or of fc1 and fc3); lin(x, weight, bias) is the product (one expert, one per row, or every expert)."""
+    fc1_w, fc1_b, fc3_w, fc3_b = w
+    h = lin(x, fc1_w, fc1_b)
+    if attrs.get("activation_type", "relu") in ("swiglu", "geglu"):
+        fusion = attrs.get("swiglu_fusion", 0)
+        if fusion == 1:
+            g, l = h[..., 0::2], h[..., 1::2]
+        elif fusion == 2:
+            g, l = h.chunk(2, dim=-1)
+        elif fc3_w is not None:
+            g, l = h, lin(x, fc3_w, fc3_b)
+        else:
+            raise ValueError(f"{where}: swiglu_fusion=0 needs fc3_experts_weights")
+        return _glu(g, l, attrs)
+    a = _activate(h, attrs, where)
+    if fc3_w is not None:
+        a = a * lin(x, fc3_w, fc3_b).float()
+    return a
+
+
 def _experts(x, sel, w, attrs, where):
     """FFN of the experts `sel` (an int for one expert, or [n] indices, one per row) on x [n, hidden].
     Half-precision inputs run in float32 on every device (the selected experts' weights converted per call,
@@ -81,22 +103,7 @@ def _experts(x, sel, w, attrs, where):
         fc1_w, fc1_b, fc2_w, fc2_b, fc3_w, fc3_b = (t.float() if t is not None else None
                                                     for t in (fc1_w, fc1_b, fc2_w, fc2_b, fc3_w, fc3_b))
         x = x.float()
-    h = _linear(x, fc1_w, fc1_b)
-    if attrs.get("activation_type", "relu") in ("swiglu", "geglu"):
-        fusion = attrs.get("swiglu_fusion", 0)
-        if fusion == 1:
-            g, l = h[..., 0::2], h[..., 1::2]
-        elif fusion == 2:
-            g, l = h.chunk(2, dim=-1)
-        elif fc3_w is not None:
-            g, l = h, _linear(x, fc3_w, fc3_b)
-        else:
-            raise ValueError(f"{where}: swiglu_fusion=0 needs fc3_experts_weights")
-        a = _glu(g, l, attrs)
-    else:
-        a = _activate(h, attrs, where)
-        if fc3_w is not None:
-            a = a * _linear(x, fc3_w, fc3_b).float()
+    a = _ffn_hidden(x, _linear, (fc1_w, fc1_b, fc3_w, fc3_b), attrs, where)
     return _linear(a.to(x.dtype), fc2_w, fc2_b)
 
 
@@ -113,23 +120,7 @@ def _all_experts(xs, w, attrs, where):
         y = torch.matmul(x, wt.float().transpose(1, 2))
         return y + bt.float().unsqueeze(1) if bt is not None else y
 
-    x = xs.float()
-    h = lin(x, fc1_w, fc1_b)
-    if attrs.get("activation_type", "relu") in ("swiglu", "geglu"):
-        fusion = attrs.get("swiglu_fusion", 0)
-        if fusion == 1:
-            g, l = h[..., 0::2], h[..., 1::2]
-        elif fusion == 2:
-            g, l = h.chunk(2, dim=-1)
-        elif fc3_w is not None:
-            g, l = h, lin(x, fc3_w, fc3_b)
-        else:
-            raise ValueError(f"{where}: swiglu_fusion=0 needs fc3_experts_weights")
-        a = _glu(g, l, attrs)
-    else:
-        a = _activate(h, attrs, where)
-        if fc3_w is not None:
-            a = a * lin(x, fc3_w, fc3_b).float()
+    a = _ffn_hidden(xs.float(), lin, (fc1_w, fc1_b, fc3_w, fc3_b), attrs, where)
     return lin(a, fc2_w, fc2_b)
 
 
