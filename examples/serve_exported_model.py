@@ -44,11 +44,14 @@ def serve_and_ask(model_dir: Path, prompts: int = 8, max_tokens: int = 32, devic
         time.sleep(0.01)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/chat/completions"
     answers: list[dict | None] = [None] * prompts
+    start = threading.Barrier(prompts)  # every client connected first, then all requests sent at once
 
     def ask(i: int) -> None:
         body = {"model": "model", "max_tokens": max_tokens, "temperature": 0,
                 "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]}
-        answers[i] = httpx.post(url, json=body, timeout=600).raise_for_status().json()
+        with httpx.Client(timeout=600) as client:
+            start.wait(timeout=60)
+            answers[i] = client.post(url, json=body).raise_for_status().json()
 
     try:
         t0 = time.perf_counter()
