@@ -211,15 +211,16 @@ def resolve_block_size(cfg: DecoderConfig, key_dims: Sequence, requested: int | 
     return requested or fixed or cfg.block_size or 16
 
 
-def step_feeds(plan, mgr: KVCacheManager, token_ids: Sequence[int], renames: dict, input_names,
+def step_feeds(plan, mgr: KVCacheManager, token_ids: Sequence[int] | torch.Tensor, renames: dict, input_names,
                input_ids_name: str) -> dict[str, torch.Tensor]:
-    """The model inputs of one planned step of a paged model (token_ids: the plan's T tokens, batch order): the
-    plan's step inputs under the model's names (`renames`), the caches and input_ids; only names in
-    `input_names`."""
+    """The model inputs of one planned step of a paged model (token_ids: the plan's T tokens, batch order, or the
+    input_ids tensor itself): the plan's step inputs under the model's names (`renames`), the caches and
+    input_ids; only names in `input_names`."""
     feeds = {renames.get(k, k): v for k, v in plan.feeds(query_positions=True).items()}
     feeds = {k: v for k, v in feeds.items() if k in input_names}
     feeds |= {k: v for k, v in mgr.cache_feeds().items() if k in input_names}
-    feeds[input_ids_name] = torch.tensor(list(token_ids), dtype=torch.int64, device=mgr.config.device)
+    feeds[input_ids_name] = token_ids if isinstance(token_ids, torch.Tensor) else torch.tensor(
+        list(token_ids), dtype=torch.int64, device=mgr.config.device)
     return feeds
 
 

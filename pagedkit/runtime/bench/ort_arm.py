@@ -149,7 +149,10 @@ def _step(pm, runner, batch: list[tuple[str, list[int]]], persistent: dict | Non
                 kept = persistent[key] = (feeds[pm.input_ids_name].clone(), outputs[pm.logits_name])
             kept[0].copy_(feeds[pm.input_ids_name])
             feeds[pm.input_ids_name], outputs[pm.logits_name] = kept
-        runner.run(feeds, outputs, graph_key=key) if key is not None else runner.run(feeds, outputs)
+        if key is not None:
+            runner.run(feeds, outputs, graph_key=key)
+        else:
+            runner.run(feeds, outputs)
     except BaseException:
         mgr.abort(plan)
         raise

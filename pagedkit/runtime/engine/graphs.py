@@ -127,8 +127,7 @@ class DecodeGraphs:
             g.graph.replay()
             self.stats.replays += 1
             return g.logits.reshape(bp, -1)[:b]
-        feeds = self.model.feeds(plan, [0] * bp)
-        feeds[self.model.input_ids_name] = ids
+        feeds = self.model.feeds(plan, ids)
         out = self._eager(feeds, plan.hint)
         self.stats.eager_padded += 1
         if self.capture:
@@ -149,19 +148,15 @@ class DecodeGraphs:
         ids.copy_(host, non_blocking=self.capture)
         return ids
 
-    def _run(self, feeds, hint):
-        m = self.model
-        return m.session.run_torch(feeds, [m.logits_name], plan=hint)[m.logits_name]
-
     def _eager(self, feeds, hint) -> torch.Tensor:
         if not self.capture:
-            return self._run(feeds, hint)
+            return self.model.forward(feeds, hint)
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.model.mgr.device)
         main = torch.cuda.current_stream(self.model.mgr.device)
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):  # warm-up off the capture stream (torch.cuda.graphs' advice)
-            out = self._run(feeds, hint)
+            out = self.model.forward(feeds, hint)
         main.wait_stream(self.stream)
         out.record_stream(main)
         return out
@@ -175,7 +170,7 @@ class DecodeGraphs:
         session._capture_keep = keep  # run-time host -> device copies are pinned and kept (session._place)
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                logits = self._run(feeds, hint)
+                logits = self.model.forward(feeds, hint)
         finally:
             session._capture_keep = None
         self.graphs[key] = _Graph(graph, logits, keep)

@@ -141,6 +141,10 @@ class PagedModel:
         return step_feeds(plan, self.mgr, token_ids, self.renames,
                           self.input_names if input_names is None else input_names, self.input_ids_name)
 
+    def forward(self, feeds: dict[str, torch.Tensor], hint: str | None) -> torch.Tensor:
+        """The logits of one step's feeds through the session (hint: the plan kind, StepPlan.hint)."""
+        return self.session.run_torch(feeds, [self.logits_name], plan=hint)[self.logits_name]
+
     def plan(self, batch: Sequence[tuple]) -> StepPlan:
         """One step's plan for batch [(seq_id, token ids)]: a decode step CUDA graphs serve is padded to its
         batch bucket with replay-wide bounds (graphs.py); anything else is the manager's plain plan."""
@@ -151,13 +155,12 @@ class PagedModel:
         token positions `rows` (all T when None) as [len(rows), V] on the run device in the model's logits
         dtype (a decode step CUDA graphs serve: a replay). The caller commits (on an exception here the plan
         is aborted before re-raising)."""
-        mgr, sess = self.mgr, self.session
+        mgr = self.mgr
         try:
             if self.graphs is not None and self.graphs.serves(plan):
                 out = self.graphs.run(plan, token_ids)
             else:
-                feeds = self.feeds(plan, token_ids)
-                out = sess.run_torch(feeds, [self.logits_name], plan=plan.hint)[self.logits_name]
+                out = self.forward(self.feeds(plan, token_ids), plan.hint)
         except BaseException:
             if self.graphs is not None:
                 self.graphs.abort(plan)

@@ -62,11 +62,6 @@ class StepPlan:
         return len(self.seq_ids)
 
     @property
-    def padded_batch_size(self) -> int:
-        """Rows of the step's device tensors (batch + pad rows)."""
-        return len(self.seq_ids) + self.pad_rows
-
-    @property
     def num_tokens(self) -> int:
         return sum(self.query_lens)
 

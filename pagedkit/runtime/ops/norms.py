@@ -9,6 +9,8 @@ normalized dimensions kept as 1.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -16,19 +18,21 @@ from .registry import MS_DOMAIN, register
 from .util import norm_axis, opt
 
 
-def _triton_norm():
-    """kernels.triton.norm when importable (CUDA tensors take its one-launch RMS norms), else None."""
-    global _TRITON_NORM
-    if _TRITON_NORM is False:
-        try:
-            from ...kernels.triton import norm as mod
-        except ImportError:  # pragma: no cover
-            mod = None
-        _TRITON_NORM = mod if mod is not None and mod.common.HAVE_TRITON else None
-    return _TRITON_NORM
+@functools.cache
+def _triton_norm_module():
+    try:
+        from ...kernels.triton import norm as mod
+    except ImportError:  # pragma: no cover
+        return None
+    return mod if mod.common.HAVE_TRITON else None
 
 
-_TRITON_NORM = False
+def _triton_norm(x: torch.Tensor, dtype: torch.dtype, axis: int):
+    """kernels.triton.norm for a CUDA tensor normalized in float32 over its last dim (its one-launch RMS
+    norms), else None (the torch composition)."""
+    if not x.is_cuda or dtype != torch.float32 or axis != x.dim() - 1:
+        return None
+    return _triton_norm_module()
 
 
 def _stash_dtype(x: torch.Tensor, attrs: dict) -> torch.dtype:
@@ -64,7 +68,7 @@ def rms_norm(inputs, attrs, ctx):
     x, scale = inputs[0], inputs[1]
     dtype = _stash_dtype(x, attrs)
     axis = norm_axis(attrs.get("axis", -1), x.dim(), "RMSNormalization axis")
-    tn = _triton_norm() if x.is_cuda and dtype == torch.float32 and axis == x.dim() - 1 else None
+    tn = _triton_norm(x, dtype, axis)
     if tn is not None and tn.serves(x, scale):  # one launch on CUDA
         return [tn.rms_norm(x, scale, attrs.get("epsilon", 1e-5))[0]]
     if scale.shape == x.shape[axis:]:  # torch's fused norm over the trailing dims
@@ -79,7 +83,7 @@ def simplified_layer_norm(inputs, attrs, ctx):
     x, scale = inputs[0], inputs[1]  # Y takes scale's type (V)
     dtype = _stash_dtype(x, attrs)
     axis = norm_axis(attrs.get("axis", -1), x.dim(), "SimplifiedLayerNormalization axis")
-    tn = _triton_norm() if x.is_cuda and dtype == torch.float32 and axis == x.dim() - 1 else None
+    tn = _triton_norm(x, dtype, axis)
     if not ctx.wants(1) and tn is not None and tn.serves(x, scale):  # one launch on CUDA
         return [tn.rms_norm(x, scale, attrs.get("epsilon", 1e-5), out_dtype=scale.dtype)[0], None]
     if not ctx.wants(1) and scale.shape == x.shape[axis:]:  # inv_std_var not asked for: torch's fused norm
@@ -96,7 +100,7 @@ def _skip_norm(center: bool):
         beta = opt(inputs, 3) if center else None
         bias = opt(inputs, 4 if center else 3)
         dtype = torch.float32 if x.dtype != torch.float64 else torch.float64
-        tn = _triton_norm() if x.is_cuda and not center and not (ctx.wants(1) or ctx.wants(2)) else None
+        tn = None if center or ctx.wants(1) or ctx.wants(2) else _triton_norm(x, dtype, x.dim() - 1)
         if tn is not None and tn.serves(x, gamma, skip, bias):  # one launch on CUDA (float32 inside)
             y, total = tn.rms_norm(x, gamma, attrs.get("epsilon", 1e-12), skip=skip, bias=bias, want_sum=ctx.wants(3))
             return [y, None, None, total]
