@@ -9,6 +9,7 @@ import math
 import pytest
 
 from pagedkit.runtime.engine import Engine, SamplingParams, ngram_draft
+from pagedkit.runtime.engine import engine as engine_mod
 from pagedkit.runtime.kv.cache import KVCacheManager
 import test_engine
 from test_engine import assert_pool_free, assert_same_greedy, check_stream, greedy_alone, prompts_of
@@ -110,7 +111,7 @@ def test_teeth_accepting_every_draft_fails(tiny_llama, oracle, monkeypatch):
     def accept_all(e, rows, start):
         return e.ids[1:] + [rows.token(start + e.drafts, e.req.generator)]
 
-    monkeypatch.setattr(Engine, "_verify", staticmethod(accept_all))
+    monkeypatch.setattr(engine_mod, "verify", accept_all)
     engine = Engine(tiny_llama, max_batch_size=2)
     rid = engine.add_request(prompt, SamplingParams(max_new_tokens=12, num_draft_tokens=3, ignore_eos=True),
                              drafter=lambda toks: [(t + 1) % 144 for t in toks[-3:]])

@@ -301,3 +301,26 @@ def test_teeth_graph_buffers_made_per_row_are_caught(tiny_llama, tmp_path, monke
     assert cli.main([str(tiny_llama), *ARGS, "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "paged_bench.json").read_text())
     assert all("buffers moved" in r["arms"]["ort"]["skipped"] for r in result["rows"])
+
+
+def test_engine_arm_with_overlap_times_full_decode_steps(tiny_llama):
+    """With overlap (one step of lookahead), the row's prompts leave one more step of headroom, every timed
+    step() returns the B tokens of a step, and the tokens equal the synchronous engine's."""
+    from pagedkit.runtime.bench.engine_arm import Row, prompts_for, run_row, with_headroom
+    from pagedkit.runtime.engine import Engine
+
+    row = with_headroom(Row(3, 64, 8), 4096, lookahead=1)
+    assert row.headroom == 1 and row.prompt_tokens == 64 - 8 - 1
+    prompts = prompts_for(row, 144, seed=1)
+    recs = {}
+    for overlap in (False, True):
+        eng = Engine(tiny_llama, max_batch_size=4, max_num_tokens=256, enable_prefix_caching=False,
+                     cuda_graphs="padded", overlap=overlap)
+        recs[overlap] = run_row(eng, row, prompts, "cpu")
+        assert eng.check_invariants() == []
+    rec = recs[True]
+    assert rec["overlap"] and rec["overlapped_steps"] >= row.decode_steps
+    assert rec["decode_tokens"] == row.batch * row.decode_steps and rec["min_sequences_per_step"] == row.batch
+    n = row.decode_steps + 1
+    assert [t[:n] for t in rec["tokens"]] == [t[:n] for t in recs[False]["tokens"]]
+    assert all(len(t) >= n for t in rec["tokens"])

@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
                         "plain runs where onnxruntime refuses it)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run the engine's decode steps eagerly (default on CUDA: CUDA-graph replays)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="the engine waits for each decode step's tokens before planning the next (default with "
+                        "CUDA graphs: decode steps run one step ahead of the host)")
     return p
 
 
@@ -152,12 +155,13 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
     from ..engine import Engine
 
     budget = args.max_num_tokens or min(DEFAULT_MAX_NUM_TOKENS, max([r.batch * r.prompt_tokens for r in rows] or [1]))
-    rows = [engine_arm.with_headroom(r, budget) for r in rows]
+    overlap = device == "cuda" and not args.no_cuda_graphs and not args.no_overlap  # the engine's default
+    rows = [engine_arm.with_headroom(r, budget, lookahead=int(overlap)) for r in rows]
     bs = _block_size(model_dir, cfg)
     blocks = max([engine_arm.blocks_needed(r, budget, cfg.context_length, bs) for r in rows] or [1])
     engine = Engine(model_dir, device, max_batch_size=max([r.batch for r in rows] or [1]), max_num_tokens=budget,
                     num_blocks=blocks, enable_prefix_caching=False,
-                    cuda_graphs=False if args.no_cuda_graphs else None)
+                    cuda_graphs=False if args.no_cuda_graphs else None, overlap=overlap)
     graphs = engine.model.graphs is not None and engine.model.graphs.capture
     pm = engine.model
     weights = floor.weight_bytes(model_path)
@@ -192,7 +196,9 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
         "settings": {"batches": args.batches, "contexts": args.contexts, "decode_steps": args.decode_steps,
                      "warmup": args.warmup, "seed": args.seed, "arms": arms, "max_num_tokens": budget,
                      "num_blocks": blocks, "bandwidth_bytes_per_s": bandwidth,
-                     "prompt_tokens": "context - decode_steps - headroom (the steps of a chunked prefill)", "cuda_graphs": graphs,
+                     "prompt_tokens": ("context - decode_steps - headroom (the steps of a chunked prefill, plus the engine's "
+                                       "one step of lookahead with overlap)"), "cuda_graphs": graphs,
+                     "overlap": overlap,
                      "prefix_caching": False},
         "arms": {"pagedkit": {"ran": "pagedkit" in arms, "cuda_graphs": graphs,
                               "note": ("decode steps are CUDA-graph replays, one graph per (batch bucket, KV bucket), "

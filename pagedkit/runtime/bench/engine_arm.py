@@ -6,6 +6,10 @@ first token (the batch's prefill; `ttft_first_ms`: the first request's). Then `d
 steps are timed one by one (each ends with the logits' copy to the host, which waits for the device;
 on CUDA an explicit synchronize too): tokens/s = tokens emitted in those steps / their total time,
 ms_per_step = the median step. The cached context at the last timed step is `context` tokens.
+With overlap (engine.overlap: decode steps one step ahead of the host) one untimed step first launches the
+first decode step; each timed step() then launches the next step and returns the previous one's tokens, and
+is not followed by a synchronize (that would undo the overlap): its time runs from one call to the next, so
+the timed calls together cover decode_steps steps' worth of device time and host work.
 """
 
 from __future__ import annotations
@@ -34,13 +38,14 @@ class Row:
         return self.context - self.decode_steps - self.headroom
 
 
-def with_headroom(row: Row, max_num_tokens: int) -> Row:
-    """The row with prompts shortened by the steps a chunked prefill takes after the first request's first token,
-    so no request reaches the context before the timed steps end and every timed step decodes all B sequences."""
-    if row.batch * row.prompt_tokens <= max_num_tokens:
-        return row
-    steps = math.ceil(row.batch * row.prompt_tokens / max(1, max_num_tokens - row.batch))
-    return dataclasses.replace(row, headroom=steps)
+def with_headroom(row: Row, max_num_tokens: int, lookahead: int = 0) -> Row:
+    """The row with prompts shortened by the steps a chunked prefill takes after the first request's first token
+    (and by `lookahead`: the step an overlapping engine runs ahead of the timed ones), so no request reaches the
+    context before the timed steps end and every timed step decodes all B sequences."""
+    steps = lookahead
+    if row.batch * row.prompt_tokens > max_num_tokens:
+        steps += math.ceil(row.batch * row.prompt_tokens / max(1, max_num_tokens - row.batch))
+    return dataclasses.replace(row, headroom=steps) if steps else row
 
 
 def prompts_for(row: Row, vocab: int, seed: int) -> list[list[int]]:
@@ -101,10 +106,15 @@ def run_row(engine: Engine, row: Row, prompts: list[list[int]], device: str) -> 
         times, emitted, smallest = [], 0, row.batch
         graphs = engine.model.graphs
         replays0 = graphs.stats.replays if graphs is not None else 0
+        overlap = getattr(engine, "overlap", False)
+        if overlap:  # launch the first decode step (its tokens come out of the first timed step)
+            _collect(engine.step(), tokens, first, 0.0)
+            _sync(device)
         for _ in range(row.decode_steps):
             s = time.perf_counter()
             outs = engine.step()
-            _sync(device)
+            if not overlap:
+                _sync(device)
             times.append(time.perf_counter() - s)
             _collect(outs, tokens, first, 0.0)
             n = sum(len(o.new_token_ids) for o in outs)
@@ -120,7 +130,8 @@ def run_row(engine: Engine, row: Row, prompts: list[list[int]], device: str) -> 
            "ms_per_step": statistics.median(times) * 1e3, "ms_per_step_mean": total / len(times) * 1e3,
            "tokens_per_s": emitted / total if total > 0 else None, "decode_tokens": emitted,
            "min_sequences_per_step": smallest,
-           "cuda_graphs": graphs is not None and graphs.capture,
+           "cuda_graphs": graphs is not None and graphs.capture, "overlap": overlap,
+           "overlapped_steps": engine.stats.overlapped_steps,
            "graph_replays": (graphs.stats.replays - replays0) if graphs is not None else 0,
            "tokens": [tokens[rid] for rid in ids]}
     if smallest < row.batch:

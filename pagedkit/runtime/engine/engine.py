@@ -36,9 +36,11 @@ from typing import Callable, Iterator, Sequence
 
 from ..kv.cache import KVCacheExhausted
 from .model import PagedModel
+from .overlap import HostRing, Inflight, advance, greedy_decode
 from .params import RequestOutput, SamplingParams
 from .request import RUNNING, WAITING, Request, new_request
-from .sampling import Choices, ngram_draft
+from .sampling import Choices
+from .speculative import drafts_for, verify
 
 log = logging.getLogger("pagedkit.engine")
 
@@ -54,6 +56,7 @@ class EngineStats:
     accepted_draft_tokens: int = 0
     max_batch: int = 0  # most sequences seen in one step
     graph_steps: int = 0  # decode steps CUDA graphs served (replays, and each graph's first, eager step)
+    overlapped_steps: int = 0  # decode steps launched before the previous step's tokens were read (overlap)
 
 
 @dataclass
@@ -72,12 +75,17 @@ class Engine:
     sequences can reach the context length); block_size: None = the model's; enable_prefix_caching:
     reuse cached full blocks of identical prefixes (off for models with sliding-window layers); cuda_graphs:
     decode steps as CUDA-graph replays per batch bucket (graphs.py), None = on for CUDA; "padded" plans decode
-    steps as the graphs do (batch buckets, replay-wide bounds) but runs them eagerly, on any device.
+    steps as the graphs do (batch buckets, replay-wide bounds) but runs them eagerly, on any device; overlap:
+    greedy decode steps run one step ahead of the host (overlap.py: tokens come out one step() later), None =
+    on with CUDA-graph replays; needs cuda_graphs (True or "padded").
     add_request / abort may be called from any thread; step() from one thread at a time."""
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", *, max_batch_size: int = 16,
                  max_num_tokens: int = 512, num_blocks: int | None = None, block_size: int | None = None,
-                 enable_prefix_caching: bool = True, cuda_graphs: bool | None = None):
+                 enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
+                 overlap: bool | None = None):
+        if overlap not in (None, True, False):
+            raise ValueError(f"Engine: overlap must be None (on with CUDA graphs), True or False, got {overlap!r}")
         self.model = PagedModel(model_dir, device, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                                 num_blocks=num_blocks, block_size=block_size,
                                 enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs)
@@ -93,6 +101,13 @@ class Engine:
         self._step_lock = threading.Lock()
         self._inbox: list[tuple[str, object]] = []
         self._live: dict[str, Request] = {}  # unfinished requests by id (inbox included)
+        graphs = self.model.graphs
+        if overlap and graphs is None:
+            raise ValueError("Engine: overlap=True needs cuda_graphs (True on CUDA, or 'padded'): overlapped "
+                             "decode steps are the graphs' padded decode steps")
+        self.overlap = bool(graphs is not None and graphs.capture) if overlap is None else overlap
+        self._inflight: Inflight | None = None
+        self._ring = HostRing(max_batch_size, self.kv.device) if self.overlap else None
 
     @property
     def max_seq_len(self) -> int:
@@ -139,10 +154,17 @@ class Engine:
             raise RuntimeError("Engine.step() is already running in another thread; call it from one thread")
         try:
             outputs = self._drain()
+            if self._inflight is not None:
+                outputs += advance(self, lambda r, ids: _Entry(r, ids))
+                if self._inflight is not None:  # the next step is in flight already
+                    return outputs
             entries = self._schedule(outputs)
             plan = self._plan(entries, outputs)
             if plan is not None:
-                outputs += self._execute(entries, plan)
+                if self.overlap and all(greedy_decode(e) for e in entries) and self.model.graphs.serves(plan):
+                    self._launch(entries, plan, None)
+                else:
+                    outputs += self._execute(entries, plan)
             return outputs
         finally:
             self._step_lock.release()
@@ -189,7 +211,7 @@ class Engine:
             room = min(budget, self.kv.max_step_tokens(r.request_id))
             if r.decoding:
                 try:
-                    drafts = self._drafts(r, room - 1)
+                    drafts = drafts_for(r, room - 1, self.vocab_size)
                 except Exception as exc:  # a request's own drafter failed: that request ends, not the batch
                     r.finish("abort", f"the request's drafter failed: {type(exc).__name__}: {exc}"[:500])
                     log.warning("request %s aborted: %s", r.request_id, r.reason)
@@ -225,22 +247,6 @@ class Engine:
         """Full-attention blocks a running entry's step allocates (its cached length grows by len(ids))."""
         bs, length = self.model.block_size, self.kv.length(e.req.request_id)
         return -(-(length + len(e.ids)) // bs) - -(-length // bs)
-
-    def _drafts(self, r: Request, room: int) -> list[int]:
-        k = min(r.params.num_draft_tokens, room, r.params.max_new_tokens - r.num_output - 1,
-                r.max_total - len(r.tokens) - 1)
-        if k < 1:
-            return []
-        drafts = r.drafter(list(r.tokens)) if r.drafter is not None else ngram_draft(r.tokens, k)
-        try:
-            drafts = [int(t) for t in list(drafts)[:k]]
-        except (TypeError, ValueError):
-            raise TypeError(f"request {r.request_id}: the drafter must return a list of token ids, got {drafts!r}"[:300])
-        vocab = self.vocab_size
-        bad = [t for t in drafts if t < 0 or (vocab is not None and t >= vocab)]
-        if bad:
-            raise ValueError(f"request {r.request_id}: draft token ids must be in [0, {vocab}), got {bad}")
-        return drafts
 
     def _plan(self, entries: list[_Entry], outputs: list[RequestOutput]):
         """One KVCacheManager plan for the batch, preempting (or, alone, aborting) on exhaustion."""
@@ -279,6 +285,31 @@ class Engine:
         r.status, r.num_computed, r.admitted = WAITING, 0, -1
         self.waiting.appendleft(r)
 
+    def _launch(self, entries: list[_Entry], plan, device_ids) -> Inflight:
+        """Run a greedy decode step and leave it in flight (overlap.py). Known ids (device_ids None): the plan
+        is committed now; device ids (the previous step's choices): the caller sets them and commits."""
+        ids = [e.ids[0] for e in entries]
+        logits = self.model.run(plan, ids, None, device_ids)
+        if device_ids is None:
+            self.kv.commit(plan)
+        flight = self._ring.launch(entries, plan, logits)
+        self._count(entries, True)
+        self.stats.overlapped_steps += int(device_ids is not None)
+        if device_ids is None:
+            self._inflight = flight
+        return flight
+
+    def _count(self, entries: list[_Entry], graphed: bool) -> None:
+        self.stats.steps += 1
+        self.stats.graph_steps += int(graphed)
+        self.stats.tokens += sum(len(e.ids) for e in entries)
+        self.stats.max_batch = max(self.stats.max_batch, len(entries))
+
+    def _check_length(self, r: Request, expected: int) -> None:
+        if self.kv.length(r.request_id) != expected:
+            raise RuntimeError(f"request {r.request_id}: the cache holds {self.kv.length(r.request_id)} tokens, "
+                               f"the engine counts {expected}")
+
     def _execute(self, entries: list[_Entry], plan) -> list[RequestOutput]:
         ids = [t for e in entries for t in e.ids]
         wanted, starts, flat = [], [], 0  # the flat positions whose logits are sampled, per entry
@@ -297,15 +328,12 @@ class Engine:
         logits = self.model.run(plan, ids, wanted)
         self.kv.commit(plan)  # host bookkeeping while the device runs the step
         rows = Choices(logits, params)  # greedy rows: one argmax on the device, one small copy (waits for it)
-        self.stats.steps += 1
-        self.stats.graph_steps += int(graphed)
-        self.stats.tokens += len(ids)
-        self.stats.max_batch = max(self.stats.max_batch, len(entries))
+        self._count(entries, graphed)
         outputs = []
         for e, start in zip(entries, starts):
             r, n = e.req, len(e.ids)
             if e.drafts:
-                toks = self._verify(e, rows, start)
+                toks = verify(e, rows, start)
                 accepted = len(toks) - 1
                 self.kv.accept(r.request_id, accepted)
                 r.num_computed += 1 + accepted
@@ -314,9 +342,7 @@ class Engine:
             else:
                 r.num_computed += n
                 toks = [rows.token(start, r.generator)] if r.num_computed == len(r.tokens) else []
-            if self.kv.length(r.request_id) != r.num_computed:
-                raise RuntimeError(f"request {r.request_id}: the cache holds {self.kv.length(r.request_id)} tokens, "
-                                   f"the engine counts {r.num_computed}")
+            self._check_length(r, r.num_computed)
             for t in toks:
                 if r.append(t):
                     break
@@ -326,19 +352,6 @@ class Engine:
             if out is not None:
                 outputs.append(out)
         return outputs
-
-    @staticmethod
-    def _verify(e: _Entry, rows: Choices, start: int) -> list[int]:
-        """Speculative verification of [last] + drafts (rows: their logits): the target's choice at each
-        position (greedy, or one draw with the request's generator) while it equals the draft; the
-        first differing choice, or the choice after the last draft, ends the list. Returns the accepted
-        drafts plus that one token (for a point-mass drafter this keeps the target's distribution)."""
-        r, toks = e.req, []
-        for i in range(e.drafts + 1):  # the target's choice after [last] + drafts[:i]
-            toks.append(rows.token(start + i, r.generator))
-            if i < e.drafts and toks[-1] != e.ids[i + 1]:
-                break
-        return toks
 
     def _retire(self, r: Request) -> None:
         """Drop a finished request (every caller has called r.finish, so its status is already FINISHED)

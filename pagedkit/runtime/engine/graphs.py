@@ -86,6 +86,10 @@ class DecodeGraphs:
         self.stream = None
         self.stats = GraphStats()
         self._keys: dict[int, tuple[int, int]] = {}  # plan id -> key of a padded plan not yet run
+        # pinned staging ring for input ids (host -> device), reused once its last copy ran (no per-step pinning)
+        self._stage = [torch.zeros(self.ids.shape[0], dtype=torch.int64, pin_memory=capture) for _ in range(3)]
+        self._stage_events: list = [None] * len(self._stage)
+        self._stage_next = 0
 
     # ---- planning ----------------------------------------------------------------------------------
     def key(self, batch: Sequence[tuple]) -> tuple[int, int] | None:
@@ -117,11 +121,13 @@ class DecodeGraphs:
         return plan.plan_id in self._keys
 
     # ---- running -----------------------------------------------------------------------------------
-    def run(self, plan, token_ids: Sequence[int]) -> torch.Tensor:
-        """Logits [B, V] of a padded decode plan's real rows (a view: valid until the next step)."""
+    def run(self, plan, token_ids: Sequence[int], device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, V] of a padded decode plan's real rows (a view: valid until the next step). device_ids
+        ([B] int64 on the run device, e.g. the previous step's greedy choices): the step's input ids, copied
+        on the device (token_ids then only gives B)."""
         key = self._keys.pop(plan.plan_id)
         bp, b = key[0], len(token_ids)
-        ids = self._write_ids(bp, token_ids)
+        ids = self._write_ids(bp, token_ids) if device_ids is None else self._copy_ids(bp, device_ids)
         g = self.graphs.get(key)
         if g is not None:
             g.graph.replay()
@@ -140,12 +146,30 @@ class DecodeGraphs:
         return out.reshape(bp, -1)[:b]
 
     def _write_ids(self, bp: int, token_ids: Sequence[int]) -> torch.Tensor:
-        """The persistent input_ids [bp]: the step's ids, then zeros for the pad rows (a non-blocking copy from
-        pinned memory on CUDA)."""
-        host = torch.zeros(bp, dtype=torch.int64, pin_memory=self.capture)
+        """The persistent input_ids [bp]: the step's ids, then zeros for the pad rows (on CUDA a non-blocking
+        copy from a pinned staging buffer of a small ring, reused once its last copy has run)."""
+        k = self._stage_next
+        self._stage_next = (k + 1) % len(self._stage)
+        if self._stage_events[k] is not None:
+            self._stage_events[k].synchronize()
+            self._stage_events[k] = None
+        host = self._stage[k][:bp]
+        host.zero_()
         host[: len(token_ids)] = torch.as_tensor(list(token_ids), dtype=torch.int64)
         ids = self.ids[:bp]
         ids.copy_(host, non_blocking=self.capture)
+        if self.capture:
+            self._stage_events[k] = torch.cuda.Event()
+            self._stage_events[k].record()
+        return ids
+
+    def _copy_ids(self, bp: int, device_ids: torch.Tensor) -> torch.Tensor:
+        """The persistent input_ids [bp] from ids already on the device (pad rows zero): no host round trip."""
+        b = device_ids.shape[0]
+        ids = self.ids[:bp]
+        ids[:b].copy_(device_ids)
+        if bp > b:
+            ids[b:].zero_()
         return ids
 
     def _eager(self, feeds, hint) -> torch.Tensor:

@@ -150,15 +150,19 @@ class PagedModel:
         batch bucket with replay-wide bounds (graphs.py); anything else is the manager's plain plan."""
         return self.graphs.plan(batch) if self.graphs is not None else self.mgr.plan(batch)
 
-    def run(self, plan: StepPlan, token_ids: Sequence[int], rows: Sequence[int] | None = None) -> torch.Tensor:
+    def run(self, plan: StepPlan, token_ids: Sequence[int], rows: Sequence[int] | None = None,
+            device_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Run one planned step (token_ids: the plan's T tokens, batch order); the logits of the flat
         token positions `rows` (all T when None) as [len(rows), V] on the run device in the model's logits
-        dtype (a decode step CUDA graphs serve: a replay). The caller commits (on an exception here the plan
-        is aborted before re-raising)."""
+        dtype (a decode step CUDA graphs serve: a replay). device_ids: the step's ids as a [T] int64 tensor on
+        the run device (a decode step graphs serve only; token_ids then only gives T). The caller commits (on
+        an exception here the plan is aborted before re-raising)."""
         mgr = self.mgr
         try:
             if self.graphs is not None and self.graphs.serves(plan):
-                out = self.graphs.run(plan, token_ids)
+                out = self.graphs.run(plan, token_ids, device_ids)
+            elif device_ids is not None:
+                raise ValueError("PagedModel.run: device_ids need a decode step CUDA graphs serve (graphs.plan)")
             else:
                 out = self.forward(self.feeds(plan, token_ids), plan.hint)
         except BaseException:

@@ -257,6 +257,20 @@ class KVCacheManager:
                     del seq.token_ids[seq.ids_mark :]
                 self._truncate(seq, seq.length)
 
+    def set_tokens(self, seq_id, start: int, ids: Sequence[int]) -> None:
+        """Replace the token ids recorded for positions [start, start + len(ids)) of the sequence: a step
+        planned before the ids it feeds were known (the engine's overlapped decode plans with placeholders)
+        sets them here, before that plan is committed (no prefix-cache hash covers them yet)."""
+        seq = self._seq(seq_id)
+        if seq.token_ids is None:
+            return
+        end = start + len(ids)
+        hashed = len(seq.hashes) * self.config.groups[0].block_size
+        if start < hashed or end > len(seq.token_ids):
+            raise ValueError(f"set_tokens: positions [{start}, {end}) of sequence {seq_id!r} must be recorded "
+                             f"ids no prefix-cache block covers yet ([{hashed}, {len(seq.token_ids)}))")
+        seq.token_ids[start:end] = [int(t) for t in ids]
+
     def append(self, seq_id, n: int | Sequence[int]) -> dict[str, list[int]]:
         """Host-only step for one sequence (reserve and commit at once); returns the slots per group."""
         plan = self.plan([(seq_id, n)])
