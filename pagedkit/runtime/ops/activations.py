@@ -7,7 +7,6 @@ the range); the others compute in the input dtype.
 
 from __future__ import annotations
 
-import functools
 
 import math
 
@@ -15,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .registry import FUSED_DOMAIN, MS_DOMAIN, register
-from .util import compute_dtype, norm_axis, opt
+from .util import compute_dtype, norm_axis, opt, triton_kernels
 
 
 @register("Gelu")
@@ -100,17 +99,8 @@ register("LogSoftmax")(_softmax_family(torch.log_softmax))
 def silu_mul(inputs, attrs, ctx):
     """runtime/fuse.py's SwiGLU: y [..., 2N] (gate | up) -> silu(gate) * up [..., N] (attribute split = N)."""
     y, n = inputs[0], int(attrs["split"])
-    tk = _triton_swiglu() if y.is_cuda else None
+    tk = triton_kernels("swiglu") if y.is_cuda else None
     if tk is not None and tk.serves_silu_mul(y, n):  # one launch on CUDA (kernels/triton/swiglu.py)
         return [tk.silu_mul(y, n)]
     return [F.silu(y[..., :n]) * y[..., n:]]
 
-
-@functools.cache
-def _triton_swiglu():
-    """kernels.triton.swiglu when Triton is usable, else None (the torch composition)."""
-    try:
-        from ...kernels.triton import swiglu as mod
-    except ImportError:  # pragma: no cover
-        return None
-    return mod if mod.common.HAVE_TRITON else None

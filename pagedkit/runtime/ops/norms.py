@@ -9,22 +9,12 @@ normalized dimensions kept as 1.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
 
 from .registry import MS_DOMAIN, register
-from .util import norm_axis, opt
-
-
-@functools.cache
-def _triton_norm_module():
-    try:
-        from ...kernels.triton import norm as mod
-    except ImportError:  # pragma: no cover
-        return None
-    return mod if mod.common.HAVE_TRITON else None
+from .util import norm_axis, opt, triton_kernels
 
 
 def _triton_norm(x: torch.Tensor, dtype: torch.dtype, axis: int):
@@ -32,7 +22,7 @@ def _triton_norm(x: torch.Tensor, dtype: torch.dtype, axis: int):
     norms), else None (the torch composition)."""
     if not x.is_cuda or dtype != torch.float32 or axis != x.dim() - 1:
         return None
-    return _triton_norm_module()
+    return triton_kernels("norm")
 
 
 def _stash_dtype(x: torch.Tensor, attrs: dict) -> torch.dtype:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
 from typing import Any
 
 import numpy as np
@@ -102,3 +104,14 @@ def opt(inputs: list, index: int) -> torch.Tensor | None:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for half types (norms, softmax and their statistics upcast), else the dtype itself."""
     return torch.float32 if dtype in HALF_TYPES else dtype
+
+
+@functools.cache
+def triton_kernels(name: str):
+    """The kernel module pagedkit.kernels.triton.<name> when Triton is usable here, else None (the caller
+    keeps its torch composition). Imported on first use: the CPU runtime never needs Triton."""
+    try:
+        mod = importlib.import_module(f"pagedkit.kernels.triton.{name}")
+    except ImportError:  # pragma: no cover - machines without triton
+        return None
+    return mod if mod.common.HAVE_TRITON else None
