@@ -324,3 +324,48 @@ def test_engine_arm_with_overlap_times_full_decode_steps(tiny_llama):
     n = row.decode_steps + 1
     assert [t[:n] for t in rec["tokens"]] == [t[:n] for t in recs[False]["tokens"]]
     assert all(len(t) >= n for t in rec["tokens"])
+
+
+def test_repeats_interleave_the_arms_and_combine(tiny_llama, tmp_path, monkeypatch):
+    """--repeats 3: each arm runs the row 3 times, the arms interleaved; tokens/s = all tokens / all time
+    (recomputed here from the per-repeat figures), the step = the median of the repeats; the ORT arm
+    reports its run time alone (run_ms, at most its step)."""
+    order = []
+    monkeypatch.setattr(ort_arm, "unavailable", lambda device: None)
+    from pagedkit.runtime import engine as engine_pkg
+    from pagedkit.runtime.bench import engine_arm
+
+    models = []
+    orig_engine = engine_pkg.Engine
+
+    class Recording(orig_engine):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            models.append(self.model)
+
+    def runner(model_path, host_inputs, cuda_graph=False):
+        if cuda_graph:
+            raise RuntimeError("stand-in: no CUDA graph")
+        return PagedkitAsOrt(models[0])
+
+    real_pk, real_ort = engine_arm.run_row, ort_arm.run_row
+    monkeypatch.setattr(engine_pkg, "Engine", Recording)
+    monkeypatch.setattr(ort_arm, "OrtRunner", runner)
+    monkeypatch.setattr(engine_arm, "run_row", lambda *a, **k: order.append("pagedkit") or real_pk(*a, **k))
+    monkeypatch.setattr(ort_arm, "run_row", lambda *a, **k: order.append("ort") or real_ort(*a, **k))
+    argv = [str(tiny_llama), "--device", "cpu", "--batches", "2", "--contexts", "32", "--decode-steps", "4",
+            "--no-progress", "--repeats", "3", "--warmup", "1", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    assert order == ["pagedkit", "pagedkit", "ort", "ort", "pagedkit", "ort", "pagedkit", "ort"]  # warm-up first
+    result = json.loads((tmp_path / "paged_bench.json").read_text())
+    assert result["settings"]["repeats"] == 3
+    (row,) = result["rows"]
+    for name, arm in row["arms"].items():
+        reps = arm["repeats"]
+        assert len(reps) == 3 and arm["decode_tokens"] == 3 * 2 * 4
+        total = sum(2 * 4 / r["tokens_per_s"] for r in reps)
+        assert arm["tokens_per_s"] == pytest.approx(arm["decode_tokens"] / total)
+        assert arm["ms_per_step"] == pytest.approx(sorted(r["ms_per_step"] for r in reps)[1])
+    ort = row["arms"]["ort"]
+    assert 0 < ort["run_ms"] <= ort["ms_per_step"] * 1.5 and all("run_ms" in r for r in ort["repeats"])
+    assert cli.main([str(tiny_llama), "--device", "cpu", "--repeats", "0", "--out", str(tmp_path)]) == 2

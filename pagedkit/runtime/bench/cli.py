@@ -19,6 +19,7 @@ import argparse
 import datetime
 import json
 import shlex
+import statistics
 import sys
 from pathlib import Path
 
@@ -43,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--arms", nargs="+", default=list(ARMS), help="what to run: pagedkit, ort (default both)")
     p.add_argument("--out", default="paged_bench", help="output folder (default ./paged_bench)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs of each row before the timed one (default 1)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs of each row per arm, the arms interleaved (pagedkit, ort, pagedkit, ...); the "
+                        "row reports tokens / total time and the median step over all of them (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
     p.add_argument("--max-num-tokens", type=int,
                    help="token budget of one step, both arms (default: the largest batch x prompt, at most "
@@ -66,7 +70,7 @@ def _check_args(args) -> str | None:
         bad = [v for v in getattr(args, name) if v < 1]
         if bad:
             return f"--{name}: expected integers >= 1, got {bad[0]}"
-    for name, low in (("decode_steps", 1), ("warmup", 0), ("seed", 0), ("max_num_tokens", 1)):
+    for name, low in (("decode_steps", 1), ("warmup", 0), ("repeats", 1), ("seed", 0), ("max_num_tokens", 1)):
         v = getattr(args, name)
         if v is not None and v < low:
             return f"--{name.replace('_', '-')}: expected an integer >= {low}, got {v}"
@@ -194,7 +198,7 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
         "versions": versions, "pagedkit_commit": report.pagedkit_commit(),
         "model": _model_summary(model_dir, cfg, model_path, weights, layers, pm),
         "settings": {"batches": args.batches, "contexts": args.contexts, "decode_steps": args.decode_steps,
-                     "warmup": args.warmup, "seed": args.seed, "arms": arms, "max_num_tokens": budget,
+                     "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed, "arms": arms, "max_num_tokens": budget,
                      "num_blocks": blocks, "bandwidth_bytes_per_s": bandwidth,
                      "prompt_tokens": ("context - decode_steps - headroom (the steps of a chunked prefill, plus the engine's "
                                        "one step of lookahead with overlap)"), "cuda_graphs": graphs,
@@ -211,16 +215,21 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
     }
     if runner is not None:
         result["arms"]["ort"].pop("skipped")
-    progress = _progress(len(rows) * max(1, len(arms)), args.no_progress)
+    progress = _progress(len(rows) * max(1, len(arms)) * args.repeats, args.no_progress)
     measured = {}
     for i, row in enumerate(rows):
         rec = {"batch": row.batch, "context": row.context, "prompt_tokens": row.prompt_tokens, "headroom": row.headroom,
                "decode_steps": row.decode_steps,
                "floor": floor.floor_row(weights, layers, row.batch, row.context, bandwidth), "arms": {}}
+        runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+        for k in range(args.repeats):  # the arms interleaved, so slow drifts of the device hit both alike
+            for arm in arms:
+                progress.set_description(f"{arm} batch {row.batch} context {row.context}")
+                if not runs[arm] or "skipped" not in runs[arm][0]:
+                    runs[arm].append(_arm(arm, engine, runner, ort_reason, row, vocab, args, device, warm=k == 0))
+                progress.update(1)
         for arm in arms:
-            progress.set_description(f"{arm} batch {row.batch} context {row.context}")
-            rec["arms"][arm] = _arm(arm, engine, runner, ort_reason, row, vocab, args, device)
-            progress.update(1)
+            rec["arms"][arm] = _combine(runs[arm])
         if "tokens" in rec["arms"].get("pagedkit", {}) and "tokens" in rec["arms"].get("ort", {}):
             rec["parity"] = ort_arm.parity(rec["arms"]["pagedkit"]["tokens"], rec["arms"]["ort"]["tokens"],
                                            row.decode_steps)
@@ -234,10 +243,29 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
     return result
 
 
-def _arm(arm, engine, runner, ort_reason, row, vocab, args, device) -> dict:
+def _combine(runs: list[dict]) -> dict:
+    """One arm's record over its repeats: the first run's record, with tokens_per_s = all decode tokens / all
+    timed time, ms_per_step = the median of the runs' medians, and each run's figures in `repeats`."""
+    first = runs[0]
+    if len(runs) == 1 or "skipped" in first or any("skipped" in r for r in runs):
+        return next((r for r in runs if "skipped" in r), first)
+    total_s = sum(r["decode_tokens"] / r["tokens_per_s"] for r in runs)
+    out = dict(first)
+    out["decode_tokens"] = sum(r["decode_tokens"] for r in runs)
+    out["tokens_per_s"] = out["decode_tokens"] / total_s
+    out["ms_per_step"] = statistics.median(r["ms_per_step"] for r in runs)
+    out["ms_per_step_mean"] = statistics.mean(r["ms_per_step_mean"] for r in runs)
+    keys = ("ms_per_step", "tokens_per_s", "ttft_ms") + (("run_ms",) if "run_ms" in first else ())
+    out["repeats"] = [{k: r[k] for k in keys} for r in runs]
+    if "run_ms" in first:
+        out["run_ms"] = statistics.median(r["run_ms"] for r in runs)
+    return out
+
+
+def _arm(arm, engine, runner, ort_reason, row, vocab, args, device, warm: bool = True) -> dict:
     if arm == "ort" and runner is None:
         return {"skipped": ort_reason}
-    for rep in range(args.warmup + 1):
+    for rep in range(args.warmup + 1 if warm else 1):
         prompts = engine_arm.prompts_for(row, vocab, args.seed * 1_000_003 + rep)
         try:
             if arm == "pagedkit":
@@ -248,7 +276,7 @@ def _arm(arm, engine, runner, ort_reason, row, vocab, args, device) -> dict:
             if arm == "pagedkit" and not isinstance(exc, RuntimeError):
                 raise
             return {"skipped": f"failed: {type(exc).__name__}: {one_line(str(exc))}"[:600]}
-    rec["warmup_runs"] = args.warmup
+    rec["warmup_runs"] = args.warmup if warm else 0
     return rec
 
 

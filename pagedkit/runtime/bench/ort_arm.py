@@ -7,7 +7,9 @@ optional slot_mapping / query_positions into persistent buffers, and its cache t
 place with IOBinding: every `past_key_values.*` input and the `present.*` output the config pairs it
 with share one device buffer (no copies). Inputs the ORT graph does not have are dropped, as the engine
 does. The row: the B prompts prefilled (chunked to the engine's token budget), then `decode_steps` greedy
-steps (argmax of ORT's own logits), each timed up to `torch.cuda.synchronize()`.
+steps (argmax of ORT's own logits), each timed up to `torch.cuda.synchronize()`. `run_ms`: the median time of
+onnxruntime's run alone in those steps (its two synchronizes included; the rest of a step is pagedkit's
+planning, the ids' copy and the argmax).
 
 With `cuda_graph=True` the session is created with `enable_cuda_graph=1` (onnxruntime at its best): decode
 steps are planned with replay-wide attention_metadata bounds (1, KV bucket, 0; engine/graphs.kv_bucket) and
@@ -132,9 +134,11 @@ def step_feeds(pm, runner, plan, token_ids: list[int]) -> tuple[dict, dict]:
     return feeds, outputs
 
 
-def _step(pm, runner, batch: list[tuple[str, list[int]]], persistent: dict | None = None) -> torch.Tensor:
+def _step(pm, runner, batch: list[tuple[str, list[int]]], persistent: dict | None = None,
+          run_times: list | None = None) -> torch.Tensor:
     """Plan, run and commit one step; the logits [T, V] of its tokens. persistent (a decode step under
-    onnxruntime's CUDA graph): replay-wide bounds, input ids and logits in buffers kept per graph key."""
+    onnxruntime's CUDA graph): replay-wide bounds, input ids and logits in buffers kept per graph key.
+    run_times: the seconds runner.run took (its synchronizes included) are appended."""
     mgr = pm.mgr
     ids = [t for _, tokens in batch for t in tokens]
     key = None
@@ -149,10 +153,13 @@ def _step(pm, runner, batch: list[tuple[str, list[int]]], persistent: dict | Non
                 kept = persistent[key] = (feeds[pm.input_ids_name].clone(), outputs[pm.logits_name])
             kept[0].copy_(feeds[pm.input_ids_name])
             feeds[pm.input_ids_name], outputs[pm.logits_name] = kept
+        t0 = time.perf_counter()
         if key is not None:
             runner.run(feeds, outputs, graph_key=key)
         else:
             runner.run(feeds, outputs)
+        if run_times is not None:
+            run_times.append(time.perf_counter() - t0)
     except BaseException:
         mgr.abort(plan)
         raise
@@ -195,13 +202,13 @@ def run_row(pm, runner, row: Row, prompts: list[list[int]], device: str) -> dict
                     tokens[s].append(int(t))
         _sync(device)
         ttft = time.perf_counter() - t0
-        times = []
+        times, run_times = [], []
         # decode steps under onnxruntime's CUDA graph: input ids / logits buffers kept with the runner, whose
         # graphs replay them (the same buffers in every row of a key)
         persistent = runner.kept if getattr(runner, "cuda_graph", False) else None
         for _ in range(row.decode_steps):
             s0 = time.perf_counter()
-            logits = _step(pm, runner, [(s, [tokens[s][-1]]) for s in sids], persistent)
+            logits = _step(pm, runner, [(s, [tokens[s][-1]]) for s in sids], persistent, run_times)
             nxt = logits.float().argmax(-1).tolist()
             _sync(device)
             times.append(time.perf_counter() - s0)
@@ -215,6 +222,7 @@ def run_row(pm, runner, row: Row, prompts: list[list[int]], device: str) -> dict
     return {"ttft_ms": ttft * 1e3, "prefill_steps": prefill, "ms_per_step": statistics.median(times) * 1e3,
             "ms_per_step_mean": total / len(times) * 1e3, "tokens_per_s": row.batch * len(times) / total,
             "decode_tokens": row.batch * len(times), "cuda_graph": getattr(runner, "cuda_graph", False),
+            "run_ms": statistics.median(run_times) * 1e3,
             "cuda_graph_refused": getattr(runner, "graph_refused", None),
             "tokens": [tokens[s] for s in sids]}
 
