@@ -499,3 +499,17 @@ def test_abort_from_another_thread(tiny_llama):
         assert seen[r][-1].finish_reason == "abort" and len(seen[r][-1].token_ids) < 200
         check_stream(seen[r])
     assert_pool_free(engine)
+
+
+def test_a_step_of_more_tokens_than_the_context_runs_on_the_cpu(tiny_llama, oracle):
+    """32 prompts prefilled in one step of more tokens than the model's context (onnxruntime's RotaryEmbedding
+    refuses one row of T positions longer than its cos / sin tables: each token is its own row), each
+    request's tokens equal to running it alone."""
+    engine = Engine(tiny_llama, max_batch_size=32, max_num_tokens=2048)
+    prompts = prompts_of([12] * 32, seed=31)
+    assert sum(map(len, prompts)) > engine.max_seq_len
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert engine.stats.max_batch == 32 and engine.stats.steps <= 4  # the prefill was one step
+    for p, o in zip(prompts, outs):
+        assert_same_greedy(o.token_ids, oracle, p, 3, "one long step", ignore_eos=True)
+    assert_pool_free(engine)

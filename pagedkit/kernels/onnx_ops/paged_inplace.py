@@ -2,7 +2,7 @@
 onnxruntime (runtime/delegate.py), built for few nodes per layer, since onnxruntime's per-node cost, not the
 arithmetic, is what a small decode step spends its time on.
 
-- q / k / v stay in whichever layout the next node wants ([T, n*D], [1, T, n*D] for com.microsoft
+- q / k / v stay in whichever layout the next node wants ([T, n*D], [T, 1, n*D] for com.microsoft
   RotaryEmbedding, [T, n, D] for QK-norm / rotations / the cache write): `_Heads` reshapes only on a change.
 - each cache output is a ScatterND straight on its cache input (Segment.run binds it to the input's buffer);
   the context is gathered from it through the step's tight block table, rows [B, C, Hkv*D]; unreadable
@@ -28,12 +28,12 @@ from .paged_attention import (Masking, allowed_mask, apply_rope, attend, bias_ro
 from .paged_cache import (FP16, Context, Side, context, decode, scatter_index, tight_table, token_index,
                           update_side_in_place, write_slots)
 
-_SHAPES = {"2d": lambda n, d: (-1, n * d), "flat": lambda n, d: (1, -1, n * d), "tok": lambda n, d: (-1, n, d)}
+_SHAPES = {"2d": lambda n, d: (-1, n * d), "rows": lambda n, d: (-1, 1, n * d), "tok": lambda n, d: (-1, n, d)}
 
 
 class _Heads:
-    """One of q / k / v [T tokens, n heads, D channels] in one of three layouts: '2d' [T, n*D], 'flat'
-    [1, T, n*D], 'tok' [T, n, D]; `as_(layout)` adds a Reshape only when the layout changes."""
+    """One of q / k / v [T tokens, n heads, D channels] in one of three layouts: '2d' [T, n*D], 'rows'
+    [T, 1, n*D], 'tok' [T, n, D]; `as_(layout)` adds a Reshape only when the layout changes."""
 
     def __init__(self, b: Builder, value: ir.Value, n: int, d: int, layout: str):
         self.b, self.v, self.n, self.d, self.layout = b, value, n, d, layout
@@ -50,8 +50,9 @@ class _Heads:
 
 def ort_rope(b: Builder, x: ir.Value, pos2: ir.Value, cos: ir.Value, sin: ir.Value, heads: int, half: int,
              interleaved: bool) -> ir.Value:
-    """RoPE on channels [0, 2 * half) of each head of x [1, T, heads*D] f32 by com.microsoft::RotaryEmbedding
-    (the tokens as one batch row of T positions pos2 [1, T]; cos / sin [P, half] f32)."""
+    """RoPE on channels [0, 2 * half) of each head of x [T, 1, heads*D] f32 by com.microsoft::RotaryEmbedding
+    (each token its own batch row of one position, pos2 [T, 1]: onnxruntime refuses a row longer than the
+    cos / sin tables [P, half] f32, so the T tokens of a step cannot be one row of T positions when T > P)."""
     return b.op("RotaryEmbedding", x, pos2, cos, sin, _domain="com.microsoft", interleaved=int(interleaved),
                 num_heads=heads, rotary_embedding_dim=2 * half)
 
@@ -152,9 +153,9 @@ def rewrite_in_place(s, b: Builder, memo: dict, fused: bool) -> dict:
     _step(b, s, memo)
     ix = memo["ix"]
     if s.packed:
-        qkv = b.op("Reshape", tf(x["query"]), b.i64(1, -1, (h + 2 * hkv) * hd))
+        qkv = b.op("Reshape", tf(x["query"]), b.i64(-1, 1, (h + 2 * hkv) * hd))
         q3, k3, v3 = b.ops("Split", qkv, b.i64(h * hd, hkv * hd, hkv * hd), num_outputs=3, axis=2)
-        q, k, v = _Heads(b, q3, h, hd, "flat"), _Heads(b, k3, hkv, hd, "flat"), _Heads(b, v3, hkv, hd, "flat")
+        q, k, v = _Heads(b, q3, h, hd, "rows"), _Heads(b, k3, hkv, hd, "rows"), _Heads(b, v3, hkv, hd, "rows")
     else:
         q, k = _Heads(b, tf(x["query"]), h, hd, "2d"), _Heads(b, tf(x["key"]), hkv, hd, "2d")
         v = None if s.latent else _Heads(b, tf(x["value"]), hkv, hd, "2d")
@@ -165,7 +166,7 @@ def rewrite_in_place(s, b: Builder, memo: dict, fused: bool) -> dict:
         k.set(rms_norm(b, k.as_("tok"), x["k_norm_weight"], eps), "tok")
     interleaved = bool(int(a["rotary_interleaved"]))
     if int(a["do_rotary"]) and int(a["rotary_offset"]) == 0:  # onnxruntime's RotaryEmbedding, one node a side
-        pos2 = _memo(memo, "pos2", lambda: b.unsq(ix.pos, 0))  # [1, T]
+        pos2 = _memo(memo, "pos2", lambda: b.unsq(ix.pos, 1))  # [T, 1]
         if half:  # T's own tables: onnxruntime's float16 RotaryEmbedding is float32 math rounded once to T
             tabs = (x["cos_cache"], x["sin_cache"])
         elif x["cos_cache"].name:
@@ -173,8 +174,8 @@ def rewrite_in_place(s, b: Builder, memo: dict, fused: bool) -> dict:
             tabs = _memo(memo, tk, lambda: (b.f(x["cos_cache"]), b.f(x["sin_cache"])))
         else:
             tabs = (b.f(x["cos_cache"]), b.f(x["sin_cache"]))
-        q.set(ort_rope(b, q.as_("flat"), pos2, *tabs, h, s.half, interleaved), "flat")
-        k.set(ort_rope(b, k.as_("flat"), pos2, *tabs, hkv, s.half, interleaved), "flat")
+        q.set(ort_rope(b, q.as_("rows"), pos2, *tabs, h, s.half, interleaved), "rows")
+        k.set(ort_rope(b, k.as_("rows"), pos2, *tabs, hkv, s.half, interleaved), "rows")
     elif int(a["do_rotary"]):
         rk = ("rope", x["cos_cache"].name, x["sin_cache"].name, s.half, int(interleaved), int(a["rotary_offset"]))
         if rk not in memo or not x["cos_cache"].name:
