@@ -91,6 +91,29 @@ def test_concurrent_requests_equal_alone(url, engine):
     assert engine.stats.max_batch > 1  # they were batched together
 
 
+def test_overlapped_engine_serves_the_same_text(model_dir, url):
+    """paged-serve over an engine whose decode steps run one step ahead of the host (overlap, as on CUDA; here
+    over the graphs' padded plans): concurrent streamed and plain completions, and a stop string, give the
+    synchronous engine's text."""
+    lookahead = Engine(model_dir, max_batch_size=8, max_num_tokens=128, cuda_graphs="padded", overlap=True)
+    prompts = ["hello", "the cat sat on the mat", "a dog", "world hello world"]
+    reqs = [{"prompt": p, "max_tokens": 9 + 3 * i, "temperature": 0, "ignore_eos": True} for i, p in enumerate(prompts)]
+    stop_req = {"prompt": "the cat sat", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    ref = [httpx.post(f"{url}/v1/completions", json=r, timeout=60).json()["choices"][0]["text"] for r in reqs]
+    full = httpx.post(f"{url}/v1/completions", json=stop_req, timeout=60).json()["choices"][0]["text"]
+    stop = full.split()[len(full.split()) // 2]
+    with ServerThread(create_app(lookahead, load_tokenizer(model_dir), model_dir.name)) as base:
+
+        async def together():
+            async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+                return await asyncio.gather(*(completion_text(client, r, stream=i % 2) for i, r in enumerate(reqs)))
+
+        assert asyncio.run(together()) == ref
+        got = httpx.post(f"{base}/v1/completions", json=stop_req | {"stop": [stop]}, timeout=60).json()["choices"][0]
+        assert got["text"] == full[:full.find(stop)] and got["finish_reason"] == "stop"
+    assert lookahead.stats.overlapped_steps > 0 and lookahead.check_invariants() == []
+
+
 def test_stop_string(url):
     req = {"prompt": "the cat sat", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     full = httpx.post(f"{url}/v1/completions", json=req, timeout=60).json()["choices"][0]["text"]
