@@ -93,6 +93,7 @@ def check_soak(engine: Engine, requests: dict, outs: dict, gen) -> None:
 CASES = [
     pytest.param("cpu", 60, id="cpu"),
     pytest.param("cpu-overlap", 60, id="cpu-overlap"),
+    pytest.param("cpu-overlap", 500, id="cpu-overlap-500", marks=pytest.mark.slow),
     pytest.param("cpu", 500, id="cpu-500", marks=pytest.mark.slow),
     pytest.param("cuda", 500, id="cuda", marks=pytest.mark.gpu),
 ]
