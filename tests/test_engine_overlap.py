@@ -190,3 +190,25 @@ def test_teeth_wrong_device_ids_or_placeholders_are_caught(tiny_llama, monkeypat
     before = eng.stats.prefix_hit_tokens
     eng.generate([p + first + [5]], SamplingParams(max_new_tokens=2, ignore_eos=True))
     assert eng.stats.prefix_hit_tokens - before < (len(p) + 40) // eng.model.block_size * eng.model.block_size
+
+
+def test_a_step_graphs_stop_serving_is_not_chained(tiny_llama):
+    """When the graphs stop serving decode steps (a failed capture), the planned next step is aborted, not
+    chained: the engine runs synchronous steps from then on with the same tokens and no leaked slots."""
+    prompts, params = _requests(3)
+    ref = [o.token_ids for o in _engine(tiny_llama, False).generate(prompts, params)]
+    eng = _engine(tiny_llama, True)
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    outs = {r: [] for r in rids}
+    for step in range(200):
+        if step == 4:
+            assert eng._inflight is not None
+            eng.model.graphs.stats.capture_error = "test: capture failed"
+            chained = eng.stats.overlapped_steps
+        for o in eng.step():
+            outs[o.request_id].append(o)
+        if not eng.has_unfinished():
+            break
+    assert eng.stats.overlapped_steps == chained  # nothing chained after the graphs stopped serving
+    assert [check_stream(outs[r]) for r in rids] == ref
+    assert_pool_free(eng)

@@ -386,3 +386,12 @@ def test_docs_example_runs_and_prints_what_it_says(capsys):
     exec(compile(code, "docs/kv-cache.md", "exec"), {})
     promised = [m.strip() for m in re.findall(r"print\(.*?\)\s+# (.*)", code)]
     assert capsys.readouterr().out.split("\n")[: len(promised)] == promised
+
+
+def test_pinned_ring_round_robin_without_cuda():
+    from pagedkit.runtime.kv.staging import PinnedRing
+
+    ring = PinnedRing.of(4, torch.int64, cuda=False, depth=2, fill=-1)
+    a, b, c = ring.take(), ring.take(), ring.take()
+    assert a is c and a is not b and ring.current == 0 and ring.done() is None
+    assert a.tolist() == [-1] * 4 and not a.is_pinned()

@@ -159,7 +159,7 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
     from ..engine import Engine
 
     budget = args.max_num_tokens or min(DEFAULT_MAX_NUM_TOKENS, max([r.batch * r.prompt_tokens for r in rows] or [1]))
-    overlap = device == "cuda" and not args.no_cuda_graphs and not args.no_overlap  # the engine's default
+    overlap = device == "cuda" and not args.no_cuda_graphs and not args.no_overlap  # needs the engine's graphs
     rows = [engine_arm.with_headroom(r, budget, lookahead=int(overlap)) for r in rows]
     bs = _block_size(model_dir, cfg)
     blocks = max([engine_arm.blocks_needed(r, budget, cfg.context_length, bs) for r in rows] or [1])
@@ -247,7 +247,7 @@ def _combine(runs: list[dict]) -> dict:
     """One arm's record over its repeats: the first run's record, with tokens_per_s = all decode tokens / all
     timed time, ms_per_step = the median of the runs' medians, and each run's figures in `repeats`."""
     first = runs[0]
-    if len(runs) == 1 or "skipped" in first or any("skipped" in r for r in runs):
+    if len(runs) == 1 or any("skipped" in r for r in runs):
         return next((r for r in runs if "skipped" in r), first)
     total_s = sum(r["decode_tokens"] / r["tokens_per_s"] for r in runs)
     out = dict(first)

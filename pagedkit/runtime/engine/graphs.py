@@ -30,6 +30,8 @@ import logging
 
 import torch
 
+from ..kv.staging import PinnedRing
+
 log = logging.getLogger("pagedkit.engine")
 
 KV_BUCKET_MIN = 256  # smallest replay-wide max_kv_len bound: short contexts share one graph per batch bucket
@@ -86,10 +88,7 @@ class DecodeGraphs:
         self.stream = None
         self.stats = GraphStats()
         self._keys: dict[int, tuple[int, int]] = {}  # plan id -> key of a padded plan not yet run
-        # pinned staging ring for input ids (host -> device), reused once its last copy ran (no per-step pinning)
-        self._stage = [torch.zeros(self.ids.shape[0], dtype=torch.int64, pin_memory=capture) for _ in range(3)]
-        self._stage_events: list = [None] * len(self._stage)
-        self._stage_next = 0
+        self._stage = PinnedRing.of(self.ids.shape[0], torch.int64, capture)  # input ids' host staging
 
     # ---- planning ----------------------------------------------------------------------------------
     def key(self, batch: Sequence[tuple]) -> tuple[int, int] | None:
@@ -148,19 +147,12 @@ class DecodeGraphs:
     def _write_ids(self, bp: int, token_ids: Sequence[int]) -> torch.Tensor:
         """The persistent input_ids [bp]: the step's ids, then zeros for the pad rows (on CUDA a non-blocking
         copy from a pinned staging buffer of a small ring, reused once its last copy has run)."""
-        k = self._stage_next
-        self._stage_next = (k + 1) % len(self._stage)
-        if self._stage_events[k] is not None:
-            self._stage_events[k].synchronize()
-            self._stage_events[k] = None
-        host = self._stage[k][:bp]
+        host = self._stage.take()[:bp]
         host.zero_()
         host[: len(token_ids)] = torch.as_tensor(list(token_ids), dtype=torch.int64)
         ids = self.ids[:bp]
         ids.copy_(host, non_blocking=self.capture)
-        if self.capture:
-            self._stage_events[k] = torch.cuda.Event()
-            self._stage_events[k].record()
+        self._stage.done()
         return ids
 
     def _copy_ids(self, bp: int, device_ids: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kv.cache import KVCacheExhausted
+from ..kv.staging import PinnedRing
 
 PLACEHOLDER = 0  # the id a step is planned with before its real id is known (set before commit)
 
@@ -48,26 +49,18 @@ class Inflight:
 
 
 class HostRing:
-    """Pinned [max_batch] int64 buffers for the choices' copies, reused round robin (at most two steps are
-    in flight, and a buffer is reused only once its step was read)."""
+    """The choices' device -> host copies through a PinnedRing of [max_batch] int64 buffers (at most two
+    steps are in flight; a buffer is taken again only after its step was read)."""
 
-    def __init__(self, size: int, device: torch.device, depth: int = 3):
-        pin = device.type == "cuda"
-        self.bufs = [torch.zeros(size, dtype=torch.int64, pin_memory=pin) for _ in range(depth)]
-        self.cuda = pin
-        self.next = 0
+    def __init__(self, size: int, device: torch.device):
+        self.ring = PinnedRing.of(size, torch.int64, device.type == "cuda")
 
     def launch(self, entries: list, plan, logits: torch.Tensor) -> Inflight:
         """The in-flight record of a launched step: greedy choices of logits [B, V] on the device, copied."""
         choices = logits.argmax(-1)
-        host = self.bufs[self.next][: choices.shape[0]]
-        self.next = (self.next + 1) % len(self.bufs)
-        host.copy_(choices, non_blocking=self.cuda)
-        event = None
-        if self.cuda:
-            event = torch.cuda.Event()
-            event.record()
-        return Inflight(entries, plan, choices, host, event)
+        host = self.ring.take()[: choices.shape[0]]
+        host.copy_(choices, non_blocking=self.ring.cuda)
+        return Inflight(entries, plan, choices, host, self.ring.done())
 
 
 def greedy_decode(e) -> bool:
@@ -95,10 +88,7 @@ def chain_entries(engine, prev: Inflight, make_entry) -> list | None:
         if mgr.length(r.request_id) + 1 > mgr.config.max_seq_len:
             return None
         out.append(make_entry(r, [PLACEHOLDER]))
-    graphs = engine.model.graphs
-    if graphs is None or graphs.key([(e.req.request_id, 1) for e in out]) is None:
-        return None
-    return out
+    return out  # whether CUDA graphs serve the step: its plan says (advance)
 
 
 def advance(engine, make_entry) -> list:
@@ -114,6 +104,9 @@ def advance(engine, make_entry) -> list:
             try:
                 plan = engine.model.plan([(e.req.request_id, e.ids) for e in entries])
             except KVCacheExhausted:  # the classic step preempts (after the in-flight step is read)
+                plan = None
+            if plan is not None and not engine.model.graphs.serves(plan):  # device ids need a graph step
+                mgr.abort(plan)
                 plan = None
             if plan is not None:
                 nxt = engine._launch(entries, plan, prev.choices)

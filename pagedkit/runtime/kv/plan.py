@@ -20,6 +20,7 @@ import torch
 
 from ...interface import names as N
 from .config import KVCacheConfig
+from .staging import PinnedRing
 
 # model input names (onnxruntime-genai paged layout; contract-decisions §5, §8)
 CU_SEQLENS = N.CUMULATIVE_SEQUENCE_LENGTHS
@@ -137,17 +138,12 @@ class PlanBuffers:
         self.total = total
         self.on_cuda = self.device.type == "cuda"
         self.dev = torch.full((total,), -1, dtype=torch.int32, device=self.device)
-        if self.on_cuda:
-            self.staging = [torch.full((total,), -1, dtype=torch.int32, pin_memory=True) for _ in range(staging_depth)]
-            self.events: list[torch.cuda.Event | None] = [None] * staging_depth
-        else:
-            self.staging = [self.dev]
-            self.events = [None]
-        self._next = 0
-        self._current = 0
+        # host staging: a pinned ring on CUDA; on the CPU the device buffer itself (no copy)
+        self.ring = (PinnedRing.of(total, torch.int32, True, staging_depth, fill=-1) if self.on_cuda
+                     else PinnedRing([self.dev], False))
         self.metadata = torch.zeros(3, dtype=torch.int32)  # CPU-resident by contract
         # the views never change: made once (numpy views of each staging buffer, device views by segment)
-        self._host_views = [{key: self._view(flat, key).numpy() for key in shapes} for flat in self.staging]
+        self._host_views = [{key: self._view(flat, key).numpy() for key in shapes} for flat in self.ring.bufs]
         self._dev_views = {key: self._view(self.dev, key) for key in shapes}
 
     def _view(self, flat: torch.Tensor, key) -> torch.Tensor:
@@ -156,18 +152,13 @@ class PlanBuffers:
 
     def begin(self) -> dict[object, np.ndarray]:
         """Host views (numpy, writable) of the next staging buffer, once its previous copy is done."""
-        k = self._next
-        self._next = (k + 1) % len(self.staging)
-        self._current = k
-        if self.events[k] is not None:
-            self.events[k].synchronize()  # the copy that last read this staging buffer has finished
-            self.events[k] = None
-        return self._host_views[k]
+        self.ring.take()  # waits for the copy that last read this staging buffer
+        return self._host_views[self.ring.current]
 
     def finish(self, used_rows: dict[object, int]) -> dict[object, torch.Tensor]:
         """Copy the used leading rows of each segment to the device; return device views sliced to them."""
         out = {}
-        src = self.staging[self._current]
+        src = self.ring.bufs[self.ring.current]
         for key, rows in used_rows.items():
             shape = self.shapes[key]
             n = rows * (math.prod(shape[1:]) if len(shape) > 1 else 1)
@@ -175,10 +166,7 @@ class PlanBuffers:
             if self.on_cuda and n:
                 self.dev[off : off + n].copy_(src[off : off + n], non_blocking=True)
             out[key] = self._dev_views[key][:rows]
-        if self.on_cuda:
-            ev = torch.cuda.Event()
-            ev.record()
-            self.events[self._current] = ev
+        self.ring.done()
         return out
 
     def write(self, plan_id: int, seq_ids, query_lens, past_lens, draft_lens, tables, slots, bounds,
