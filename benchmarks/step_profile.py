@@ -1,20 +1,25 @@
 """GPU profile of one engine decode step of an exported paged model: where the step's time goes.
 
-    python benchmarks/step_profile.py MODEL_DIR [--rows 1x1024 8x4096 32x4096] [--out FILE.json] [--top 25]
+    python benchmarks/step_profile.py MODEL_DIR [--rows 1x1024 8x4096 32x4096] [--sweep dedup 64x4 @6 ...]
+                                      [--out FILE.json] [--top 25] [--device cuda|cpu]
 
-For each row BATCHxCONTEXT: B requests of CONTEXT - 16 random prompt tokens are prefilled by an Engine
-(CUDA graphs on, overlap off), decoded a few steps (the decode graph is captured), then
-- replay_ms: back-to-back replays of the captured decode graph (CUDA events, 50 replays);
-- step_ms: engine.step() with a synchronize each (median of 20; host planning included);
-- kernels: one eager padded decode step (the same plan the graph replays) under torch.profiler, the CUDA
-  kernels grouped by name (calls, total us), largest first, and their sum.
-The eager step's plan is aborted afterwards (its cache writes land in slots the next real step rewrites).
-Prints a table per row; --out writes the JSON. Needs CUDA.
+For each row BATCHxCONTEXT: B requests of CONTEXT - 64 random prompt tokens are prefilled by an Engine
+(CUDA graphs on, overlap off) until all decode, then
+- sweep: the decode graph of that batch captured afresh under each setting (the defaults first, then each
+  --sweep entry: the cache write with dedup, a decode tile / split waves for float caches set in-process,
+  kernels/triton/decode.py DECODE_TILE / DECODE_WAVES) and timed as 50 back-to-back replays (CUDA events);
+  each capture's plan is aborted, so the requests do not advance;
+- replay_ms: the same for the defaults, captured last;
+- step_ms: engine.step() with a synchronize each (median of 16; host planning included);
+- kernels: one eager padded decode step (the plan the graph replays) under torch.profiler, the CUDA kernels
+  grouped by name (calls, total us), largest first, and their sum (the plan is aborted afterwards).
+Prints a table per row; --out writes the JSON. --device cpu is a smoke run (padded plans, no replays).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -31,33 +36,74 @@ def _row(text: str) -> tuple[int, int]:
     return int(b), int(c)
 
 
-def profile_row(model_dir: Path, batch: int, context: int, top: int, seed: int = 0, device: str = "cuda") -> dict:
-    import torch
+def _config(text: str) -> dict:
+    """A --sweep entry: "default", "dedup" (the cache write with its duplicate-slot handling, as without the
+    engine's distinct-slots promise), "BNxNW" (decode tile: block_n x num_warps), "@W" (split waves), "BNxNW@W"."""
+    if text in ("default", "dedup"):
+        return {"name": text}
+    tile, _, waves = text.partition("@")
+    out = {"name": text}
+    if tile:
+        bn, nw = (int(v) for v in tile.split("x", 1))
+        out["tile"] = (bn, nw)
+    if waves:
+        out["waves"] = float(waves)
+    return out
 
-    cuda = device == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+@contextlib.contextmanager
+def _applied(cfg: dict):
+    from pagedkit.kernels import scope
+    from pagedkit.kernels.triton import decode
+
+    saved = decode.DECODE_TILE, decode.DECODE_WAVES, scope.distinct_slots
+    decode.DECODE_TILE, decode.DECODE_WAVES = cfg.get("tile"), cfg.get("waves")
+    if cfg["name"] == "dedup":
+        scope.distinct_slots = lambda: False
+    try:
+        yield
+    finally:
+        decode.DECODE_TILE, decode.DECODE_WAVES, scope.distinct_slots = saved
+
+
+def profile_row(model_dir: Path, batch: int, context: int, top: int, seed: int = 0, device: str = "cuda",
+                sweep: list[dict] | None = None) -> dict:
+    import torch
 
     from pagedkit.runtime.engine import Engine, SamplingParams
 
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     rng = random.Random(seed)
-    prompt_len = context - 16
-    engine = Engine(model_dir, device, max_batch_size=batch, max_num_tokens=2048,
+    prompt_len = context - 64
+    engine = Engine(model_dir, device, max_batch_size=batch, max_num_tokens=8192,
                     num_blocks=batch * (-(-context // 16) + 1), enable_prefix_caching=False, overlap=False,
                     cuda_graphs=None if cuda else "padded")
     vocab = engine.vocab_size or 1000
-    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
     for _ in range(batch):
         engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params)
-    while not all(r.decoding for r in engine.running) or len(engine.running) < batch:
+    for _ in range(500):
+        if len(engine.running) == batch and all(r.decoding for r in engine.running):
+            break
         engine.step()
-    for _ in range(4):  # capture + a few replays
-        engine.step()
-    sync()
+    else:
+        raise RuntimeError(f"batch {batch} context {context}: the requests did not all reach decoding")
     graphs = engine.model.graphs
-    key = graphs.key([(r.request_id, 1) for r in engine.running])
-    replay_ms = None
-    if cuda:
-        g = graphs.graphs[key].graph
+    batch_ids = [(r.request_id, [r.tokens[-1]]) for r in engine.running]
+    key = graphs.key([(rid, 1) for rid, _ in batch_ids])
+    ids = [t for _, (t,) in batch_ids]
+
+    def capture():
+        """The decode graph of this batch captured afresh (the current kernel settings); the plan is aborted."""
+        graphs.graphs.clear()
+        plan = graphs.plan(batch_ids)
+        graphs.run(plan, ids)
+        engine.kv.abort(plan)
+        got = graphs.graphs.get(key)  # None on the CPU (padded plans run eagerly)
+        return got.graph if got is not None else None
+
+    def replay_ms(g) -> float:
         for _ in range(5):
             g.replay()
         sync()
@@ -67,14 +113,22 @@ def profile_row(model_dir: Path, batch: int, context: int, top: int, seed: int =
             g.replay()
         e1.record()
         sync()
-        replay_ms = e0.elapsed_time(e1) / 50
+        return e0.elapsed_time(e1) / 50
+
+    swept = []
+    for cfg in [{"name": "default"}] + [c for c in (sweep or []) if c["name"] != "default"]:
+        with _applied(cfg):
+            g = capture()
+            swept.append({"config": cfg["name"], "replay_ms": round(replay_ms(g), 4) if cuda else None})
+    g = capture()  # the defaults again
+    base = replay_ms(g) if cuda else None
     steps = []
-    for _ in range(20):
+    for _ in range(16):
         s = time.perf_counter()
         engine.step()
         sync()
         steps.append((time.perf_counter() - s) * 1e3)
-    # one eager padded step under the profiler
+    # one eager padded step under the profiler (the plan the graph replays; aborted afterwards)
     batch_ids = [(r.request_id, [r.tokens[-1]]) for r in engine.running]
     plan = graphs.plan(batch_ids)
     feeds = engine.model.feeds(plan, [t for _, (t,) in batch_ids] + [0] * (key[0] - len(batch_ids)))
@@ -102,12 +156,12 @@ def profile_row(model_dir: Path, batch: int, context: int, top: int, seed: int =
         engine.abort(r.request_id)
     while engine.has_unfinished():
         engine.step()
-    del engine, graphs
+    del engine, graphs, g
     if cuda:
         torch.cuda.empty_cache()
-    return {"batch": batch, "context": context, "graph_key": list(key), "replay_ms": replay_ms,
-            "step_ms": statistics.median(steps), "kernel_us": total_us,
-            "kernel_launches": sum(v[0] for v in kernels.values()),
+    return {"batch": batch, "context": context, "prompt_tokens": prompt_len, "graph_key": list(key),
+            "replay_ms": base, "step_ms": statistics.median(steps), "kernel_us": total_us,
+            "kernel_launches": sum(v[0] for v in kernels.values()), "sweep": swept,
             "kernels": [{"name": n[:160], "calls": v[0], "us": round(v[1], 2)} for n, v in ranked[:top]]}
 
 
@@ -116,16 +170,21 @@ def main(argv=None) -> int:
     ap.add_argument("model_dir", type=Path)
     ap.add_argument("--rows", nargs="+", type=_row, default=[(1, 1024), (8, 4096), (32, 4096)])
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--sweep", nargs="*", type=_config, default=[],
+                    help="decode settings to time as graph replays besides the defaults: dedup, BNxNW, @WAVES, "
+                         "BNxNW@WAVES (CUDA only)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run (no replay timing)")
     args = ap.parse_args(argv)
     out = []
     for b, c in args.rows:
-        rec = profile_row(args.model_dir, b, c, args.top, device=args.device)
+        rec = profile_row(args.model_dir, b, c, args.top, device=args.device, sweep=args.sweep)
         out.append(rec)
         replay = "-" if rec["replay_ms"] is None else f"{rec['replay_ms']:.3f}"
         print(f"== batch {b} context {c}: replay {replay} ms, synced step {rec['step_ms']:.3f} ms, "
               f"{rec['kernel_launches']} kernels {rec['kernel_us'] / 1e3:.3f} ms")
+        for sw in rec["sweep"]:
+            print(f"  sweep {sw['config']:>14}: replay {sw['replay_ms']} ms")
         for k in rec["kernels"]:
             print(f"  {k['us']:9.1f} us {k['calls']:4d}x  {k['name'][:110]}")
     if args.out:

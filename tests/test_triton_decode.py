@@ -344,3 +344,48 @@ def test_cuda_graph_capture_replays_exactly(splits):
     graph.replay()
     want, _ = decode.paged_decode(q, **kw)
     assert torch.equal(out, want)
+
+
+class _LaunchSpy:
+    """Wraps _decode_kernels._attn_kernel: records each launch's constexprs, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.launches.append({"grid": grid, **{k: v for k, v in kw.items() if k.isupper() or k == "num_warps"}})
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+@pytest.mark.parametrize("tile,waves", [((64, 4), 6.0), (None, 1.0), ((32, 2), None)])
+def test_decode_tile_overrides(monkeypatch, tile, waves):
+    """DECODE_TILE / DECODE_WAVES (the tuning knobs of float decode) change the launch, never the result:
+    64-key tiles over 16-token blocks read each tile's blocks through the table."""
+    from pagedkit.kernels.triton import _decode_kernels as K
+
+    spy = _LaunchSpy(K._attn_kernel)
+    monkeypatch.setattr(K, "_attn_kernel", spy)
+    monkeypatch.setattr(decode, "_num_sms", lambda device: 4)  # few SMs: the splits follow the waves, uncapped
+    spec = base(q_lens=[1, 1, 1], past=[150, 7, 601])
+    check(spec)  # the defaults
+    default = spy.launches[-1]
+    monkeypatch.setattr(decode, "DECODE_TILE", tile)
+    monkeypatch.setattr(decode, "DECODE_WAVES", waves)
+    check(spec)
+    got = spy.launches[-1]
+    if tile is not None:
+        assert (got["BLOCK_N"], got["num_warps"]) == tile
+    else:
+        assert got["BLOCK_N"] == default["BLOCK_N"]
+    if waves is not None:  # the same tile at the default waves (3 programs per SM; 12 with 16-key tiles)
+        monkeypatch.setattr(decode, "DECODE_WAVES", None)
+        check(spec)
+        ref = spy.launches[-1]
+        assert ref["BLOCK_N"] == got["BLOCK_N"]
+        default_waves = decode.WAVES_SMALL_TILES if got["BLOCK_N"] == 16 else decode.WAVES
+        assert (got["grid"][2] > ref["grid"][2]) if waves > default_waves else (got["grid"][2] < ref["grid"][2])
+    # a prefill-sized query keeps its own tiles (the knobs are for decode)
+    check(base(q_lens=[20, 1], past=[0, 40]))
+    assert spy.launches[-1]["BLOCK_N"] != 64 or tile is None

@@ -293,7 +293,8 @@ class _PagedState:
             plan = mgr.plan([(self.seq, chunk)])
             feeds = step_feeds(plan, mgr, chunk, self.renames, self.input_names, self.gen.config.input(N.INPUT_IDS))
             try:
-                out = sess.run_torch(feeds, [self.gen.logits_name], plan=plan.hint)[self.gen.logits_name]
+                out = sess.run_torch(feeds, [self.gen.logits_name], plan=plan.hint,
+                                     distinct_slots=True)[self.gen.logits_name]  # a manager plan: distinct slots
             except BaseException:
                 mgr.abort(plan)
                 raise

@@ -319,13 +319,17 @@ class InferenceSession:
         return result
 
     def run_torch(self, feeds: Mapping[str, torch.Tensor], output_names: Sequence[str] | None = None, *,
-                  plan: str | None = None) -> dict[str, torch.Tensor]:
+                  plan: str | None = None, distinct_slots: bool = False) -> dict[str, torch.Tensor]:
         """Zero-copy run on torch tensors: cache inputs (`cache_inputs`) are updated in place and
         returned as their present outputs (the same tensors). A feed on the wrong device is moved (a
         copy), except a cache, which must already live where the session runs.
         plan: an optional host-side hint about this step ("decode", "prefill" = no cached prefix,
         "chunked_prefill"; None = anything) that picks, per attention node, the first serving variant
-        serving that plan (`last_run_variants`). A wrong hint may pick a variant that cannot run the step."""
+        serving that plan (`last_run_variants`). A wrong hint may pick a variant that cannot run the step.
+        distinct_slots: the caller promises that no two tokens of this run write the same cache slot, except rows
+        that write only a pad block nobody else reads (true of every KVCacheManager plan): the Triton cache write
+        then skips its duplicate-slot handling (kernels/scope.py). A broken promise may leave a duplicated slot
+        holding either token's bytes instead of the last token's."""
         names = self._requested(output_names)
         env_feeds = {}
         for name, t in feeds.items():
@@ -340,7 +344,7 @@ class InferenceSession:
         if plan is not None and plan not in PLANS:
             raise ValueError(f"plan {plan!r}: expected one of {list(PLANS)} or None")
         self._plan, self._last_variants = plan, {}
-        with run_scope():  # attention nodes share the step's host bookkeeping (kernels/scope.py)
+        with run_scope(distinct_slots=bool(distinct_slots)):  # attention nodes share the step's host bookkeeping
             vals = self._execute(self._main, env_feeds, None)
         slot = self._main.slot
         return {n: vals[slot[n]] for n in names}

@@ -135,6 +135,13 @@ QUANT_WIDE_TILE: tuple[int, int] = _env("PAGEDKIT_QUANT_TILE", lambda v: tuple(i
                                         (128, 4))
 # programs per SM the splits aim for with those tiles (None: WAVES); PAGEDKIT_QUANT_WAVES overrides (tuning runs)
 QUANT_WIDE_WAVES: float | None = _env("PAGEDKIT_QUANT_WAVES", float)
+# (block_n, num_warps) of float caches at decode-sized queries (<= DECODE_QUERY_BOUND tokens a sequence) through the
+# block table (None: the per-block tiles below), and the programs per SM their splits aim for (None: WAVES /
+# WAVES_SMALL_TILES); PAGEDKIT_DECODE_TILE="BNxNW" / PAGEDKIT_DECODE_WAVES override them (tuning runs,
+# benchmarks/step_profile.py --sweep sets them in-process)
+DECODE_QUERY_BOUND = 8
+DECODE_TILE: tuple[int, int] | None = _env("PAGEDKIT_DECODE_TILE", lambda v: tuple(int(x) for x in v.split("x", 1)))
+DECODE_WAVES: float | None = _env("PAGEDKIT_DECODE_WAVES", float)
 _POISON = False  # tests: fill outputs and workspaces with NaN instead of leaving them uninitialized
 
 
@@ -341,6 +348,11 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         else:
             block_n = 128 if B * Hkv * n_sub < 2 * _num_sms(dev) else 64
             num_warps, waves = 8, 1
+    if (block_n is None and not quant and not bnsh and q_bound <= DECODE_QUERY_BOUND and wide <= 256
+            and (DECODE_TILE is not None or DECODE_WAVES is not None)):
+        if DECODE_TILE is not None:
+            block_n, num_warps = DECODE_TILE if num_warps is None else (DECODE_TILE[0], num_warps)
+        waves = DECODE_WAVES
     prefill_tiles = block_m >= PREFILL_BLOCK_M and not quant and block_n is None and num_warps is None
     if prefill_tiles:  # (same sweep) 64-key tiles over 8 warps on large blocks; 32 keys, 4 warps on small ones
         block_n, num_warps = (64, 8) if BS >= 64 else (32, 4)

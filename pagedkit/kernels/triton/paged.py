@@ -133,7 +133,9 @@ def prepare(inputs: Mapping[str, Any], attributes: Mapping[str, Any], *, outputs
 
 def write(p: Prepared) -> torch.Tensor:
     """The cache-write prologue (one launch): K/V of the step into the caches; returns q [N, H, D] (QK-norm,
-    RoPE, rotation applied)."""
+    RoPE, rotation applied). Under a run scope promising distinct slots (kernels/scope.py: the engine's and
+    the generator's plans) the write skips its duplicate-slot handling."""
+    from ..scope import distinct_slots
     from . import ops
 
     x, a, kf, vf = p.x, p.a, p.kf, p.vf
@@ -146,7 +148,8 @@ def write(p: Prepared) -> torch.Tensor:
         v_fmt=-1 if vf is None else vf.fmt, v_scale_mode=-1 if vf is None else vf.scale,
         rotary=bool(int(a["do_rotary"])), rotary_interleaved=bool(int(a["rotary_interleaved"])),
         rotary_offset=int(a["rotary_offset"]), qk_norm_epsilon=float(a["qk_norm_epsilon"]),
-        qk_rotation=bool(int(a["qk_rotation"])), v_rotation=bool(int(a["v_rotation"])), latent=p.latent)
+        qk_rotation=bool(int(a["qk_rotation"])), v_rotation=bool(int(a["v_rotation"])), latent=p.latent,
+        unique_slots=distinct_slots())
 
 
 def results(p: Prepared, out: torch.Tensor, qk: torch.Tensor | None,

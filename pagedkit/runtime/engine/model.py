@@ -142,8 +142,9 @@ class PagedModel:
                           self.input_names if input_names is None else input_names, self.input_ids_name)
 
     def forward(self, feeds: dict[str, torch.Tensor], hint: str | None) -> torch.Tensor:
-        """The logits of one step's feeds through the session (hint: the plan kind, StepPlan.hint)."""
-        return self.session.run_torch(feeds, [self.logits_name], plan=hint)[self.logits_name]
+        """The logits of one step's feeds through the session (hint: the plan kind, StepPlan.hint). The feeds come
+        from the manager's plans, whose write slots are distinct (pad rows write only the pad block)."""
+        return self.session.run_torch(feeds, [self.logits_name], plan=hint, distinct_slots=True)[self.logits_name]
 
     def plan(self, batch: Sequence[tuple]) -> StepPlan:
         """One step's plan for batch [(seq_id, token ids)]: a decode step CUDA graphs serve is padded to its
