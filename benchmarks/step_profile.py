@@ -156,7 +156,7 @@ def profile_row(model_dir: Path, batch: int, context: int, top: int, seed: int =
         engine.abort(r.request_id)
     while engine.has_unfinished():
         engine.step()
-    del engine, graphs, g
+    engine = graphs = g = None  # drop the engine (its pool and graphs) before the next row
     if cuda:
         torch.cuda.empty_cache()
     return {"batch": batch, "context": context, "prompt_tokens": prompt_len, "graph_key": list(key),
