@@ -6,7 +6,7 @@
 For each row BATCHxCONTEXT: B requests of CONTEXT - 64 random prompt tokens are prefilled by an Engine
 (CUDA graphs on, overlap off) until all decode, then
 - sweep: the decode graph of that batch captured afresh under each setting (the defaults first, then each
-  --sweep entry: the cache write with dedup, a decode tile / split waves for float caches set in-process,
+  --sweep entry: the cache write with dedup, the split reduce as its own launch, a decode tile / split waves for float caches set in-process,
   kernels/triton/decode.py DECODE_TILE / DECODE_WAVES) and timed as 50 back-to-back replays (CUDA events);
   each capture's plan is aborted, so the requests do not advance;
 - replay_ms: the same for the defaults, captured last;
@@ -14,6 +14,8 @@ For each row BATCHxCONTEXT: B requests of CONTEXT - 64 random prompt tokens are 
 - kernels: one eager padded decode step (the plan the graph replays) under torch.profiler, the CUDA kernels
   grouped by name (calls, total us), largest first, and their sum (the plan is aborted afterwards).
 Prints a table per row; --out writes the JSON. --device cpu is a smoke run (padded plans, no replays).
+`step_profile.py --pick FILE.json` prints the PAGEDKIT_DECODE_TILE / _WAVES assignments of the swept setting
+that beats the defaults by >= 2% on average with no row > 1% slower (nothing when none does).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ def _row(text: str) -> tuple[int, int]:
 
 def _config(text: str) -> dict:
     """A --sweep entry: "default", "dedup" (the cache write with its duplicate-slot handling, as without the
-    engine's distinct-slots promise), "BNxNW" (decode tile: block_n x num_warps), "@W" (split waves), "BNxNW@W"."""
-    if text in ("default", "dedup"):
+    engine's distinct-slots promise), "nofused" (the split-KV reduce as its own launch), "BNxNW" (decode tile: block_n x num_warps), "@W" (split waves), "BNxNW@W"."""
+    if text in ("default", "dedup", "nofused"):
         return {"name": text}
     tile, _, waves = text.partition("@")
     out = {"name": text}
@@ -56,14 +58,16 @@ def _applied(cfg: dict):
     from pagedkit.kernels import scope
     from pagedkit.kernels.triton import decode
 
-    saved = decode.DECODE_TILE, decode.DECODE_WAVES, scope.distinct_slots
+    saved = decode.DECODE_TILE, decode.DECODE_WAVES, scope.distinct_slots, decode.FUSED_REDUCE
     decode.DECODE_TILE, decode.DECODE_WAVES = cfg.get("tile"), cfg.get("waves")
+    if cfg["name"] == "nofused":
+        decode.FUSED_REDUCE = False
     if cfg["name"] == "dedup":
         scope.distinct_slots = lambda: False
     try:
         yield
     finally:
-        decode.DECODE_TILE, decode.DECODE_WAVES, scope.distinct_slots = saved
+        decode.DECODE_TILE, decode.DECODE_WAVES, scope.distinct_slots, decode.FUSED_REDUCE = saved
 
 
 def profile_row(model_dir: Path, batch: int, context: int, top: int, seed: int = 0, device: str = "cuda",
@@ -165,13 +169,48 @@ def profile_row(model_dir: Path, batch: int, context: int, top: int, seed: int =
             "kernels": [{"name": n[:160], "calls": v[0], "us": round(v[1], 2)} for n, v in ranked[:top]]}
 
 
+def pick(records: list[dict], min_gain: float = 0.02, max_loss: float = 0.01) -> dict[str, str]:
+    """The PAGEDKIT_DECODE_TILE / _WAVES environment of the swept tile / waves setting with the best mean replay
+    time relative to the defaults over the rows: at least min_gain faster on average, no row more than max_loss
+    slower; {} when none is (the defaults stay)."""
+    best, best_gain = None, min_gain
+    names = [sw["config"] for sw in records[0]["sweep"]] if records else []
+    for name in names:
+        cfg = _config(name)
+        if "tile" not in cfg and "waves" not in cfg:
+            continue
+        ratios = []
+        for rec in records:
+            times = {sw["config"]: sw["replay_ms"] for sw in rec["sweep"]}
+            if times.get(name) is None or not times.get("default"):
+                break
+            ratios.append(times[name] / times["default"])
+        else:
+            gain = 1 - sum(ratios) / len(ratios)
+            if ratios and gain >= best_gain and max(ratios) <= 1 + max_loss:
+                best, best_gain = cfg, gain
+    env = {}
+    if best is not None:
+        if "tile" in best:
+            env["PAGEDKIT_DECODE_TILE"] = "x".join(str(v) for v in best["tile"])
+        if "waves" in best:
+            env["PAGEDKIT_DECODE_WAVES"] = str(best["waves"])
+    return env
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--pick"]:  # step_profile.py --pick FILE.json: the best swept knobs as shell assignments
+        env = pick(json.loads(Path(argv[1]).read_text()))
+        print(" ".join(f"{k}={v}" for k, v in env.items()))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model_dir", type=Path)
     ap.add_argument("--rows", nargs="+", type=_row, default=[(1, 1024), (8, 4096), (32, 4096)])
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--sweep", nargs="*", type=_config, default=[],
-                    help="decode settings to time as graph replays besides the defaults: dedup, BNxNW, @WAVES, "
+                    help="decode settings to time as graph replays besides the defaults: dedup, nofused, BNxNW, @WAVES, "
                          "BNxNW@WAVES (CUDA only)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run (no replay timing)")

@@ -389,3 +389,46 @@ def test_decode_tile_overrides(monkeypatch, tile, waves):
     # a prefill-sized query keeps its own tiles (the knobs are for decode)
     check(base(q_lens=[20, 1], past=[0, 40]))
     assert spy.launches[-1]["BLOCK_N"] != 64 or tile is None
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(sink=True), dict(cache="int8", k_quant="PER_CHANNEL", v_quant="PER_CHANNEL"),
+                                dict(q_lens=[3, 1, 2], past=[40, 9, 120]),  # speculative drafts: a chunk of rows
+                                dict(num_heads=8, kv_num_heads=2, attrs={"softcap": 2.5})])
+def test_fused_reduce_matches_the_reduce_kernel(monkeypatch, kw):
+    """The split-KV reduce inside the attention launch (FUSED_REDUCE, the default) against the reference and
+    against the separate _reduce_kernel; the launch takes the fused path and no reduce kernel runs."""
+    from pagedkit.kernels.triton import _decode_kernels as K
+
+    spy = _LaunchSpy(K._attn_kernel)
+    monkeypatch.setattr(K, "_attn_kernel", spy)
+    reduces = _LaunchSpy(K._reduce_kernel)
+    monkeypatch.setattr(K, "_reduce_kernel", reduces)
+    spec = base(**({"q_lens": [1, 1, 1, 1], "past": [37, 0, 200, 91]} | kw))
+    check(spec, num_splits=5)
+    assert spy.launches[-1]["FUSED_RED"] and not reduces.launches
+    monkeypatch.setattr(decode, "FUSED_REDUCE", False)
+    check(spec, num_splits=5)
+    assert not spy.launches[-1]["FUSED_RED"] and len(reduces.launches) == 1
+
+
+def test_fused_reduce_leaves_its_semaphores_at_zero_and_repeats_exactly():
+    """Every launch leaves the split counters at zero, so the next launch (a graph replay) reduces again; a
+    counter left non-zero (teeth) makes the wrong split reduce and the output fails the check."""
+    spec = base(q_lens=[1, 1, 1], past=[50, 130, 7])
+    case = build(spec)
+    ref = paged_attention(clone_inputs(case.inputs), **case.attrs)
+    st = prepare(clone_inputs(case.inputs), case.attrs, None)
+    first, _ = run_kernel(st, num_splits=4)
+    assert rel(first, ref["output"]) <= TOL[spec.dtype]
+    sems = [t for k, t in decode._SEMS.items()]
+    assert sems and all(int(t.abs().sum()) == 0 for t in sems)
+    again, _ = run_kernel(st, num_splits=4)
+    assert torch.equal(first, again)
+    for t in sems:  # teeth: a stale count
+        t.fill_(1)
+    try:
+        bad, _ = run_kernel(st, num_splits=4)
+        assert not torch.isfinite(bad).all() or rel(bad, ref["output"]) > TOL[spec.dtype]
+    finally:
+        for t in sems:
+            t.zero_()

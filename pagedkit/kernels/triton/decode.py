@@ -142,6 +142,10 @@ QUANT_WIDE_WAVES: float | None = _env("PAGEDKIT_QUANT_WAVES", float)
 DECODE_QUERY_BOUND = 8
 DECODE_TILE: tuple[int, int] | None = _env("PAGEDKIT_DECODE_TILE", lambda v: tuple(int(x) for x in v.split("x", 1)))
 DECODE_WAVES: float | None = _env("PAGEDKIT_DECODE_WAVES", float)
+# the split-KV reduce inside the attention launch (the last split program of each sequence x KV head combines the
+# partials: _decode_kernels._last_split_reduce) instead of a second launch; PAGEDKIT_FUSED_REDUCE=0 turns it off
+FUSED_REDUCE: bool = _env("PAGEDKIT_FUSED_REDUCE", lambda v: v not in ("0", "false", "off"), True)
+_SEMS: dict[tuple, torch.Tensor] = {}
 _POISON = False  # tests: fill outputs and workspaces with NaN instead of leaving them uninitialized
 
 
@@ -170,6 +174,21 @@ def bnsh_capacity(capacity: int) -> int:
     """Key positions the BNSH accessor's virtual block table spans (output_qk's last dim): >= capacity."""
     bs = bnsh_block(capacity)
     return -(-capacity // bs) * bs
+
+
+def _semaphores(device: torch.device, n: int) -> torch.Tensor:
+    """int32 [n] zeros, one persistent tensor per (device, n): the fused reduce's split counters, left at zero by
+    every launch (the last split resets its counter). Made at the first call of its size outside a capture; one
+    first made inside a CUDA-graph capture belongs to that graph (its replays zero it first) and is not kept. Do
+    not run two launches of the same size concurrently on two streams (they would share the counters)."""
+    key = (str(device), n)
+    got = _SEMS.get(key)
+    if got is None:
+        got = torch.zeros(n, dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return got
+        _SEMS[key] = got
+    return got
 
 
 def _identity_table(device: torch.device, n: int) -> torch.Tensor:
@@ -377,6 +396,7 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
                          waves or (WAVES_SMALL_TILES if block_n == 16 else WAVES))
     lanes = max(1, min(lanes, MAX_GRID_Z // S))
     direct = S == 1 and not v_rotation and qk_output != 2
+    fused = FUSED_REDUCE and not direct and lanes == 1 and qk_output != 2 and not v_rotation and not v_int4
 
     if direct:
         wacc = wml = out
@@ -385,6 +405,7 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         wml = _empty((n_tok, H, S, 2), torch.float32, dev)
 
     dummy = q
+    sem = _semaphores(dev, B * Hkv * n_sub) if fused else dummy
     kc_arg = key_cache.view(torch.uint8) if key_cache.dtype == torch.float8_e4m3fn else key_cache
     vc_arg = value_cache.view(torch.uint8) if value_cache.dtype == torch.float8_e4m3fn else value_cache
     ks = _static(k_scale, k_format, "k_scale", Hkv * D)
@@ -416,7 +437,7 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         ksc if ksc is not None else dummy, vsc if vsc is not None else dummy,
         csl, past, table, qpos if qpos is not None else dummy,
         sink if sink is not None else dummy, bias if bias is not None else dummy,
-        out, wacc, wml, qk if qk is not None else dummy,
+        out, wacc, wml, qk if qk is not None else dummy, sem,
         q.stride(0), q.stride(1), *k_st[:3], *v_st[:3], *ksc_st, *vsc_st,
         table.stride(0), *b_st, *b_cap, k_st[3], v_st[3], kv_cap, row_pad,
         n_tok, NB, MB, S, lanes, scale, float(softcap), window,
@@ -431,8 +452,9 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         I8_PV="v" in INT8_MMA and v_format.fmt == common.FMT_INT8 and block_n >= 32 and vw_pad >= 16,
         ASM_K="k" in QUANT_ASM.get(k_format.fmt, "") and not common.INTERPRET,
         ASM_V="v" in QUANT_ASM.get(v_format.fmt, "") and not common.INTERPRET,
-        Q_POW2=k_format.fmt != common.FMT_FLOAT and T == torch.bfloat16, num_warps=num_warps, **stages)
-    if direct:
+        Q_POW2=k_format.fmt != common.FMT_FLOAT and T == torch.bfloat16, FUSED_RED=fused, num_warps=num_warps,
+        **stages)
+    if direct or fused:
         return out, qk
 
     dv_pad = next_pow2(DV)
