@@ -6,7 +6,7 @@
 For each row BATCHxCONTEXT: B requests of CONTEXT - 64 random prompt tokens are prefilled by an Engine
 (CUDA graphs on, overlap off) until all decode, then
 - sweep: the decode graph of that batch captured afresh under each setting (the defaults first, then each
-  --sweep entry: the cache write with dedup, the split reduce as its own launch, a decode tile / split waves for float caches set in-process,
+  --sweep entry: the cache write with dedup, a decode tile / split waves for float caches set in-process,
   kernels/triton/decode.py DECODE_TILE / DECODE_WAVES) and timed as 50 back-to-back replays (CUDA events);
   each capture's plan is aborted, so the requests do not advance;
 - replay_ms: the same for the defaults, captured last;
@@ -40,8 +40,8 @@ def _row(text: str) -> tuple[int, int]:
 
 def _config(text: str) -> dict:
     """A --sweep entry: "default", "dedup" (the cache write with its duplicate-slot handling, as without the
-    engine's distinct-slots promise), "nofused" (the split-KV reduce as its own launch), "BNxNW" (decode tile: block_n x num_warps), "@W" (split waves), "BNxNW@W"."""
-    if text in ("default", "dedup", "nofused"):
+    engine's distinct-slots promise), "BNxNW" (decode tile: block_n x num_warps), "@W" (split waves), "BNxNW@W"."""
+    if text in ("default", "dedup"):
         return {"name": text}
     tile, _, waves = text.partition("@")
     out = {"name": text}
@@ -58,16 +58,14 @@ def _applied(cfg: dict):
     from pagedkit.kernels import scope
     from pagedkit.kernels.triton import decode
 
-    saved = decode.DECODE_TILE, decode.DECODE_WAVES, scope.distinct_slots, decode.FUSED_REDUCE
+    saved = decode.DECODE_TILE, decode.DECODE_WAVES, scope.distinct_slots
     decode.DECODE_TILE, decode.DECODE_WAVES = cfg.get("tile"), cfg.get("waves")
-    if cfg["name"] == "nofused":
-        decode.FUSED_REDUCE = False
     if cfg["name"] == "dedup":
         scope.distinct_slots = lambda: False
     try:
         yield
     finally:
-        decode.DECODE_TILE, decode.DECODE_WAVES, scope.distinct_slots, decode.FUSED_REDUCE = saved
+        decode.DECODE_TILE, decode.DECODE_WAVES, scope.distinct_slots = saved
 
 
 def profile_row(model_dir: Path, batch: int, context: int, top: int, seed: int = 0, device: str = "cuda",
@@ -210,7 +208,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", nargs="+", type=_row, default=[(1, 1024), (8, 4096), (32, 4096)])
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--sweep", nargs="*", type=_config, default=[],
-                    help="decode settings to time as graph replays besides the defaults: dedup, nofused, BNxNW, @WAVES, "
+                    help="decode settings to time as graph replays besides the defaults: dedup, BNxNW, @WAVES, "
                          "BNxNW@WAVES (CUDA only)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run (no replay timing)")

@@ -22,12 +22,12 @@ def test_sweep_entries():
 
 
 def _rows(*times):
-    names = ["default", "nofused", "64x4", "@6"]
+    names = ["default", "dedup", "64x4", "@6"]
     return [{"sweep": [{"config": n, "replay_ms": t} for n, t in zip(names, row)]} for row in times]
 
 
 def test_pick_takes_the_best_mean_gain_without_a_losing_row():
-    # @6 gains 4% on average; 64x4 gains more on row 0 but loses 5% on row 1; nofused is no knob
+    # @6 gains 4% on average; 64x4 gains more on row 0 but loses 5% on row 1; dedup is no knob
     assert sp.pick(_rows((1.0, 0.5, 0.90, 0.97), (2.0, 1.0, 2.10, 1.90))) == {"PAGEDKIT_DECODE_WAVES": "6.0"}
     assert sp.pick(_rows((1.0, 0.5, 0.95, 0.97), (2.0, 1.0, 1.90, 1.99))) == {"PAGEDKIT_DECODE_TILE": "64x4"}
     assert sp.pick(_rows((1.0, 0.5, 0.99, 1.0), (2.0, 1.0, 1.99, 2.0))) == {}  # under 2%: the defaults stay

@@ -166,7 +166,7 @@ def _row_pow2(amax):
 def _attn_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ksc_ptr, vsc_ptr,
         csl_ptr, past_ptr, bt_ptr, qpos_ptr, sink_ptr, bias_ptr,
-        out_ptr, wacc_ptr, wml_ptr, qk_ptr, sem_ptr,
+        out_ptr, wacc_ptr, wml_ptr, qk_ptr,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_kscb, stride_kscs, stride_ksch, stride_vscb, stride_vscs, stride_vsch, stride_btb,
         stride_bb, stride_bh, stride_bq, stride_bk, bias_qcap, bias_kcap, stride_kz, stride_vz, kv_cap, row_pad,
@@ -180,8 +180,7 @@ def _attn_kernel(
         HAS_SINK: tl.constexpr, QK_MODE: tl.constexpr, HAS_QPOS: tl.constexpr, DIRECT: tl.constexpr,
         NEED_NAT: tl.constexpr, INTERP: tl.constexpr, LANES: tl.constexpr, PADDED: tl.constexpr,
         BIAS_AFTER: tl.constexpr, I8_QK: tl.constexpr = False, I8_PV: tl.constexpr = False,
-        ASM_K: tl.constexpr = False, ASM_V: tl.constexpr = False, Q_POW2: tl.constexpr = False,
-        FUSED_RED: tl.constexpr = False):
+        ASM_K: tl.constexpr = False, ASM_V: tl.constexpr = False, Q_POW2: tl.constexpr = False):
     DT = q_ptr.dtype.element_ty
     # the dots' operand type per side: quantized codes (int8 / fp8 / int4, all exact in float16) run in float16 also
     # under bfloat16 queries (q by an exact power-of-two row scale into float16's range: bf16's 8 mantissa bits fit
@@ -241,7 +240,7 @@ def _attn_kernel(
         qk_scale = sm_scale * tl.load(ks_ptr + kvh * D)
     if HAS_SINK:
         sink2 = tl.load(sink_ptr + h, mask=head_ok, other=0.0).to(tl.float32) * LOG2E
-    if DIRECT or FUSED_RED:
+    if DIRECT:
         if V_SCALE == 1 or V_SCALE == 2:
             vsa = tl.load(vs_ptr + kvh * D + vch, mask=vw_ok, other=0.0)
             vsb = tl.load(vs_ptr + kvh * D + vch + 1, mask=vw_ok, other=0.0)
@@ -428,64 +427,6 @@ def _attn_kernel(
                 tl.store(w_ptr + 1, acc_b, mask=w_ok)
             tl.store(wml_ptr + base * 2, m_i, mask=row_ok)
             tl.store(wml_ptr + base * 2 + 1, l_i, mask=row_ok)
-
-    if FUSED_RED:  # the last split of this (sequence, KV head, sub-group) to finish combines the partials
-        if V_SCALE == 1 or V_SCALE == 2:
-            v_mul = vsa
-        else:
-            v_mul = tl.full([VW_PAD], 1.0, tl.float32)
-        if HAS_SINK:
-            sink_r = sink2
-        else:
-            sink_r = tl.zeros([BLOCK_M], tl.float32)
-        _last_split_reduce(wacc_ptr, wml_ptr, out_ptr, sem_ptr, v_mul, sink_r, N, num_splits, q_start, n_q, b,
-                           jr, h64, head_ok, vch, vw_ok, H, DV, Q_CHUNK, BLOCK_M, VW_PAD, HAS_SINK)
-
-
-@triton.jit
-def _last_split_reduce(wacc_ptr, wml_ptr, out_ptr, sem_ptr, v_mul, sink2, N, num_splits, q_start, n_q, b, jr, h64,
-                       head_ok, vch, vw_ok, H: tl.constexpr, DV: tl.constexpr, Q_CHUNK: tl.constexpr,
-                       BLOCK_M: tl.constexpr, VW_PAD: tl.constexpr, HAS_SINK: tl.constexpr):
-    """The split-KV reduce in the attention launch (no _reduce_kernel): every split program counts itself on a
-    per-(sequence, axis-1 program) semaphore after its partials are stored (block barrier, then a release); the
-    one that counts last (acquire) resets the semaphore for the next launch and combines the S partials of each
-    row as _reduce_kernel does (max over the splits, weighted sums, sink, PER_TENSOR / PER_CHANNEL V scale).
-    The workspace loads bypass L1 (.cg): other SMs wrote them."""
-    tl.debug_barrier()
-    cnt = sem_ptr + b.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
-    if tl.atomic_add(cnt, 1, sem="acq_rel") == num_splits - 1:
-        tl.atomic_xchg(cnt, 0)
-        tl.debug_barrier()
-        for c in range(0, tl.cdiv(n_q, Q_CHUNK)):
-            j = c * Q_CHUNK + jr
-            t = q_start + j
-            row_ok = head_ok & (j < n_q) & (t < N) & (t >= 0)
-            t64 = t.to(tl.int64)
-            base = (t64 * H + h64) * num_splits
-            mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            for s in range(0, num_splits):
-                m = tl.load(wml_ptr + (base + s) * 2, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                mx = tl.maximum(mx, m)
-            if HAS_SINK:
-                mx = tl.maximum(mx, sink2)
-            mx = tl.where(mx == float("-inf"), 0.0, mx)
-            den = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, VW_PAD], tl.float32)
-            a_ok = row_ok[:, None] & vw_ok[None, :]
-            for s in range(0, num_splits):
-                m = tl.load(wml_ptr + (base + s) * 2, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                l = tl.load(wml_ptr + (base + s) * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
-                w = tl.exp2(m - mx)
-                den += l * w
-                a = tl.load(wacc_ptr + (base + s)[:, None] * DV + vch[None, :], mask=a_ok, other=0.0,
-                            cache_modifier=".cg")
-                acc += a * w[:, None]
-            if HAS_SINK:
-                den += tl.exp2(sink2 - mx)
-            o = acc * tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)[:, None]
-            o = o * v_mul[None, :]  # PER_TENSOR / PER_CHANNEL V scale, else 1
-            o_ptr = out_ptr + t64[:, None] * (H * DV) + h64[:, None] * DV + vch[None, :]
-            tl.store(o_ptr, o.to(out_ptr.dtype.element_ty), mask=a_ok)
 
 
 @triton.jit

@@ -142,10 +142,6 @@ QUANT_WIDE_WAVES: float | None = _env("PAGEDKIT_QUANT_WAVES", float)
 DECODE_QUERY_BOUND = 8
 DECODE_TILE: tuple[int, int] | None = _env("PAGEDKIT_DECODE_TILE", lambda v: tuple(int(x) for x in v.split("x", 1)))
 DECODE_WAVES: float | None = _env("PAGEDKIT_DECODE_WAVES", float)
-# the split-KV reduce inside the attention launch (the last split program of each sequence x KV head combines the
-# partials: _decode_kernels._last_split_reduce) instead of a second launch; PAGEDKIT_FUSED_REDUCE=0 turns it off
-FUSED_REDUCE: bool = _env("PAGEDKIT_FUSED_REDUCE", lambda v: v not in ("0", "false", "off"), True)
-_SEMS: dict[tuple, torch.Tensor] = {}
 _POISON = False  # tests: fill outputs and workspaces with NaN instead of leaving them uninitialized
 
 
@@ -174,21 +170,6 @@ def bnsh_capacity(capacity: int) -> int:
     """Key positions the BNSH accessor's virtual block table spans (output_qk's last dim): >= capacity."""
     bs = bnsh_block(capacity)
     return -(-capacity // bs) * bs
-
-
-def _semaphores(device: torch.device, n: int) -> torch.Tensor:
-    """int32 [n] zeros, one persistent tensor per (device, n): the fused reduce's split counters, left at zero by
-    every launch (the last split resets its counter). Made at the first call of its size outside a capture; one
-    first made inside a CUDA-graph capture belongs to that graph (its replays zero it first) and is not kept. Do
-    not run two launches of the same size concurrently on two streams (they would share the counters)."""
-    key = (str(device), n)
-    got = _SEMS.get(key)
-    if got is None:
-        got = torch.zeros(n, dtype=torch.int32, device=device)
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return got
-        _SEMS[key] = got
-    return got
 
 
 def _identity_table(device: torch.device, n: int) -> torch.Tensor:
@@ -375,8 +356,11 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
     prefill_tiles = block_m >= PREFILL_BLOCK_M and not quant and block_n is None and num_warps is None
     if prefill_tiles:  # (same sweep) 64-key tiles over 8 warps on large blocks; 32 keys, 4 warps on small ones
         block_n, num_warps = (64, 8) if BS >= 64 else (32, 4)
-    if block_n is None:  # one block per tile when blocks are small: a scalar block-table read per tile
-        block_n = min(BS, 32 if wide <= 256 else 16)
+    if block_n is None:  # one block per tile when blocks are small: a scalar block-table read per tile; tiles of
+        # ~4096 key channels (32 keys of 128, 64 of 64: H200, Llama-3.2-1B-shaped decode, 32 / 8 heads, head 64,
+        # 256-token blocks, a whole-step graph replay, benchmarks/results/step_profile.json: batch 8 / context 4096
+        # 1.513 -> 1.433 ms, batch 32 / 4096 2.345 -> 2.173 ms with 64-key tiles)
+        block_n = min(BS, 64 if wide <= 64 else 32 if wide <= 256 else 16)
     _check(block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n should be a power of two >= 16, got {block_n}")
     if num_warps is None:
         num_warps = (2 if block_n == 16 else 4) if wide <= 256 else 8
@@ -396,7 +380,6 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
                          waves or (WAVES_SMALL_TILES if block_n == 16 else WAVES))
     lanes = max(1, min(lanes, MAX_GRID_Z // S))
     direct = S == 1 and not v_rotation and qk_output != 2
-    fused = FUSED_REDUCE and not direct and lanes == 1 and qk_output != 2 and not v_rotation and not v_int4
 
     if direct:
         wacc = wml = out
@@ -405,7 +388,6 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         wml = _empty((n_tok, H, S, 2), torch.float32, dev)
 
     dummy = q
-    sem = _semaphores(dev, B * Hkv * n_sub) if fused else dummy
     kc_arg = key_cache.view(torch.uint8) if key_cache.dtype == torch.float8_e4m3fn else key_cache
     vc_arg = value_cache.view(torch.uint8) if value_cache.dtype == torch.float8_e4m3fn else value_cache
     ks = _static(k_scale, k_format, "k_scale", Hkv * D)
@@ -437,7 +419,7 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         ksc if ksc is not None else dummy, vsc if vsc is not None else dummy,
         csl, past, table, qpos if qpos is not None else dummy,
         sink if sink is not None else dummy, bias if bias is not None else dummy,
-        out, wacc, wml, qk if qk is not None else dummy, sem,
+        out, wacc, wml, qk if qk is not None else dummy,
         q.stride(0), q.stride(1), *k_st[:3], *v_st[:3], *ksc_st, *vsc_st,
         table.stride(0), *b_st, *b_cap, k_st[3], v_st[3], kv_cap, row_pad,
         n_tok, NB, MB, S, lanes, scale, float(softcap), window,
@@ -452,9 +434,8 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         I8_PV="v" in INT8_MMA and v_format.fmt == common.FMT_INT8 and block_n >= 32 and vw_pad >= 16,
         ASM_K="k" in QUANT_ASM.get(k_format.fmt, "") and not common.INTERPRET,
         ASM_V="v" in QUANT_ASM.get(v_format.fmt, "") and not common.INTERPRET,
-        Q_POW2=k_format.fmt != common.FMT_FLOAT and T == torch.bfloat16, FUSED_RED=fused, num_warps=num_warps,
-        **stages)
-    if direct or fused:
+        Q_POW2=k_format.fmt != common.FMT_FLOAT and T == torch.bfloat16, num_warps=num_warps, **stages)
+    if direct:
         return out, qk
 
     dv_pad = next_pow2(DV)
