@@ -34,8 +34,11 @@ sys.path.insert(0, str(REPO))
 
 
 def _row(text: str) -> tuple[int, int]:
-    b, c = text.lower().split("x", 1)
-    return int(b), int(c)
+    b, c = (int(v) for v in text.lower().split("x", 1))
+    if b < 1 or c <= 64:
+        raise argparse.ArgumentTypeError(f"row {text!r}: BATCHxCONTEXT with batch >= 1 and context > 64 (the prompts "
+                                         "are context - 64 tokens)")
+    return b, c
 
 
 def _config(text: str) -> dict:
@@ -167,6 +170,29 @@ def profile_row(model_dir: Path, batch: int, context: int, top: int, seed: int =
             "kernels": [{"name": n[:160], "calls": v[0], "us": round(v[1], 2)} for n, v in ranked[:top]]}
 
 
+def result_record(argv: list[str], device: str, rows: list[dict]) -> dict:
+    """The JSON --out writes: provenance, then the rows. A profile has no peer arm and no floor of its own:
+    paged-bench measures the same steps against onnxruntime-gpu and the bandwidth floor."""
+    import datetime
+    import os
+    import subprocess
+
+    import torch
+
+    commit = os.environ.get("PAGEDKIT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip() or None
+    return {"command": "python benchmarks/step_profile.py " + " ".join(argv), "device": device,
+            "device_name": torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else device,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "pagedkit_commit": commit, "torch": torch.__version__,
+            "note": "a profile: graph replays of one decode step per setting, no peer arm or floor (paged-bench "
+                    "has both for the same model)", "rows": rows}
+
+
+def _rows_of(data) -> list[dict]:
+    return data["rows"] if isinstance(data, dict) else data
+
+
 def pick(records: list[dict], min_gain: float = 0.02, max_loss: float = 0.01) -> dict[str, str]:
     """The PAGEDKIT_DECODE_TILE / _WAVES environment of the swept tile / waves setting with the best mean replay
     time relative to the defaults over the rows: at least min_gain faster on average, no row more than max_loss
@@ -200,7 +226,7 @@ def main(argv=None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["--pick"]:  # step_profile.py --pick FILE.json: the best swept knobs as shell assignments
-        env = pick(json.loads(Path(argv[1]).read_text()))
+        env = pick(_rows_of(json.loads(Path(argv[1]).read_text())))
         print(" ".join(f"{k}={v}" for k, v in env.items()))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -213,6 +239,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run (no replay timing)")
     args = ap.parse_args(argv)
+    argv = list(argv)
     out = []
     for b, c in args.rows:
         rec = profile_row(args.model_dir, b, c, args.top, device=args.device, sweep=args.sweep)
@@ -225,7 +252,7 @@ def main(argv=None) -> int:
         for k in rec["kernels"]:
             print(f"  {k['us']:9.1f} us {k['calls']:4d}x  {k['name'][:110]}")
     if args.out:
-        args.out.write_text(json.dumps(out, indent=1))
+        args.out.write_text(json.dumps(result_record(argv, args.device, out), indent=1) + "\n")
     return 0
 
 
