@@ -4,12 +4,14 @@ copy of the tree may carry a stale .git, so the caller can name the commit in PA
 from __future__ import annotations
 
 import importlib
-import os
 import platform
-import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pagedkit.runtime.bench import report  # noqa: E402  (the commit and settings facts paged-bench records too)
 
 
 def versions(modules=("triton", "onnxruntime", "onnx", "pagedkit")) -> dict:
@@ -21,13 +23,6 @@ def versions(modules=("triton", "onnxruntime", "onnx", "pagedkit")) -> dict:
             out[mod] = importlib.import_module(mod).__version__
         except Exception as exc:  # noqa: BLE001 - a missing package is a fact to record
             out[mod] = f"unavailable ({type(exc).__name__})"
-    try:
-        out["pagedkit_commit"] = os.environ.get("PAGEDKIT_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO, timeout=10,
-            check=False).stdout.strip() or None
-    except Exception:  # noqa: BLE001
-        out["pagedkit_commit"] = None
-    # the kernel settings the environment overrode (PAGEDKIT_QUANT_ASM, PAGEDKIT_INT8_MMA, ...), if any
-    out["settings_env"] = {k: v for k, v in sorted(os.environ.items())
-                           if k.startswith("PAGEDKIT_") and k != "PAGEDKIT_COMMIT"}
+    out["pagedkit_commit"] = report.pagedkit_commit()
+    out["settings_env"] = report.settings_env()  # the kernel settings the environment overrode, if any
     return out

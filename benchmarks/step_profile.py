@@ -49,8 +49,9 @@ def _config(text: str) -> dict:
     tile, _, waves = text.partition("@")
     out = {"name": text}
     if tile:
-        bn, nw = (int(v) for v in tile.split("x", 1))
-        out["tile"] = (bn, nw)
+        from pagedkit.kernels.triton.decode import parse_tile
+
+        out["tile"] = parse_tile(tile)
     if waves:
         out["waves"] = float(waves)
     return out
@@ -174,17 +175,15 @@ def result_record(argv: list[str], device: str, rows: list[dict]) -> dict:
     """The JSON --out writes: provenance, then the rows. A profile has no peer arm and no floor of its own:
     paged-bench measures the same steps against onnxruntime-gpu and the bandwidth floor."""
     import datetime
-    import os
-    import subprocess
 
     import torch
 
-    commit = os.environ.get("PAGEDKIT_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip() or None
+    from pagedkit.runtime.bench import report
+
     return {"command": "python benchmarks/step_profile.py " + " ".join(argv), "device": device,
-            "device_name": torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else device,
+            "device_name": report.device_name(device),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "pagedkit_commit": commit, "torch": torch.__version__,
+            "pagedkit_commit": report.pagedkit_commit(), "env": report.settings_env(), "torch": torch.__version__,
             "note": "a profile: graph replays of one decode step per setting, no peer arm or floor (paged-bench "
                     "has both for the same model)", "rows": rows}
 

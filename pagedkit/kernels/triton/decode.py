@@ -131,8 +131,15 @@ QUANT_ASM = parse_quant_asm(_env("PAGEDKIT_QUANT_ASM", str, "v"))
 QUANT_STAGES: int | None = _env("PAGEDKIT_QUANT_STAGES", int)
 # (block_n, num_warps) of quantized caches once the grid fills the SMs (see QUANT_WIDE_PROGRAMS);
 # PAGEDKIT_QUANT_TILE="BNxNW" overrides (tuning runs)
-QUANT_WIDE_TILE: tuple[int, int] = _env("PAGEDKIT_QUANT_TILE", lambda v: tuple(int(x) for x in v.split("x", 1)),
-                                        (128, 4))
+def parse_tile(value: str) -> tuple[int, int]:
+    """"BNxNW" (keys per tile x warps) -> (block_n, num_warps)."""
+    bn, sep, nw = value.partition("x")
+    if not sep:
+        raise ValueError("expected BNxNW, e.g. 64x4")
+    return int(bn), int(nw)
+
+
+QUANT_WIDE_TILE: tuple[int, int] = _env("PAGEDKIT_QUANT_TILE", parse_tile, (128, 4))
 # programs per SM the splits aim for with those tiles (None: WAVES); PAGEDKIT_QUANT_WAVES overrides (tuning runs)
 QUANT_WIDE_WAVES: float | None = _env("PAGEDKIT_QUANT_WAVES", float)
 # (block_n, num_warps) of float caches at decode-sized queries (<= DECODE_QUERY_BOUND tokens a sequence) through the
@@ -140,7 +147,7 @@ QUANT_WIDE_WAVES: float | None = _env("PAGEDKIT_QUANT_WAVES", float)
 # WAVES_SMALL_TILES); PAGEDKIT_DECODE_TILE="BNxNW" / PAGEDKIT_DECODE_WAVES override them (tuning runs,
 # benchmarks/step_profile.py --sweep sets them in-process)
 DECODE_QUERY_BOUND = 8
-DECODE_TILE: tuple[int, int] | None = _env("PAGEDKIT_DECODE_TILE", lambda v: tuple(int(x) for x in v.split("x", 1)))
+DECODE_TILE: tuple[int, int] | None = _env("PAGEDKIT_DECODE_TILE", parse_tile)
 DECODE_WAVES: float | None = _env("PAGEDKIT_DECODE_WAVES", float)
 _POISON = False  # tests: fill outputs and workspaces with NaN instead of leaving them uninitialized
 

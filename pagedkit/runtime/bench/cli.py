@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import shlex
 import statistics
 import sys
@@ -197,7 +196,7 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
         "device": device, "device_name": report.device_name(device),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": versions, "pagedkit_commit": report.pagedkit_commit(),
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("PAGEDKIT_") and k != "PAGEDKIT_COMMIT"},
+        "env": report.settings_env(),
         "model": _model_summary(model_dir, cfg, model_path, weights, layers, pm),
         "settings": {"batches": args.batches, "contexts": args.contexts, "decode_steps": args.decode_steps,
                      "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed, "arms": arms, "max_num_tokens": budget,
