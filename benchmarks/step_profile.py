@@ -43,33 +43,50 @@ def _row(text: str) -> tuple[int, int]:
 
 def _config(text: str) -> dict:
     """A --sweep entry: "default", "dedup" (the cache write with its duplicate-slot handling, as without the
-    engine's distinct-slots promise), "BNxNW" (decode tile: block_n x num_warps), "@W" (split waves), "BNxNW@W"."""
+    engine's distinct-slots promise), or "+"-joined settings: "BNxNW" (decode tile: block_n x num_warps), "@W"
+    (split waves), "sN" (software-pipeline stages of the decode attention), "pdl" (programmatic dependent launch
+    of the Triton kernels, kernels/triton/common.PDL); "BNxNW@W" is also accepted."""
     if text in ("default", "dedup"):
         return {"name": text}
-    tile, _, waves = text.partition("@")
     out = {"name": text}
-    if tile:
-        from pagedkit.kernels.triton.decode import parse_tile
+    for part in text.split("+"):
+        if part == "pdl":
+            out["pdl"] = True
+            continue
+        if part[:1] == "s" and part[1:].isdigit():
+            out["stages"] = int(part[1:])
+            continue
+        tile, _, waves = part.partition("@")
+        if tile:
+            from pagedkit.kernels.triton.decode import parse_tile
 
-        out["tile"] = parse_tile(tile)
-    if waves:
-        out["waves"] = float(waves)
+            out["tile"] = parse_tile(tile)
+        if waves:
+            out["waves"] = float(waves)
     return out
+
+
+_KNOBS = {"tile": ("DECODE_TILE", "PAGEDKIT_DECODE_TILE"), "waves": ("DECODE_WAVES", "PAGEDKIT_DECODE_WAVES"),
+          "stages": ("DECODE_STAGES", "PAGEDKIT_DECODE_STAGES")}
 
 
 @contextlib.contextmanager
 def _applied(cfg: dict):
     from pagedkit.kernels import scope
-    from pagedkit.kernels.triton import decode
+    from pagedkit.kernels.triton import common, decode
 
-    saved = decode.DECODE_TILE, decode.DECODE_WAVES, scope.distinct_slots
-    decode.DECODE_TILE, decode.DECODE_WAVES = cfg.get("tile"), cfg.get("waves")
+    saved = {k: getattr(decode, attr) for k, (attr, _) in _KNOBS.items()}, common.PDL, scope.distinct_slots
+    for k, (attr, _) in _KNOBS.items():
+        setattr(decode, attr, cfg.get(k))
+    common.PDL = bool(cfg.get("pdl", False))
     if cfg["name"] == "dedup":
         scope.distinct_slots = lambda: False
     try:
         yield
     finally:
-        decode.DECODE_TILE, decode.DECODE_WAVES, scope.distinct_slots = saved
+        for k, (attr, _) in _KNOBS.items():
+            setattr(decode, attr, saved[0][k])
+        common.PDL, scope.distinct_slots = saved[1], saved[2]
 
 
 def profile_row(model_dir: Path, batch: int, context: int, top: int, seed: int = 0, device: str = "cuda",
@@ -200,7 +217,7 @@ def pick(records: list[dict], min_gain: float = 0.02, max_loss: float = 0.01) ->
     names = [sw["config"] for sw in records[0]["sweep"]] if records else []
     for name in names:
         cfg = _config(name)
-        if "tile" not in cfg and "waves" not in cfg:
+        if not any(k in cfg for k in (*_KNOBS, "pdl")):
             continue
         ratios = []
         for rec in records:
@@ -214,10 +231,11 @@ def pick(records: list[dict], min_gain: float = 0.02, max_loss: float = 0.01) ->
                 best, best_gain = cfg, gain
     env = {}
     if best is not None:
-        if "tile" in best:
-            env["PAGEDKIT_DECODE_TILE"] = "x".join(str(v) for v in best["tile"])
-        if "waves" in best:
-            env["PAGEDKIT_DECODE_WAVES"] = str(best["waves"])
+        for k, (_, var) in _KNOBS.items():
+            if k in best:
+                env[var] = "x".join(str(v) for v in best[k]) if k == "tile" else str(best[k])
+        if best.get("pdl"):
+            env["PAGEDKIT_PDL"] = "1"
     return env
 
 

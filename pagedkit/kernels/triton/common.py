@@ -86,6 +86,45 @@ def static_scale_vector(scale: torch.Tensor | None, kv_heads: int, head_size: in
     return flat.contiguous()
 
 
+# Programmatic dependent launch (Hopper and newer): a kernel launched with `launch_pdl` may start while its
+# predecessor in the stream drains; its first instruction (`pdl_gate`) waits until the predecessor has completed
+# and its writes are visible, then lets the next PDL launch start early. A decode step's small launches (norms,
+# cache write, attention, reduce, SwiGLU) then overlap their launch latency with the kernel before them.
+# PAGEDKIT_PDL=1 turns it on; `pdl_launch(device)` gives the launch options ({} where off or unsupported).
+PDL = os.environ.get("PAGEDKIT_PDL", "0") == "1"
+
+
+def _launcher_has_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # pragma: no cover - triton without the NVIDIA backend
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+_PDL_DEVICES: dict[str, bool] = {}
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """{"launch_pdl": True} when PDL is on, the launcher has it and `device` is a CUDA device of compute
+    capability >= 9.0; else {} (the interpreter, the CPU, older GPUs). Kernels take PDL=bool(result)."""
+    if not PDL or INTERPRET or not HAVE_TRITON or device.type != "cuda":
+        return {}
+    key = str(device)
+    if key not in _PDL_DEVICES:
+        _PDL_DEVICES[key] = _launcher_has_pdl() and torch.cuda.get_device_capability(device)[0] >= 9
+    return {"launch_pdl": True} if _PDL_DEVICES[key] else {}
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def pdl_gate():
+        """Wait for the predecessor grid (its writes visible), then allow the dependent launch to begin."""
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
