@@ -45,13 +45,23 @@ def _config(text: str) -> dict:
     """A --sweep entry: "default", "dedup" (the cache write with its duplicate-slot handling, as without the
     engine's distinct-slots promise), or "+"-joined settings: "BNxNW" (decode tile: block_n x num_warps), "@W"
     (split waves), "sN" (software-pipeline stages of the decode attention), "pdl" (programmatic dependent launch
-    of the Triton kernels, kernels/triton/common.PDL); "BNxNW@W" is also accepted."""
+    of the Triton kernels, kernels/triton/common.PDL), "cublas" / "skinny" (the products through cuBLAS / the
+    skinny Triton kernel, kernels/triton/skinny.ENABLED), "tBNxBKxSxW" (the skinny tile); "BNxNW@W" is also
+    accepted."""
     if text in ("default", "dedup"):
         return {"name": text}
     out = {"name": text}
     for part in text.split("+"):
         if part == "pdl":
             out["pdl"] = True
+            continue
+        if part in ("cublas", "skinny"):  # the decode products through cuBLAS / the skinny Triton kernel
+            out["skinny"] = part == "skinny"
+            continue
+        if part[:1] == "t" and part[1:2].isdigit():  # the skinny kernel's tile BNxBKxSTAGESxWARPS
+            from pagedkit.kernels.triton.skinny import _tile
+
+            out["skinny_tile"] = _tile(part[1:])
             continue
         if part[:1] == "s" and part[1:].isdigit():
             out["stages"] = int(part[1:])
@@ -73,12 +83,15 @@ _KNOBS = {"tile": ("DECODE_TILE", "PAGEDKIT_DECODE_TILE"), "waves": ("DECODE_WAV
 @contextlib.contextmanager
 def _applied(cfg: dict):
     from pagedkit.kernels import scope
-    from pagedkit.kernels.triton import common, decode
+    from pagedkit.kernels.triton import common, decode, skinny
 
-    saved = {k: getattr(decode, attr) for k, (attr, _) in _KNOBS.items()}, common.PDL, scope.distinct_slots
+    saved = ({k: getattr(decode, attr) for k, (attr, _) in _KNOBS.items()}, common.PDL, scope.distinct_slots,
+             skinny.ENABLED, skinny.TILE)
     for k, (attr, _) in _KNOBS.items():
         setattr(decode, attr, cfg.get(k))
-    common.PDL = bool(cfg.get("pdl", False))
+    common.PDL = bool(cfg.get("pdl", saved[1]))
+    skinny.ENABLED = cfg.get("skinny", saved[3])
+    skinny.TILE = cfg.get("skinny_tile", saved[4])
     if cfg["name"] == "dedup":
         scope.distinct_slots = lambda: False
     try:
@@ -86,7 +99,7 @@ def _applied(cfg: dict):
     finally:
         for k, (attr, _) in _KNOBS.items():
             setattr(decode, attr, saved[0][k])
-        common.PDL, scope.distinct_slots = saved[1], saved[2]
+        common.PDL, scope.distinct_slots, skinny.ENABLED, skinny.TILE = saved[1:]
 
 
 def profile_row(model_dir: Path, batch: int, context: int, top: int, seed: int = 0, device: str = "cuda",
@@ -217,7 +230,7 @@ def pick(records: list[dict], min_gain: float = 0.02, max_loss: float = 0.01) ->
     names = [sw["config"] for sw in records[0]["sweep"]] if records else []
     for name in names:
         cfg = _config(name)
-        if not any(k in cfg for k in (*_KNOBS, "pdl")):
+        if not any(k in cfg for k in (*_KNOBS, "pdl", "skinny", "skinny_tile")):
             continue
         ratios = []
         for rec in records:
@@ -236,6 +249,10 @@ def pick(records: list[dict], min_gain: float = 0.02, max_loss: float = 0.01) ->
                 env[var] = "x".join(str(v) for v in best[k]) if k == "tile" else str(best[k])
         if best.get("pdl"):
             env["PAGEDKIT_PDL"] = "1"
+        if "skinny" in best:
+            env["PAGEDKIT_SKINNY"] = "1" if best["skinny"] else "0"
+        if "skinny_tile" in best:
+            env["PAGEDKIT_SKINNY_TILE"] = "x".join(str(v) for v in best["skinny_tile"])
     return env
 
 
