@@ -9,7 +9,6 @@ Prints us per (norm + product) round and the best tile per shape; --out writes J
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -71,7 +70,8 @@ def main() -> int:
     if args.quick:
         tiles = [(16, 512, 1, 4), (16, 512, 3, 4), (32, 512, 3, 4), (16, 256, 4, 4)]
     else:
-        tiles = [(bn, bk, st, nw) for bn, bk, st, nw in itertools.product((16, 32), (256, 512), (1, 2, 3, 4), (4, 8))]
+        tiles = [(16, 512, 1, 4), (16, 512, 3, 4), (16, 256, 4, 4), (16, 1024, 2, 8), (32, 512, 1, 4),
+                 (32, 512, 3, 4), (32, 256, 4, 4), (64, 256, 3, 4)]
     res = {}
     for m in args.rows:
         for k, n in SHAPES:
