@@ -45,23 +45,18 @@ def _config(text: str) -> dict:
     """A --sweep entry: "default", "dedup" (the cache write with its duplicate-slot handling, as without the
     engine's distinct-slots promise), or "+"-joined settings: "BNxNW" (decode tile: block_n x num_warps), "@W"
     (split waves), "sN" (software-pipeline stages of the decode attention), "pdl" (programmatic dependent launch
-    of the Triton kernels, kernels/triton/common.PDL), "cublas" / "skinny" (the products through cuBLAS / the
-    skinny Triton kernel, kernels/triton/skinny.ENABLED), "tBNxBKxSxW" (the skinny tile); "BNxNW@W" is also
-    accepted."""
+    of the Triton kernels, kernels/triton/common.PDL; "pdlN": only launches of <= N programs,
+    PDL_MAX_PROGRAMS; "late": released as programs exit); "BNxNW@W" is also accepted."""
     if text in ("default", "dedup"):
         return {"name": text}
     out = {"name": text}
     for part in text.split("+"):
-        if part == "pdl":
+        if part == "late":  # PDL's dependent launch released as programs exit
+            out["pdl_late"] = True
+            continue
+        if part.startswith("pdl") and (part == "pdl" or part[3:].isdigit()):  # "pdlN": launches of <= N programs
             out["pdl"] = True
-            continue
-        if part in ("cublas", "skinny"):  # the decode products through cuBLAS / the skinny Triton kernel
-            out["skinny"] = part == "skinny"
-            continue
-        if part[:1] == "t" and part[1:2].isdigit():  # the skinny kernel's tile BNxBKxSTAGESxWARPS
-            from pagedkit.kernels.triton.skinny import _tile
-
-            out["skinny_tile"] = _tile(part[1:])
+            out["pdl_max"] = int(part[3:] or 0)
             continue
         if part[:1] == "s" and part[1:].isdigit():
             out["stages"] = int(part[1:])
@@ -83,15 +78,15 @@ _KNOBS = {"tile": ("DECODE_TILE", "PAGEDKIT_DECODE_TILE"), "waves": ("DECODE_WAV
 @contextlib.contextmanager
 def _applied(cfg: dict):
     from pagedkit.kernels import scope
-    from pagedkit.kernels.triton import common, decode, skinny
+    from pagedkit.kernels.triton import common, decode
 
     saved = ({k: getattr(decode, attr) for k, (attr, _) in _KNOBS.items()}, common.PDL, scope.distinct_slots,
-             skinny.ENABLED, skinny.TILE)
+             common.PDL_MAX_PROGRAMS, common.PDL_EARLY_RELEASE)
     for k, (attr, _) in _KNOBS.items():
         setattr(decode, attr, cfg.get(k))
     common.PDL = bool(cfg.get("pdl", saved[1]))
-    skinny.ENABLED = cfg.get("skinny", saved[3])
-    skinny.TILE = cfg.get("skinny_tile", saved[4])
+    common.PDL_MAX_PROGRAMS = cfg.get("pdl_max", saved[3])
+    common.PDL_EARLY_RELEASE = not cfg.get("pdl_late", not saved[4])
     if cfg["name"] == "dedup":
         scope.distinct_slots = lambda: False
     try:
@@ -99,7 +94,7 @@ def _applied(cfg: dict):
     finally:
         for k, (attr, _) in _KNOBS.items():
             setattr(decode, attr, saved[0][k])
-        common.PDL, scope.distinct_slots, skinny.ENABLED, skinny.TILE = saved[1:]
+        common.PDL, scope.distinct_slots, common.PDL_MAX_PROGRAMS, common.PDL_EARLY_RELEASE = saved[1:]
 
 
 def profile_row(model_dir: Path, batch: int, context: int, top: int, seed: int = 0, device: str = "cuda",
@@ -230,7 +225,7 @@ def pick(records: list[dict], min_gain: float = 0.02, max_loss: float = 0.01) ->
     names = [sw["config"] for sw in records[0]["sweep"]] if records else []
     for name in names:
         cfg = _config(name)
-        if not any(k in cfg for k in (*_KNOBS, "pdl", "skinny", "skinny_tile")):
+        if not any(k in cfg for k in (*_KNOBS, "pdl")):
             continue
         ratios = []
         for rec in records:
@@ -249,10 +244,10 @@ def pick(records: list[dict], min_gain: float = 0.02, max_loss: float = 0.01) ->
                 env[var] = "x".join(str(v) for v in best[k]) if k == "tile" else str(best[k])
         if best.get("pdl"):
             env["PAGEDKIT_PDL"] = "1"
-        if "skinny" in best:
-            env["PAGEDKIT_SKINNY"] = "1" if best["skinny"] else "0"
-        if "skinny_tile" in best:
-            env["PAGEDKIT_SKINNY_TILE"] = "x".join(str(v) for v in best["skinny_tile"])
+            if best.get("pdl_late"):
+                env["PAGEDKIT_PDL_LATE"] = "1"
+            if best.get("pdl_max"):
+                env["PAGEDKIT_PDL_MAX_PROGRAMS"] = str(best["pdl_max"])
     return env
 
 

@@ -182,9 +182,9 @@ def _attn_kernel(
         NEED_NAT: tl.constexpr, INTERP: tl.constexpr, LANES: tl.constexpr, PADDED: tl.constexpr,
         BIAS_AFTER: tl.constexpr, I8_QK: tl.constexpr = False, I8_PV: tl.constexpr = False,
         ASM_K: tl.constexpr = False, ASM_V: tl.constexpr = False, Q_POW2: tl.constexpr = False,
-        PDL: tl.constexpr = False):
+        PDL: tl.constexpr = 0):
     if PDL:
-        pdl_gate()
+        pdl_gate(PDL)
     DT = q_ptr.dtype.element_ty
     # the dots' operand type per side: quantized codes (int8 / fp8 / int4, all exact in float16) run in float16 also
     # under bfloat16 queries (q by an exact power-of-two row scale into float16's range: bf16's 8 mantissa bits fit
@@ -437,9 +437,9 @@ def _attn_kernel(
 def _reduce_kernel(wacc_ptr, wml_ptr, sink_ptr, vs_ptr, out_ptr, mlf_ptr, num_splits, inv_sqrt_dv,
                    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
                    S_BLOCK: tl.constexpr, ROT_J: tl.constexpr, HAS_SINK: tl.constexpr, V_SCALE: tl.constexpr,
-                   ROTATE: tl.constexpr, STORE_ML: tl.constexpr, PDL: tl.constexpr = False):
+                   ROTATE: tl.constexpr, STORE_ML: tl.constexpr, PDL: tl.constexpr = 0):
     if PDL:
-        pdl_gate()
+        pdl_gate(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     base = (t * H + h) * num_splits

@@ -46,7 +46,7 @@ import torch
 
 from ._rope_quant import bf16_bits, encode_store, side_rows
 from .common import (FMT_FLOAT, FMT_FP8, FMT_INT4, FMT_INT8, QMAX, SCALE_CHANNEL, SCALE_NONE, SCALE_TOKEN,
-                     SideFormat, next_pow2, pdl_gate, pdl_launch, static_scale_vector, tl, triton)
+                     SideFormat, next_pow2, pdl_gate, pdl_launch, pdl_mode, static_scale_vector, tl, triton)
 
 _TILE = 2048  # elements of one program's [heads, BLOCK_D] tile
 _STATES: dict[tuple, torch.Tensor] = {}
@@ -99,9 +99,9 @@ def _write_kernel(q_ptr, q_rs, k_ptr, k_rs, v_ptr, v_rs, out_ptr, state_ptr, N,
                   KB: tl.constexpr, INV_SQRT_D: tl.constexpr, OUT_BF16: tl.constexpr,
                   K_FMT: tl.constexpr, K_SCALE: tl.constexpr, K_BF16: tl.constexpr, K_QMAX: tl.constexpr,
                   V_FMT: tl.constexpr, V_SCALE: tl.constexpr, V_BF16: tl.constexpr, V_QMAX: tl.constexpr,
-                  DEDUP: tl.constexpr, PDL: tl.constexpr = False):
+                  DEDUP: tl.constexpr, PDL: tl.constexpr = 0):
     if PDL:
-        pdl_gate()
+        pdl_gate(PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     slot, pos = _token_slot(t, csl_ptr, past_ptr, bt_ptr, bt_s0, bt_s1, slotmap_ptr, qpos_ptr, MB, NB, P,
@@ -344,7 +344,7 @@ def write_kv(query, key, value, *, num_heads: int, kv_num_heads: int, head_size:
     nq = -(-H // qh)
     ks = ksc.stride() if ksc is not None else (0, 0, 0)
     vs = vsc.stride() if vsc is not None else (0, 0, 0)
-    pdl = pdl_launch(dev)
+    pdl = pdl_launch(dev, N * (nq + 1))
     _write_kernel[(N, nq + 1)](
         q_in, q_in.stride(0), k_in, k_in.stride(0), v_in if v_in is not None else k_in,
         (v_in if v_in is not None else k_in).stride(0), out.view(torch.int16) if T == torch.bfloat16 else out,
@@ -367,5 +367,5 @@ def write_kv(query, key, value, *, num_heads: int, kv_num_heads: int, head_size:
         KB=min(block_d, 32), INV_SQRT_D=float(1.0 / math.sqrt(D)), OUT_BF16=T == torch.bfloat16,
         K_FMT=k_format.fmt, K_SCALE=k_format.scale, K_BF16=k_bf16, K_QMAX=QMAX.get(k_format.fmt, 1.0),
         V_FMT=vfmt.fmt, V_SCALE=vfmt.scale, V_BF16=v_bf16, V_QMAX=QMAX.get(vfmt.fmt, 1.0),
-        DEDUP=not unique_slots, num_warps=4, PDL=bool(pdl), **pdl)
+        DEDUP=not unique_slots, num_warps=4, PDL=pdl_mode(pdl), **pdl)
     return out

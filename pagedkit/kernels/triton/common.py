@@ -92,6 +92,11 @@ def static_scale_vector(scale: torch.Tensor | None, kv_heads: int, head_size: in
 # cache write, attention, reduce, SwiGLU) then overlap their launch latency with the kernel before them.
 # PAGEDKIT_PDL=1 turns it on; `pdl_launch(device)` gives the launch options ({} where off or unsupported).
 PDL = os.environ.get("PAGEDKIT_PDL", "0") == "1"
+# launches of more programs than this skip PDL (0: no cap); PAGEDKIT_PDL_MAX_PROGRAMS (tuning)
+PDL_MAX_PROGRAMS = int(os.environ.get("PAGEDKIT_PDL_MAX_PROGRAMS", "0") or 0)
+# release the dependent launch right after the wait (True) or only when each program exits (False);
+# PAGEDKIT_PDL_LATE=1 (tuning)
+PDL_EARLY_RELEASE = os.environ.get("PAGEDKIT_PDL_LATE", "0") != "1"
 
 
 def _launcher_has_pdl() -> bool:
@@ -105,10 +110,13 @@ def _launcher_has_pdl() -> bool:
 _PDL_DEVICES: dict[str, bool] = {}
 
 
-def pdl_launch(device: torch.device) -> dict:
-    """{"launch_pdl": True} when PDL is on, the launcher has it and `device` is a CUDA device of compute
-    capability >= 9.0; else {} (the interpreter, the CPU, older GPUs). Kernels take PDL=bool(result)."""
+def pdl_launch(device: torch.device, programs: int = 0) -> dict:
+    """{"launch_pdl": True} when PDL is on, the launcher has it, `device` is a CUDA device of compute
+    capability >= 9.0 and the grid's `programs` are within PDL_MAX_PROGRAMS; else {} (the interpreter, the CPU,
+    older GPUs). Kernels take PDL=pdl_mode(result)."""
     if not PDL or INTERPRET or not HAVE_TRITON or device.type != "cuda":
+        return {}
+    if PDL_MAX_PROGRAMS and programs > PDL_MAX_PROGRAMS:
         return {}
     key = str(device)
     if key not in _PDL_DEVICES:
@@ -116,13 +124,20 @@ def pdl_launch(device: torch.device) -> dict:
     return {"launch_pdl": True} if _PDL_DEVICES[key] else {}
 
 
+def pdl_mode(launch: dict) -> int:
+    """The kernels' PDL constexpr for pdl_launch's result: 0 off, 1 wait then release, 2 wait only."""
+    return 0 if not launch else 1 if PDL_EARLY_RELEASE else 2
+
+
 if HAVE_TRITON:
     @triton.jit
-    def pdl_gate():
-        """Wait for the predecessor grid (its writes visible), then allow the dependent launch to begin."""
+    def pdl_gate(MODE: tl.constexpr):
+        """Wait for the predecessor grid (its writes visible); MODE 1 then allows the dependent launch to begin
+        (MODE 2: it begins as this grid's programs exit)."""
         tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+        if MODE == 1:
+            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                      is_pure=False, pack=1)
 
 
 def next_pow2(n: int) -> int:

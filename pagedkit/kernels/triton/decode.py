@@ -425,7 +425,7 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
     if num_stages is None and not quant:
         num_stages = DECODE_STAGES if q_bound <= DECODE_QUERY_BOUND and not bnsh else None
     stages = {} if num_stages is None else {"num_stages": int(num_stages)}
-    pdl = common.pdl_launch(dev)
+    pdl = common.pdl_launch(dev, B * Hkv * n_sub * S * lanes)
     K._attn_kernel[(B, Hkv * n_sub, S * lanes)](
         q, kc_arg, vc_arg, ks if ks is not None else dummy, vs if vs is not None else dummy,
         ksc if ksc is not None else dummy, vsc if vsc is not None else dummy,
@@ -446,18 +446,19 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         I8_PV="v" in INT8_MMA and v_format.fmt == common.FMT_INT8 and block_n >= 32 and vw_pad >= 16,
         ASM_K="k" in QUANT_ASM.get(k_format.fmt, "") and not common.INTERPRET,
         ASM_V="v" in QUANT_ASM.get(v_format.fmt, "") and not common.INTERPRET,
-        Q_POW2=k_format.fmt != common.FMT_FLOAT and T == torch.bfloat16, num_warps=num_warps, PDL=bool(pdl), **stages,
-        **pdl)
+        Q_POW2=k_format.fmt != common.FMT_FLOAT and T == torch.bfloat16, num_warps=num_warps,
+        PDL=common.pdl_mode(pdl), **stages, **pdl)
     if direct:
         return out, qk
 
     dv_pad = next_pow2(DV)
+    pdl_r = common.pdl_launch(dev, n_tok * H)
     mlf = _empty((n_tok, H, 2), torch.float32, dev) if qk_output == 2 else wml
     K._reduce_kernel[(n_tok, H)](
         wacc, wml, sink if sink is not None else dummy, vs if vs is not None else dummy, out, mlf, S,
         1.0 / math.sqrt(DV), H=H, G=G, D=D, DV=DV, DV_PAD=dv_pad, S_BLOCK=min(next_pow2(S), 16),
         ROT_J=min(dv_pad, 32), HAS_SINK=sink is not None, V_SCALE=v_format.scale, ROTATE=bool(v_rotation),
-        STORE_ML=qk_output == 2, num_warps=4, PDL=bool(pdl), **pdl)
+        STORE_ML=qk_output == 2, num_warps=4, PDL=common.pdl_mode(pdl_r), **pdl_r)
     if qk_output == 2:
         blk = min(1024, next_pow2(C))
         K._probs_kernel[(H * n_tok, -(-C // blk))](qk, mlf, n_tok, C, H=H, BLOCK=blk, num_warps=4)

@@ -26,9 +26,9 @@ if common.HAVE_TRITON:
     @triton.jit
     def _rms_kernel(x_ptr, skip_ptr, bias_ptr, gamma_ptr, y_ptr, sum_ptr, H, eps,
                     HAS_SKIP: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_SUM: tl.constexpr, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    PDL: tl.constexpr = 0):
         if PDL:
-            common.pdl_gate()
+            common.pdl_gate(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
@@ -72,10 +72,10 @@ def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float, *, skip: torch.Te
     s = torch.empty_like(x) if want_sum else None
     if rows:
         block = triton.next_power_of_2(h)
-        pdl = common.pdl_launch(x.device)
+        pdl = common.pdl_launch(x.device, rows)
         gamma = gamma if gamma.is_contiguous() else gamma.contiguous()
         _rms_kernel[(rows,)](x, skip if skip is not None else x, bias if bias is not None else gamma, gamma, y,
                              s if s is not None else y, h, float(eps), HAS_SKIP=skip is not None,
                              HAS_BIAS=bias is not None, WRITE_SUM=want_sum, BLOCK=block,
-                             num_warps=4 if block <= 4096 else 8, PDL=bool(pdl), **pdl)
+                             num_warps=4 if block <= 4096 else 8, PDL=common.pdl_mode(pdl), **pdl)
     return y, s

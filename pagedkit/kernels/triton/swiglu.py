@@ -20,9 +20,9 @@ if common.HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _silu_mul_kernel(y_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    def _silu_mul_kernel(y_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
         if PDL:
-            common.pdl_gate()
+            common.pdl_gate(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < N
@@ -44,6 +44,7 @@ def silu_mul(y: torch.Tensor, split: int) -> torch.Tensor:
     out = torch.empty((*y.shape[:-1], split), dtype=y.dtype, device=y.device)
     block = min(1024, triton.next_power_of_2(split))
     if rows:
-        pdl = common.pdl_launch(y.device)
-        _silu_mul_kernel[(rows, triton.cdiv(split, block))](y, out, split, BLOCK=block, PDL=bool(pdl), **pdl)
+        pdl = common.pdl_launch(y.device, rows * triton.cdiv(split, block))
+        _silu_mul_kernel[(rows, triton.cdiv(split, block))](y, out, split, BLOCK=block, PDL=common.pdl_mode(pdl),
+                                                            **pdl)
     return out

@@ -18,10 +18,6 @@ once for its kernel, replacing the stored tensor (`PackedLinear`, packed.py):
   slice temporaries had left a float32 copy of the whole lm_head resident and faulted it in page by page:
   +3.7 GB and 5.5 s at DeepSeek-V3's lm_head);
 - bfloat16: [N, K], F.linear in bfloat16 (oneDNN; fast at every M).
-On CUDA a constant 2-D float16 / bfloat16 B becomes [N, K] on the device (`_CudaLinear`): products of up to
-kernels/triton/skinny.MAX_ROWS rows (a decode step) run the one-launch skinny Triton kernel (no split-K, and
-under programmatic dependent launch its weight stream starts while the previous kernel drains), more rows
-cuBLAS through F.linear.
 Same values as the unpacked path up to summation order."""
 
 from __future__ import annotations
@@ -116,28 +112,6 @@ class _Linear(PackedLinear):
         return y_nm.T.to(self.dtype)
 
 
-class _CudaLinear(PackedLinear):
-    """y = a @ B on CUDA for a [..., K] in B's dtype (float16 / bfloat16); B held as [N, K] on the device."""
-
-    def __init__(self, b_kn: torch.Tensor, device: torch.device, consume: bool = False):
-        k, n = b_kn.shape
-        self.shape, self.dtype, self.device = (k, n), b_kn.dtype, device
-        self.in_features, self.out_features = k, n
-        w = transpose_releasing(b_kn) if consume and b_kn.device.type == "cpu" else b_kn.T.contiguous()
-        self.weight = w.to(device).contiguous()  # [N, K]
-        self.layout = f"[N, K] {str(b_kn.dtype).replace('torch.', '')} on {device.type}"
-        self.nbytes = k * n * b_kn.element_size()
-
-    def matmul(self, a: torch.Tensor) -> torch.Tensor:
-        if a.dtype != self.dtype:
-            raise TypeError(f"MatMul: A is {a.dtype}, the prepacked B is {self.dtype}")
-        from ...kernels.triton import skinny
-
-        if skinny.serves(a, self.weight):
-            return skinny.skinny_matmul(a, self.weight)
-        return F.linear(a, self.weight)
-
-
 def _packable(b) -> bool:
     return (isinstance(b, torch.Tensor) and b.dim() == 2 and b.device.type == "cpu" and b.numel() >= 1 << 12
             and b.dtype in (torch.float32, torch.float16, torch.bfloat16))
@@ -172,11 +146,6 @@ class _BatchedLinear(PackedLinear):
 def _prepack_matmul(inputs, attrs, ctx):
     """A constant 2-D B [K, N] on the CPU -> _Linear; a 3-D B [E, K, N] -> _BatchedLinear."""
     b = inputs[1]
-    if torch.device(ctx.device).type == "cuda":
-        if (isinstance(b, torch.Tensor) and b.dim() == 2 and b.numel() >= 1 << 12
-                and b.dtype in (torch.float16, torch.bfloat16)):
-            return {1: _CudaLinear(b, torch.device(ctx.device), consume=1 in ctx.consumable)}
-        return {}
     if str(ctx.device) != "cpu":
         return {}
     if isinstance(b, torch.Tensor) and b.dim() == 3 and b.shape[0] > 0 and _packable(b[0]):
