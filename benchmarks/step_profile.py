@@ -46,11 +46,18 @@ def _config(text: str) -> dict:
     engine's distinct-slots promise), or "+"-joined settings: "BNxNW" (decode tile: block_n x num_warps), "@W"
     (split waves), "sN" (software-pipeline stages of the decode attention), "pdl" (programmatic dependent launch
     of the Triton kernels, kernels/triton/common.PDL; "pdlN": only launches of <= N programs,
-    PDL_MAX_PROGRAMS; "late": released as programs exit); "BNxNW@W" is also accepted."""
+    PDL_MAX_PROGRAMS; "late": released as programs exit, "nopdl": off), "lt" / "nored" (cuBLAS through the cublasLt heuristics / without
+    reduced-precision split-K reductions); "BNxNW@W" is also accepted."""
     if text in ("default", "dedup"):
         return {"name": text}
     out = {"name": text}
     for part in text.split("+"):
+        if part in ("lt", "nored"):  # cuBLAS: the cublasLt heuristics / no reduced-precision split-K reductions
+            out[part] = True
+            continue
+        if part == "nopdl":
+            out["pdl"] = False
+            continue
         if part == "late":  # PDL's dependent launch released as programs exit
             out["pdl_late"] = True
             continue
@@ -89,9 +96,19 @@ def _applied(cfg: dict):
     common.PDL_EARLY_RELEASE = not cfg.get("pdl_late", not saved[4])
     if cfg["name"] == "dedup":
         scope.distinct_slots = lambda: False
+    import torch
+
+    blas = torch.backends.cuda.preferred_blas_library()
+    reduced = torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
+    if cfg.get("lt"):
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    if cfg.get("nored"):
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     try:
         yield
     finally:
+        torch.backends.cuda.preferred_blas_library(blas)
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = reduced
         for k, (attr, _) in _KNOBS.items():
             setattr(decode, attr, saved[0][k])
         common.PDL, scope.distinct_slots, common.PDL_MAX_PROGRAMS, common.PDL_EARLY_RELEASE = saved[1:]
@@ -242,6 +259,8 @@ def pick(records: list[dict], min_gain: float = 0.02, max_loss: float = 0.01) ->
         for k, (_, var) in _KNOBS.items():
             if k in best:
                 env[var] = "x".join(str(v) for v in best[k]) if k == "tile" else str(best[k])
+        if best.get("pdl") is False:
+            env["PAGEDKIT_PDL"] = "0"
         if best.get("pdl"):
             env["PAGEDKIT_PDL"] = "1"
             if best.get("pdl_late"):

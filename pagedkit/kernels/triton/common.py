@@ -90,13 +90,17 @@ def static_scale_vector(scale: torch.Tensor | None, kv_heads: int, head_size: in
 # predecessor in the stream drains; its first instruction (`pdl_gate`) waits until the predecessor has completed
 # and its writes are visible, then lets the next PDL launch start early. A decode step's small launches (norms,
 # cache write, attention, reduce, SwiGLU) then overlap their launch latency with the kernel before them.
-# PAGEDKIT_PDL=1 turns it on; `pdl_launch(device)` gives the launch options ({} where off or unsupported).
-PDL = os.environ.get("PAGEDKIT_PDL", "0") == "1"
+# On by default (PAGEDKIT_PDL=0 turns it off), with the dependent launch released as programs exit: H200,
+# Llama-3.2-1B-shaped decode, whole-step graph replays (benchmarks/results/step_profile_pdl.json): batch 1 /
+# 1024 1.124 -> 1.052 ms, batch 1 / 4096 1.174 -> 1.163, batch 8 / 1024 1.228 -> 1.218, batch 8 / 4096 1.423 ->
+# 1.413, batch 32 / 4096 2.182 -> 2.163 ms; released right after the wait it was 1-1.3% slower at batch 8.
+# `pdl_launch(device, programs)` gives the launch options ({} where off or unsupported).
+PDL = os.environ.get("PAGEDKIT_PDL", "1") != "0"
 # launches of more programs than this skip PDL (0: no cap); PAGEDKIT_PDL_MAX_PROGRAMS (tuning)
 PDL_MAX_PROGRAMS = int(os.environ.get("PAGEDKIT_PDL_MAX_PROGRAMS", "0") or 0)
-# release the dependent launch right after the wait (True) or only when each program exits (False);
-# PAGEDKIT_PDL_LATE=1 (tuning)
-PDL_EARLY_RELEASE = os.environ.get("PAGEDKIT_PDL_LATE", "0") != "1"
+# release the dependent launch right after the wait (True) or only when each program exits (False, the
+# default); PAGEDKIT_PDL_LATE=0 releases early (tuning)
+PDL_EARLY_RELEASE = os.environ.get("PAGEDKIT_PDL_LATE", "1") == "0"
 
 
 def _launcher_has_pdl() -> bool:

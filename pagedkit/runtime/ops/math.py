@@ -22,6 +22,7 @@ Same values as the unpacked path up to summation order."""
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -30,6 +31,18 @@ import torch.nn.functional as F
 from .packed import RELEASE_BYTES, PackedLinear, transpose_releasing
 from .registry import prepack, register
 from .util import HALF_TYPES, opt
+
+# torch's cuBLAS front end for CUDA products ("cublaslt" / "cublas"; unset: torch's default), set once at the
+# first CUDA product; PAGEDKIT_BLAS (tuning: benchmarks/step_profile.py "lt")
+BLAS = os.environ.get("PAGEDKIT_BLAS") or None
+_BLAS_SET = [False]
+
+
+def _cuda_blas() -> None:
+    if BLAS and not _BLAS_SET[0]:
+        torch.backends.cuda.preferred_blas_library(BLAS)
+        _BLAS_SET[0] = True
+
 
 HALF_ROWS = 8  # without native float16 kernels, products with fewer rows run in float16 (module docstring)
 CONVERT_ELEMENTS = 1 << 22  # larger float16 products convert B to float32 this many elements at a time
@@ -169,6 +182,8 @@ def _prepack_gemm(inputs, attrs, ctx):
 def matmul(inputs, attrs, ctx):
     if isinstance(inputs[1], PackedLinear):
         return [inputs[1].matmul(inputs[0])]
+    if BLAS and inputs[0].is_cuda:
+        _cuda_blas()
     return [_mm(inputs[0], inputs[1])]
 
 
