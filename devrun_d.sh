@@ -1,1 +1,0 @@
-PAGEDKIT_PDL=1 timeout 400 python3 -m pytest -q -m gpu tests/test_pdl.py tests/test_triton_gpu.py tests/test_engine_graphs_gpu.py tests/test_distinct_slots.py tests/test_triton_write_gpu.py -x 2>&1 | tail -4
