@@ -26,12 +26,16 @@ from pagedkit.kernels.triton import decode  # noqa: E402
 # the engine's Llama-3.2-1B-shaped decode (paged_bench_llama1b): head 64, batch 8 / 32, context 4096
 ENGINE_ROWS = {f"engine-fp16-b{b}-ctx4k-h64": pa_cases.Case(f"engine-fp16-b{b}-ctx4k-h64", (4096,) * b, 256,
                                                             head_size=64) for b in (1, 8, 32)}
-ROWS = ("gqa-decode-int8-b64-ctx4k", "gqa-decode-int8-b16-ctx4k", "gqa-decode-fp16-b64-ctx4k", "int8-b64-ctx8k-bs256",
-        "fp8-b64-ctx8k-bs256", "engine-fp16-b8-ctx4k-h64", "engine-fp16-b32-ctx4k-h64")
+ROWS = ("gqa-decode-int8-b64-ctx4k", "gqa-decode-int8-b16-ctx4k", "gqa-decode-bf16int8-b64-ctx4k",
+        "gqa-decode-fp16-b64-ctx4k", "int8-b64-ctx8k-bs256", "fp8-b64-ctx8k-bs256", *ENGINE_ROWS)
 # (label, prefetch, overrides)
 ARMS = (("default", False, {}), ("prefetch", True, {}), ("prefetch-s1", True, {"num_stages": 1}),
-        ("prefetch-s2", True, {"num_stages": 2}), ("prefetch-64x4", True, {"block_n": 64, "num_warps": 4}),
-        ("prefetch-128x8", True, {"block_n": 128, "num_warps": 8}))
+        ("prefetch-s2", True, {"num_stages": 2}), ("s1", False, {"num_stages": 1}),
+        ("prefetch-64x4", True, {"block_n": 64, "num_warps": 4}),
+        ("prefetch-128x8", True, {"block_n": 128, "num_warps": 8}),
+        ("prefetch-64x4-s1", True, {"block_n": 64, "num_warps": 4, "num_stages": 1}),
+        ("prefetch-32x4", True, {"block_n": 32, "num_warps": 4}),
+        ("prefetch-128x4-s1", True, {"block_n": 128, "num_warps": 4, "num_stages": 1}))
 
 
 def make_call(name: str, dev: torch.device):
