@@ -47,8 +47,7 @@ def _config(text: str) -> dict:
     (split waves), "sN" (software-pipeline stages of the decode attention), "pdl" (programmatic dependent launch
     of the Triton kernels, kernels/triton/common.PDL; "pdlN": only launches of <= N programs,
     PDL_MAX_PROGRAMS; "late": released as programs exit, "nopdl": off), "lt" / "nored" (cuBLAS through the cublasLt heuristics / without
-    reduced-precision split-K reductions), "pf" (the attention loop's register double buffering, decode.PREFETCH);
-    "BNxNW@W" is also accepted."""
+    reduced-precision split-K reductions); "BNxNW@W" is also accepted."""
     if text in ("default", "dedup"):
         return {"name": text}
     out = {"name": text}
@@ -58,9 +57,6 @@ def _config(text: str) -> dict:
             continue
         if part == "nopdl":
             out["pdl"] = False
-            continue
-        if part == "pf":  # the attention loop's register double buffering (decode.PREFETCH) on every cache kind
-            out["prefetch"] = True
             continue
         if part == "late":  # PDL's dependent launch released as programs exit
             out["pdl_late"] = True
@@ -92,9 +88,7 @@ def _applied(cfg: dict):
     from pagedkit.kernels.triton import common, decode
 
     saved = ({k: getattr(decode, attr) for k, (attr, _) in _KNOBS.items()}, common.PDL, scope.distinct_slots,
-             common.PDL_MAX_PROGRAMS, common.PDL_EARLY_RELEASE, decode.PREFETCH)
-    if cfg.get("prefetch"):
-        decode.PREFETCH = frozenset(decode.PREFETCH_KINDS)
+             common.PDL_MAX_PROGRAMS, common.PDL_EARLY_RELEASE)
     for k, (attr, _) in _KNOBS.items():
         setattr(decode, attr, cfg.get(k))
     common.PDL = bool(cfg.get("pdl", saved[1]))
@@ -117,7 +111,7 @@ def _applied(cfg: dict):
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = reduced
         for k, (attr, _) in _KNOBS.items():
             setattr(decode, attr, saved[0][k])
-        common.PDL, scope.distinct_slots, common.PDL_MAX_PROGRAMS, common.PDL_EARLY_RELEASE, decode.PREFETCH = saved[1:]
+        common.PDL, scope.distinct_slots, common.PDL_MAX_PROGRAMS, common.PDL_EARLY_RELEASE = saved[1:]
 
 
 def profile_row(model_dir: Path, batch: int, context: int, top: int, seed: int = 0, device: str = "cuda",

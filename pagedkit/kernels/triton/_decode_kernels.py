@@ -164,24 +164,6 @@ def _row_pow2(amax):
 
 
 @triton.jit
-def _tile(it, it_end, bt_row, kv_len, NB, BLOCK_N: tl.constexpr, BS: tl.constexpr):
-    """Tile it's key positions kp [BLOCK_N], which of them to read (kvalid: inside the extent, mapped, it < it_end),
-    their blocks (a scalar when the tile lies in one block) and in-block offsets (int64)."""
-    kp = it * BLOCK_N + tl.arange(0, BLOCK_N)
-    live = it < it_end
-    pos_ok = (kp < kv_len) & live
-    if BLOCK_N <= BS:  # the tile lies in one block
-        blk = tl.load(bt_row + (it * BLOCK_N) // BS, mask=live, other=-1)
-    else:  # a per-token block vector
-        blk = tl.load(bt_row + kp // BS, mask=pos_ok, other=-1)
-    mapped = (blk >= 0) & (blk < NB)
-    kvalid = pos_ok & mapped
-    blk = tl.where(mapped, blk, 0).to(tl.int64)
-    off = (kp % BS).to(tl.int64)
-    return kp, kvalid, blk, off
-
-
-@triton.jit
 def _attn_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ksc_ptr, vsc_ptr,
         csl_ptr, past_ptr, bt_ptr, qpos_ptr, sink_ptr, bias_ptr,
@@ -200,7 +182,7 @@ def _attn_kernel(
         NEED_NAT: tl.constexpr, INTERP: tl.constexpr, LANES: tl.constexpr, PADDED: tl.constexpr,
         BIAS_AFTER: tl.constexpr, I8_QK: tl.constexpr = False, I8_PV: tl.constexpr = False,
         ASM_K: tl.constexpr = False, ASM_V: tl.constexpr = False, Q_POW2: tl.constexpr = False,
-        PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
+        PDL: tl.constexpr = 0):
     if PDL:
         pdl_gate(PDL)
     DT = q_ptr.dtype.element_ty
@@ -317,24 +299,20 @@ def _attn_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc_a = tl.zeros([BLOCK_M, VW_PAD], tl.float32)
         acc_b = tl.zeros([BLOCK_M, VW_PAD], tl.float32)
-        if PREFETCH:  # register double buffer: tile it + 1's K / V loads are issued before tile it's math
-            kp_n, kvalid_n, blk_n, off_n = _tile(it0, it1, bt_row, kv_len, NB, BLOCK_N, BS)
-            kt_n = tl.load(k_ptr + (blk_n * stride_kb + off_n * stride_ks + k_head)[None, :] + kw[:, None],
-                           mask=kvalid_n[None, :] & kw_ok[:, None], other=0)
-            vt_n = tl.load(v_ptr + (blk_n * stride_vb + off_n * stride_vs + v_head)[:, None] + vw[None, :],
-                           mask=kvalid_n[:, None] & vw_ok[None, :], other=0)
         for it in range(it0, it1):
-            if PREFETCH:
-                kp, kvalid, blk, off, kt, vt_cur = kp_n, kvalid_n, blk_n, off_n, kt_n, vt_n
-                kp_n, kvalid_n, blk_n, off_n = _tile(it + 1, it1, bt_row, kv_len, NB, BLOCK_N, BS)
-                kt_n = tl.load(k_ptr + (blk_n * stride_kb + off_n * stride_ks + k_head)[None, :] + kw[:, None],
-                               mask=kvalid_n[None, :] & kw_ok[:, None], other=0)
-                vt_n = tl.load(v_ptr + (blk_n * stride_vb + off_n * stride_vs + v_head)[:, None] + vw[None, :],
-                               mask=kvalid_n[:, None] & vw_ok[None, :], other=0)
-            else:
-                kp, kvalid, blk, off = _tile(it, it1, bt_row, kv_len, NB, BLOCK_N, BS)
-                k_off = blk * stride_kb + off * stride_ks + k_head
-                kt = tl.load(k_ptr + k_off[None, :] + kw[:, None], mask=kvalid[None, :] & kw_ok[:, None], other=0)
+            kp = it * BLOCK_N + tl.arange(0, BLOCK_N)
+            pos_ok = kp < kv_len
+            if BLOCK_N <= BS:  # the tile lies in one block
+                blk = tl.load(bt_row + (it * BLOCK_N) // BS)
+            else:  # a per-token block vector
+                blk = tl.load(bt_row + kp // BS, mask=pos_ok, other=-1)
+            mapped = (blk >= 0) & (blk < NB)
+            kvalid = pos_ok & mapped
+            blk = tl.where(mapped, blk, 0).to(tl.int64)
+            off = (kp % BS).to(tl.int64)
+
+            k_off = blk * stride_kb + off * stride_ks + k_head
+            kt = tl.load(k_ptr + k_off[None, :] + kw[:, None], mask=kvalid[None, :] & kw_ok[:, None], other=0)
             if I8_QK:
                 raw = (_dot_i8(q1, kt, INTERP) + _dot_i8(q2, kt, INTERP) * (1.0 / 254.0)) * s_q[:, None]
             else:
@@ -390,11 +368,8 @@ def _attn_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
 
-            if PREFETCH:
-                vt = vt_cur
-            else:
-                v_off = blk * stride_vb + off * stride_vs + v_head
-                vt = tl.load(v_ptr + v_off[:, None] + vw[None, :], mask=kvalid[:, None] & vw_ok[None, :], other=0)
+            v_off = blk * stride_vb + off * stride_vs + v_head
+            vt = tl.load(v_ptr + v_off[:, None] + vw[None, :], mask=kvalid[:, None] & vw_ok[None, :], other=0)
             if not I8_PV:
                 vta = _values(vt, V_FMT, False, VT, INTERP, ASM_V)
             if V_FMT == 3:

@@ -151,28 +151,6 @@ DECODE_TILE: tuple[int, int] | None = _env("PAGEDKIT_DECODE_TILE", parse_tile)
 DECODE_WAVES: float | None = _env("PAGEDKIT_DECODE_WAVES", float)
 # software-pipeline stages of decode-sized float attention (None: Triton's default); PAGEDKIT_DECODE_STAGES (tuning)
 DECODE_STAGES: int | None = _env("PAGEDKIT_DECODE_STAGES", int)
-# register double buffering of the attention loop (the next tile's K / V loads issued before this tile's math) for
-# the cache kinds named: "quant" (int8 / fp8 / int4), "float", "all" or "" (none); PAGEDKIT_PREFETCH (tuning runs)
-PREFETCH_KINDS = ("quant", "float")
-
-
-def parse_prefetch(value: str) -> frozenset[str]:
-    """"quant" / "float" / "all" / "quant,float" / "0" -> the cache kinds that prefetch."""
-    kinds = set()
-    for part in value.split(","):
-        part = part.strip()
-        if part in ("0", "none", ""):
-            continue
-        if part == "all":
-            kinds.update(PREFETCH_KINDS)
-        elif part in PREFETCH_KINDS:
-            kinds.add(part)
-        else:
-            raise ValueError(f"expected a comma list of {', '.join(PREFETCH_KINDS)}, all or 0, got {part!r}")
-    return frozenset(kinds)
-
-
-PREFETCH: frozenset[str] = _env("PAGEDKIT_PREFETCH", parse_prefetch, frozenset())
 _POISON = False  # tests: fill outputs and workspaces with NaN instead of leaving them uninitialized
 
 
@@ -469,7 +447,7 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         ASM_K="k" in QUANT_ASM.get(k_format.fmt, "") and not common.INTERPRET,
         ASM_V="v" in QUANT_ASM.get(v_format.fmt, "") and not common.INTERPRET,
         Q_POW2=k_format.fmt != common.FMT_FLOAT and T == torch.bfloat16, num_warps=num_warps,
-        PDL=common.pdl_mode(pdl), PREFETCH=("quant" if quant else "float") in PREFETCH, **stages, **pdl)
+        PDL=common.pdl_mode(pdl), **stages, **pdl)
     if direct:
         return out, qk
 
