@@ -47,8 +47,7 @@ def _config(text: str) -> dict:
     (split waves), "sN" (software-pipeline stages of the decode attention), "pdl" (programmatic dependent launch
     of the Triton kernels, kernels/triton/common.PDL; "pdlN": only launches of <= N programs,
     PDL_MAX_PROGRAMS; "late": released as programs exit, "nopdl": off), "lt" / "nored" (cuBLAS through the cublasLt heuristics / without
-    reduced-precision split-K reductions), "swap" (the swapped-operand decode kernel, decode.SWAP_DECODE);
-    "BNxNW@W" is also accepted."""
+    reduced-precision split-K reductions); "BNxNW@W" is also accepted."""
     if text in ("default", "dedup"):
         return {"name": text}
     out = {"name": text}
@@ -58,9 +57,6 @@ def _config(text: str) -> dict:
             continue
         if part == "nopdl":
             out["pdl"] = False
-            continue
-        if part == "swap":  # decode through the swapped-operand kernel (decode.SWAP_DECODE)
-            out["swap"] = True
             continue
         if part == "late":  # PDL's dependent launch released as programs exit
             out["pdl_late"] = True
@@ -92,8 +88,7 @@ def _applied(cfg: dict):
     from pagedkit.kernels.triton import common, decode
 
     saved = ({k: getattr(decode, attr) for k, (attr, _) in _KNOBS.items()}, common.PDL, scope.distinct_slots,
-             common.PDL_MAX_PROGRAMS, common.PDL_EARLY_RELEASE, decode.SWAP_DECODE)
-    decode.SWAP_DECODE = bool(cfg.get("swap", saved[5]))
+             common.PDL_MAX_PROGRAMS, common.PDL_EARLY_RELEASE)
     for k, (attr, _) in _KNOBS.items():
         setattr(decode, attr, cfg.get(k))
     common.PDL = bool(cfg.get("pdl", saved[1]))
@@ -116,8 +111,7 @@ def _applied(cfg: dict):
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = reduced
         for k, (attr, _) in _KNOBS.items():
             setattr(decode, attr, saved[0][k])
-        (common.PDL, scope.distinct_slots, common.PDL_MAX_PROGRAMS, common.PDL_EARLY_RELEASE,
-         decode.SWAP_DECODE) = saved[1:]
+        common.PDL, scope.distinct_slots, common.PDL_MAX_PROGRAMS, common.PDL_EARLY_RELEASE = saved[1:]
 
 
 def profile_row(model_dir: Path, batch: int, context: int, top: int, seed: int = 0, device: str = "cuda",

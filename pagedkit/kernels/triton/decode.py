@@ -151,24 +151,6 @@ DECODE_TILE: tuple[int, int] | None = _env("PAGEDKIT_DECODE_TILE", parse_tile)
 DECODE_WAVES: float | None = _env("PAGEDKIT_DECODE_WAVES", float)
 # software-pipeline stages of decode-sized float attention (None: Triton's default); PAGEDKIT_DECODE_STAGES (tuning)
 DECODE_STAGES: int | None = _env("PAGEDKIT_DECODE_STAGES", int)
-# decode steps of small query-head groups through the swapped-operand kernel (_swap_kernels: keys x heads, the
-# group padded to 8 columns instead of 16 rows) where it serves the call (swap_serves); PAGEDKIT_SWAP_DECODE=1 / 0
-SWAP_DECODE: bool = _env("PAGEDKIT_SWAP_DECODE", lambda v: v not in ("0", "false"), False)
-SWAP_MAX_GROUP = 8
-
-
-def swap_serves(*, group: int, q_bound: int, lanes: int, n_sub: int, latent: bool, k_format, v_format,
-                softcap: float, window: int, sink, bias, qk_output: int, qpos, v_rotation) -> bool:
-    """Whether the swapped-operand decode kernel serves a call: one query token a sequence by the host bound, a
-    group of <= SWAP_MAX_GROUP heads, float / int8 / fp8 caches with no / PER_TENSOR / PER_CHANNEL scales, and
-    none of softcap, window, sink, bias, output_qk, query_positions, V rotation, LATENT (static facts only)."""
-    plain = (common.FMT_FLOAT, common.FMT_INT8, common.FMT_FP8)
-    return (SWAP_DECODE and q_bound == 1 and lanes == 1 and n_sub == 1 and group <= SWAP_MAX_GROUP and not latent
-            and k_format.fmt in plain and v_format.fmt in plain and k_format.scale in (0, 1, 2)
-            and v_format.scale in (0, 1, 2) and softcap <= 0 and window <= 0 and sink is None and bias is None
-            and not qk_output and qpos is None and not v_rotation)
-
-
 _POISON = False  # tests: fill outputs and workspaces with NaN instead of leaving them uninitialized
 
 
@@ -444,42 +426,28 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         num_stages = DECODE_STAGES if q_bound <= DECODE_QUERY_BOUND and not bnsh else None
     stages = {} if num_stages is None else {"num_stages": int(num_stages)}
     pdl = common.pdl_launch(dev, B * Hkv * n_sub * S * lanes)
-    if swap_serves(group=G, q_bound=q_bound, lanes=lanes, n_sub=n_sub, latent=latent, k_format=k_format,
-                   v_format=v_format, softcap=softcap, window=window, sink=sink, bias=bias, qk_output=qk_output,
-                   qpos=qpos, v_rotation=v_rotation):
-        from . import _swap_kernels as KS
-
-        KS._swap_decode_kernel[(B, Hkv, S)](
-            q, kc_arg, vc_arg, ks if ks is not None else dummy, vs if vs is not None else dummy, csl, past, table,
-            out, wacc, wml, q.stride(0), q.stride(1), *k_st[:3], *v_st[:3], table.stride(0), k_st[3], v_st[3],
-            kv_cap, row_pad, n_tok, NB, S, scale,
-            H=H, G=G, GP=max(8, g_pad), BLOCK_N=block_n, BS=BS, D=D, D_PAD=kw_pad, DV=DV, DV_PAD=vw_pad,
-            K_FMT=k_format.fmt, K_SCALE=k_format.scale, V_FMT=v_format.fmt, V_SCALE=v_format.scale,
-            PADDED=row_pad > 0, CAUSAL=bool(is_causal), DIRECT=direct, INTERP=common.INTERPRET,
-            ASM=not common.INTERPRET, num_warps=num_warps, PDL=common.pdl_mode(pdl), **stages, **pdl)
-    else:
-        K._attn_kernel[(B, Hkv * n_sub, S * lanes)](
-            q, kc_arg, vc_arg, ks if ks is not None else dummy, vs if vs is not None else dummy,
-            ksc if ksc is not None else dummy, vsc if vsc is not None else dummy,
-            csl, past, table, qpos if qpos is not None else dummy,
-            sink if sink is not None else dummy, bias if bias is not None else dummy,
-            out, wacc, wml, qk if qk is not None else dummy,
-            q.stride(0), q.stride(1), *k_st[:3], *v_st[:3], *ksc_st, *vsc_st,
-            table.stride(0), *b_st, *b_cap, k_st[3], v_st[3], kv_cap, row_pad,
-            n_tok, NB, MB, S, lanes, scale, float(softcap), window,
-            H=H, G=G, G_TILE=g_tile, N_SUB=n_sub, Q_CHUNK=q_chunk, BLOCK_M=block_m, BLOCK_N=block_n, BS=BS,
-            D=D, KW=KW, KW_PAD=kw_pad, DV=DV, VW=VW, VW_PAD=vw_pad,
-            K_FMT=k_format.fmt, K_SCALE=k_format.scale, V_FMT=v_format.fmt, V_SCALE=v_format.scale,
-            CAUSAL=bool(is_causal), HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_BIAS=bias is not None,
-            HAS_SINK=sink is not None, QK_MODE=qk_output, HAS_QPOS=qpos is not None,
-            DIRECT=direct, NEED_NAT=need_nat, INTERP=common.INTERPRET, LANES=lanes > 1, PADDED=row_pad > 0,
-            BIAS_AFTER=bool(bias_after_softcap) and bias is not None,
-            I8_QK="k" in INT8_MMA and k_format.fmt == common.FMT_INT8 and kw_pad >= 32 and block_n >= 16,
-            I8_PV="v" in INT8_MMA and v_format.fmt == common.FMT_INT8 and block_n >= 32 and vw_pad >= 16,
-            ASM_K="k" in QUANT_ASM.get(k_format.fmt, "") and not common.INTERPRET,
-            ASM_V="v" in QUANT_ASM.get(v_format.fmt, "") and not common.INTERPRET,
-            Q_POW2=k_format.fmt != common.FMT_FLOAT and T == torch.bfloat16, num_warps=num_warps,
-            PDL=common.pdl_mode(pdl), **stages, **pdl)
+    K._attn_kernel[(B, Hkv * n_sub, S * lanes)](
+        q, kc_arg, vc_arg, ks if ks is not None else dummy, vs if vs is not None else dummy,
+        ksc if ksc is not None else dummy, vsc if vsc is not None else dummy,
+        csl, past, table, qpos if qpos is not None else dummy,
+        sink if sink is not None else dummy, bias if bias is not None else dummy,
+        out, wacc, wml, qk if qk is not None else dummy,
+        q.stride(0), q.stride(1), *k_st[:3], *v_st[:3], *ksc_st, *vsc_st,
+        table.stride(0), *b_st, *b_cap, k_st[3], v_st[3], kv_cap, row_pad,
+        n_tok, NB, MB, S, lanes, scale, float(softcap), window,
+        H=H, G=G, G_TILE=g_tile, N_SUB=n_sub, Q_CHUNK=q_chunk, BLOCK_M=block_m, BLOCK_N=block_n, BS=BS,
+        D=D, KW=KW, KW_PAD=kw_pad, DV=DV, VW=VW, VW_PAD=vw_pad,
+        K_FMT=k_format.fmt, K_SCALE=k_format.scale, V_FMT=v_format.fmt, V_SCALE=v_format.scale,
+        CAUSAL=bool(is_causal), HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_BIAS=bias is not None,
+        HAS_SINK=sink is not None, QK_MODE=qk_output, HAS_QPOS=qpos is not None,
+        DIRECT=direct, NEED_NAT=need_nat, INTERP=common.INTERPRET, LANES=lanes > 1, PADDED=row_pad > 0,
+        BIAS_AFTER=bool(bias_after_softcap) and bias is not None,
+        I8_QK="k" in INT8_MMA and k_format.fmt == common.FMT_INT8 and kw_pad >= 32 and block_n >= 16,
+        I8_PV="v" in INT8_MMA and v_format.fmt == common.FMT_INT8 and block_n >= 32 and vw_pad >= 16,
+        ASM_K="k" in QUANT_ASM.get(k_format.fmt, "") and not common.INTERPRET,
+        ASM_V="v" in QUANT_ASM.get(v_format.fmt, "") and not common.INTERPRET,
+        Q_POW2=k_format.fmt != common.FMT_FLOAT and T == torch.bfloat16, num_warps=num_warps,
+        PDL=common.pdl_mode(pdl), **stages, **pdl)
     if direct:
         return out, qk
 
