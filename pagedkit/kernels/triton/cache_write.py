@@ -218,7 +218,8 @@ def _state(device: torch.device, n: int) -> torch.Tensor:
     w = _STATES.get(key)
     if w is None:
         w = _STATES[key] = torch.zeros((2 * n + 2,), dtype=torch.int64, device=device)
-        w[-1] = 1
+        w[-1:].fill_(1)  # a kernel with the value as its argument: `w[-1] = 1` copies a host scalar (a sync, which
+        # fails the first dedup write inside a sync-checked step or a CUDA-graph capture)
     return w
 
 
