@@ -20,11 +20,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 time_graph = importlib.import_module("_timing").time_graph
+versions = importlib.import_module("_provenance").versions
+BANDWIDTH = importlib.import_module("_attention_cases").BANDWIDTH_TB_S * 1e12  # bytes / s
 
-HIDDEN = 2048
 LAYER = (("qkv", 2048, 3072), ("o", 2048, 2048), ("gate_up", 2048, 16384), ("down", 8192, 2048))
 HEAD = ("lm_head", 2048, 128256)
-BANDWIDTH = 4.4e12
 
 
 def weights(k: int, n: int, copies: int, layout: str) -> list[torch.Tensor]:
@@ -43,7 +43,7 @@ def main() -> int:
     args = ap.parse_args()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     result = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(0),
-              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "versions": versions(),
               "l2_bytes": l2, "what": "us per product (CUDA-graph replays, L2-cold), TB/s of weight bytes",
               "products": [], "chains": []}
     arms = [(layout, blas) for layout in ("kn", "nk") for blas in ("cublas", "cublaslt")]
@@ -73,7 +73,7 @@ def main() -> int:
                     print(f"{name:8s} M{m:<3d} {layout} {blas:9s} {us:8.2f} us  {row['tb_s']:.2f} TB/s", flush=True)
             del ws
             torch.cuda.empty_cache()
-    # a 16-layer chain per arm: x -> qkv, x -> o, x -> gate_up, x[:, :8192] -> down (inputs fixed: the products only)
+    # a 16-layer chain per arm: each product of each layer on a fixed input [M, K] (the products only, no activations)
     for m in args.rows:
         for layout, blas in arms:
             torch.backends.cuda.preferred_blas_library(blas)
