@@ -9,18 +9,24 @@ replace a chain of steps whose intermediate values nobody else reads (no other s
   GEMV of a decode step runs closer to the memory bandwidth). The concatenated weight replaces both originals
   (dropped when no other step reads them); prepacking then lays it out once.
 
-`fuse(graph)` runs every rule and returns {rule: number of rewrites}; `FUSIONS` lists them.
+- `splitk_skip_norm` (CUDA sessions): a MatMul on a constant float16 / bfloat16 B [K, N] whose only reader is a
+  SkipSimplifiedLayerNormalization (the decoder's O and down products before the residual norms) becomes
+  `pagedkit.fused::MatMulSkipNorm` [a, B, other, gamma(, bias)] with the norm's outputs: decode-sized rows run the
+  product as split-K partials that the norm's launch reduces (runtime/ops/norms.py, kernels/triton/splitk.py).
+
+`fuse(graph, device)` runs every rule and returns {rule: number of rewrites}; `FUSIONS` lists them.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import Callable
 
 import torch
 
 from .graph import Graph, Step
-from .ops.registry import FUSED_DOMAIN, lookup
+from .ops.registry import FUSED_DOMAIN, MS_DOMAIN, lookup
 
 
 def _readers(g: Graph) -> dict[str, int]:
@@ -39,7 +45,7 @@ def _plain(step: Step, op: str, n_in: int) -> bool:
             and len(step.inputs) == n_in and all(step.inputs) and len(step.outputs) == 1)
 
 
-def swiglu_mlp(g: Graph) -> int:
+def swiglu_mlp(g: Graph, device: torch.device | None = None) -> int:
     """MatMul gate / up + Sigmoid + Mul + Mul -> MatMul on [Wg | Wu] + SiluMul (see the module docstring)."""
     readers = _readers(g)
     producer = {o: s for s in g.steps for o in s.outputs if o}
@@ -94,14 +100,49 @@ def swiglu_mlp(g: Graph) -> int:
     return done
 
 
-FUSIONS: dict[str, Callable[[Graph], int]] = {"swiglu_mlp": swiglu_mlp}
+# device types splitk_skip_norm rewrites for (tests add "cpu": the interpreter); PAGEDKIT_SPLITK_NORM=0 turns it off
+SPLITK_DEVICES = () if os.environ.get("PAGEDKIT_SPLITK_NORM") == "0" else ("cuda",)
 
 
-def fuse(g: Graph) -> dict[str, int]:
+def splitk_skip_norm(g: Graph, device: torch.device | None = None) -> int:
+    """MatMul(a, constant B) read only by a SkipSimplifiedLayerNormalization -> MatMulSkipNorm (module docstring)."""
+    if device is None or device.type not in SPLITK_DEVICES:
+        return 0
+    readers = _readers(g)
+    producer = {o: s for s in g.steps for o in s.outputs if o}
+    gone: set[int] = set()
+    done = 0
+    for i, norm in enumerate(g.steps):
+        if (norm.domain != MS_DOMAIN or norm.op_type != "SkipSimplifiedLayerNormalization" or norm.impl is None
+                or len(norm.inputs) < 3 or not all(norm.inputs[:3])):
+            continue
+        for slot in (0, 1):
+            mm = producer.get(norm.inputs[slot])
+            if mm is None or id(mm) in gone or not _plain(mm, "MatMul", 2) or readers.get(mm.outputs[0]) != 1:
+                continue
+            b = g.consts.get(mm.inputs[1])
+            if (not isinstance(b, torch.Tensor) or b.dim() != 2 or b.dtype not in (torch.float16, torch.bfloat16)
+                    or norm.inputs[1 - slot] == mm.outputs[0]):
+                continue
+            inputs = [mm.inputs[0], mm.inputs[1], norm.inputs[1 - slot], *norm.inputs[2:]]
+            g.steps[i] = replace(norm, name=f"{mm.name}+{norm.name}", op_type="MatMulSkipNorm", domain=FUSED_DOMAIN,
+                                 inputs=inputs, release=[], impl=lookup(FUSED_DOMAIN, "MatMulSkipNorm", 1, norm.name))
+            gone.add(id(mm))
+            done += 1
+            break
+    if done:
+        g.steps = [st for st in g.steps if id(st) not in gone]
+    return done
+
+
+FUSIONS: dict[str, Callable[..., int]] = {"swiglu_mlp": swiglu_mlp, "splitk_skip_norm": splitk_skip_norm}
+
+
+def fuse(g: Graph, device: torch.device | None = None) -> dict[str, int]:
     """Every rule on this graph (not its subgraphs); {rule: rewrites} for the rules that changed something."""
     out = {}
     for name, rule in FUSIONS.items():
-        n = rule(g)
+        n = rule(g, device)
         if n:
             out[name] = n
     return out

@@ -413,7 +413,7 @@ def compile_model(model: onnx.ModelProto, device: torch.device, allow_reference_
     _fold(g)
     from .fuse import fuse  # fuse.py builds on this module's Graph / Step
 
-    fused = fuse(g)
+    fused = fuse(g, device)
     prepacked = _prepack(g, device)
     host_in = _host_graph_inputs(g)
     uses: dict = {}

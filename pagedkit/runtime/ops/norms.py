@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .registry import MS_DOMAIN, register
+from .math import matmul
+from .registry import FUSED_DOMAIN, MS_DOMAIN, register
 from .util import norm_axis, opt, triton_kernels
 
 
@@ -114,4 +115,23 @@ def _skip_norm(center: bool):
 
 
 register("SkipLayerNormalization", domain=MS_DOMAIN)(_skip_norm(center=True))
-register("SkipSimplifiedLayerNormalization", domain=MS_DOMAIN)(_skip_norm(center=False))
+skip_simplified_layer_norm = register("SkipSimplifiedLayerNormalization", domain=MS_DOMAIN)(_skip_norm(center=False))
+
+SPLITK_ON_CPU = False  # tests: route CPU tensors through the split-K kernels too (Triton's interpreter)
+
+
+@register("MatMulSkipNorm", domain=FUSED_DOMAIN)
+def matmul_skip_norm(inputs, attrs, ctx):
+    """runtime/fuse.py's `splitk_skip_norm`: SkipSimplifiedLayerNormalization(a @ B, other, gamma[, bias]) with
+    inputs [a, B [K, N] constant, other, gamma, bias] and the norm's outputs and attributes. On CUDA, for decode-sized
+    rows, B's product runs as split-K partials that the norm's launch reduces (kernels/triton/splitk.py, norm.py
+    rms_norm_parts: no product output in between, float32 throughout); otherwise the product, then the norm."""
+    a, b, other, gamma, bias = inputs[0], inputs[1], inputs[2], inputs[3], opt(inputs, 4)
+    if not (ctx.wants(1) or ctx.wants(2)) and (a.is_cuda or SPLITK_ON_CPU):
+        sk, tn = triton_kernels("splitk"), triton_kernels("norm")
+        if (sk is not None and tn is not None and sk.serves(a, b) and other.dtype == a.dtype
+                and other.shape == a.shape[:-1] + (b.shape[1],) and tn.serves(other, gamma, None, bias)):
+            y, total = tn.rms_norm_parts(sk.partials(a, b), gamma, attrs.get("epsilon", 1e-12), skip=other,
+                                         bias=bias, want_sum=ctx.wants(3))
+            return [y, None, None, total]
+    return skip_simplified_layer_norm([matmul([a, b], {}, ctx)[0], other, gamma, bias], attrs, ctx)

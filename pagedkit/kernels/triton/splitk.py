@@ -1,0 +1,80 @@
+"""Decode-sized products as split-K partials: P [S, R, N] float32 with sum_s P[s] = a [R, K] @ B [K, N], for the
+consumer kernel to reduce (norm.rms_norm(parts=...): the RMS norm after a decoder's O and down products), so the
+product needs no reduce launch of its own.
+
+cuBLAS runs these products on a few column tiles: at one row, [2048, 2048] takes 32 tiles of 64 columns on the
+H200's 132 SMs and streams 1.4 TB/s. Splitting K as well gives (N / BLOCK_N) x S programs, each reading a
+[K / S, BLOCK_N] slab of B. H200, L2-cold, CUDA-graph replays (benchmarks/splitk_probe.py,
+results/splitk_probe.json): the partials alone take 4.5 us against cuBLAS's 6.0 at [2048, 2048] and 10.3 against
+14.2 at [8192, 2048] (a separate reduce launch would give the gain back: hence the fused consumer).
+
+Layouts: a [R, K] (row stride given, last dim contiguous), B [K, N] contiguous (an ONNX MatMul's constant), P
+[S, R, N] contiguous float32; R <= MAX_ROWS (padded to >= 16 rows for the tensor cores)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import common
+
+MAX_ROWS = 32
+BLOCK_K = 64
+SPLITS = 16
+
+if common.HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _splitk_kernel(a_ptr, b_ptr, p_ptr, R, N, stride_ar, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = 0):
+        if PDL:
+            common.pdl_gate(PDL)
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        s = tl.program_id(1)
+        r = tl.arange(0, BLOCK_M)
+        r_ok = r < R
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for kk in range(0, K_SPLIT, BLOCK_K):
+            k = (s * K_SPLIT + kk + tl.arange(0, BLOCK_K)).to(tl.int64)
+            a = tl.load(a_ptr + r[:, None] * stride_ar + k[None, :], mask=r_ok[:, None], other=0.0)
+            b = tl.load(b_ptr + k[:, None] * N + n[None, :])
+            if INTERP:  # the interpreter's dot multiplies bfloat16's raw bits: float32 operands (exact values)
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+            else:
+                acc = tl.dot(a, b, acc)
+        tl.store(p_ptr + (s * R + r[:, None]).to(tl.int64) * N + n[None, :], acc, mask=r_ok[:, None])
+
+
+def _block_n(k: int) -> int:
+    return 128 if k >= 8192 else 64  # the probe's best per shape: [8192, 2048] 128 columns, [2048, N] 64
+
+
+def serves(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `partials` serves a [.., K] @ b [K, N]: float16 / bfloat16 alike, rows <= MAX_ROWS, K a multiple
+    of SPLITS * BLOCK_K, N of the column tile, b contiguous."""
+    if not common.HAVE_TRITON or not isinstance(b, torch.Tensor) or b.dim() != 2 or a.dim() < 1:
+        return False
+    k, n = b.shape
+    return (a.dtype in (torch.float16, torch.bfloat16) and b.dtype == a.dtype and a.shape[-1] == k
+            and a.device == b.device and b.is_contiguous() and a.stride(-1) == 1 and 0 < a.numel() // k <= MAX_ROWS
+            and k % (SPLITS * BLOCK_K) == 0 and n % _block_n(k) == 0)
+
+
+def partials(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """P [SPLITS, R, N] float32, sum over dim 0 = a [.., K] (R rows) @ b [K, N] (module docstring)."""
+    common.require_triton()
+    if not serves(a, b):
+        raise ValueError(f"splitk.partials: unsupported operands a {list(a.shape)} {a.dtype}, "
+                         f"b {list(b.shape)} {b.dtype}")
+    k, n = b.shape
+    a2 = a.reshape(-1, k)
+    rows = a2.shape[0]
+    p = torch.empty((SPLITS, rows, n), dtype=torch.float32, device=a.device)
+    bn = _block_n(k)
+    pdl = common.pdl_launch(a.device, (n // bn) * SPLITS)
+    _splitk_kernel[(n // bn, SPLITS)](a2, b, p, rows, n, a2.stride(0), K_SPLIT=k // SPLITS,
+                                      BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=bn, BLOCK_K=BLOCK_K,
+                                      INTERP=common.INTERPRET,
+                                      num_warps=4, num_stages=4, PDL=common.pdl_mode(pdl), **pdl)
+    return p

@@ -1,0 +1,166 @@
+"""Split-K products reduced by the RMS norm after them (kernels/triton/splitk.py, norm.rms_norm_parts) and the session
+fusion that routes a decoder's O / down products there (runtime/fuse.py `splitk_skip_norm`, the fused op in
+runtime/ops/norms.py). Kernels in Triton's interpreter on CPU against a float64 oracle written here
+(s = a @ B + skip + bias, y = s / sqrt(mean(s^2) + eps) * gamma); bound max|diff| <= 5e-3 x max|ref| (float16
+outputs). Teeth: a dropped partial, a 2% wrong B and a product skipped all fail it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from pagedkit.kernels.triton import common
+
+pytestmark = pytest.mark.skipif(not common.HAVE_TRITON, reason="needs triton")
+TOL = 5e-3
+EPS = 1e-6
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the interpreter (tests/conftest.py)
+interpreter = pytest.mark.skipif(not common.INTERPRET, reason="CPU sessions on the interpreter's kernels")
+
+
+def _oracle(a, b, skip, gamma, bias=None):
+    a, b, skip, gamma = a.cpu(), b.cpu(), skip.cpu(), gamma.cpu()
+    bias = None if bias is None else bias.cpu()
+    s = a.double().reshape(-1, a.shape[-1]) @ b.double() + skip.double().reshape(-1, b.shape[1])
+    if bias is not None:
+        s = s + bias.double()
+    y = s / torch.sqrt((s * s).mean(-1, keepdim=True) + EPS) * gamma.double()
+    return y, s
+
+
+def _rel(got, ref) -> float:
+    got = got.cpu().double().reshape(ref.shape)
+    assert torch.isfinite(got).all()
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
+def _operands(rows, k, n, dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(rows, k, generator=g).to(dtype)
+    b = (torch.randn(k, n, generator=g) / k ** 0.5).to(dtype)
+    skip = torch.randn(rows, n, generator=g).to(dtype)
+    gamma = (1 + 0.2 * torch.randn(n, generator=g)).to(dtype)
+    bias = (0.1 * torch.randn(n, generator=g)).to(dtype)
+    return tuple(t.to(DEVICE) for t in (a, b, skip, gamma, bias))
+
+
+def _fused(a, b, skip, gamma, bias, parts_hook=None):
+    from pagedkit.kernels.triton import norm, splitk
+
+    p = splitk.partials(a, b)
+    if parts_hook is not None:
+        p = parts_hook(p)
+    return norm.rms_norm_parts(p, gamma, EPS, skip=skip, bias=bias, want_sum=True)
+
+
+@pytest.mark.parametrize("rows,k,n,dtype", [(1, 1024, 64, torch.float16), (3, 2048, 128, torch.float16),
+                                            (5, 8192, 128, torch.bfloat16)])
+def test_partials_reduced_by_the_norm(rows, k, n, dtype):
+    a, b, skip, gamma, bias = _operands(rows, k, n, dtype)
+    y, total = _fused(a, b, skip, gamma, bias)
+    ref_y, ref_s = _oracle(a, b, skip, gamma, bias)
+    tol = TOL if dtype == torch.float16 else 2e-2
+    assert y.dtype == dtype and total.dtype == dtype
+    assert _rel(y, ref_y) <= tol and _rel(total, ref_s) <= tol
+
+
+def test_serves_decode_rows_and_shapes_only():
+    from pagedkit.kernels.triton import splitk
+
+    a, b, *_ = _operands(1, 1024, 64)
+    assert splitk.serves(a, b)
+    assert not splitk.serves(torch.randn(33, 1024, device=DEVICE).half(), b)  # more rows than MAX_ROWS
+    assert not splitk.serves(a[:, :1000], b[:1000])  # K not a multiple of SPLITS * BLOCK_K
+    assert not splitk.serves(a.float(), b.float())  # float32
+    with pytest.raises(ValueError, match="splitk.partials: unsupported operands"):
+        splitk.partials(a.float(), b.float())
+
+
+@pytest.mark.parametrize("wrong", ["dropped_partial", "b_2_percent", "no_product"])
+def test_teeth(wrong):
+    a, b, skip, gamma, bias = _operands(2, 1024, 64)
+    ref_y, _ = _oracle(a, b, skip, gamma, bias)
+    if wrong == "dropped_partial":
+        y, _ = _fused(a, b, skip, gamma, bias, parts_hook=lambda p: torch.cat((p[:1] * 0, p[1:])))
+    elif wrong == "b_2_percent":
+        y, _ = _fused(a, (b.float() * 1.02).half(), skip, gamma, bias)
+    else:
+        y, _ = _fused(a, b, skip, gamma, bias, parts_hook=torch.zeros_like)
+    assert _rel(y, ref_y) > TOL
+
+
+# --- the session fusion --------------------------------------------------------------------------------------
+
+
+def _model(k=1024, n=64, slot=0, leak=False, with_bias=True):
+    """y, sum = SkipSimplifiedLayerNormalization(x @ W, skip, gamma, bias) (x @ W in input `slot`), float16."""
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((k, n)) / k ** 0.5).astype(np.float16)
+    gamma = (1 + 0.2 * rng.standard_normal(n)).astype(np.float16)
+    bias = (0.1 * rng.standard_normal(n)).astype(np.float16)
+    ins = ["h", "skip"] if slot == 0 else ["skip", "h"]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="o_proj"),
+             helper.make_node("SkipSimplifiedLayerNormalization", [*ins, "gamma"] + (["bias"] if with_bias else []),
+                              ["y", "", "", "sum"], name="norm", domain="com.microsoft", epsilon=EPS)]
+    f16 = TensorProto.FLOAT16
+    outputs = [helper.make_tensor_value_info("y", f16, ["T", n]), helper.make_tensor_value_info("sum", f16, ["T", n])]
+    if leak:
+        outputs.append(helper.make_tensor_value_info("h", f16, ["T", n]))
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(gamma, "gamma")]
+    if with_bias:
+        inits.append(numpy_helper.from_array(bias, "bias"))
+    graph = helper.make_graph(nodes, "o_norm", [helper.make_tensor_value_info("x", f16, ["T", k]),
+                                                helper.make_tensor_value_info("skip", f16, ["T", n])], outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    return model, torch.from_numpy(w), torch.from_numpy(gamma), torch.from_numpy(bias) if with_bias else None
+
+
+@pytest.fixture
+def cpu_splitk(monkeypatch):
+    """The fusion on CPU sessions and its kernels on CPU tensors (Triton's interpreter), as on CUDA."""
+    from pagedkit.runtime import fuse
+    from pagedkit.runtime.ops import norms
+
+    monkeypatch.setattr(fuse, "SPLITK_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(norms, "SPLITK_ON_CPU", True)
+    calls = []
+    real = norms.triton_kernels
+    monkeypatch.setattr(norms, "triton_kernels", lambda name: calls.append(name) or real(name))
+    return calls
+
+
+@interpreter
+@pytest.mark.parametrize("slot", [0, 1])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_session_fuses_and_matches_the_oracle(cpu_splitk, slot, with_bias):
+    from pagedkit import InferenceSession
+
+    model, w, gamma, bias = _model(slot=slot, with_bias=with_bias)
+    sess = InferenceSession(model)
+    assert sess.fused == {"splitk_skip_norm": 1}
+    g = torch.Generator().manual_seed(5)
+    x, skip = torch.randn(3, 1024, generator=g).half(), torch.randn(3, 64, generator=g).half()
+    y, total = sess.run(["y", "sum"], {"x": x.numpy(), "skip": skip.numpy()})
+    assert "splitk" in cpu_splitk  # the split-K route ran
+    ref_y, ref_s = _oracle(x, w, skip, gamma, bias)
+    assert _rel(torch.from_numpy(y), ref_y) <= TOL and _rel(torch.from_numpy(total), ref_s) <= TOL
+    # prefill-sized rows take the product, then the norm: same values
+    x40 = torch.randn(40, 1024, generator=g).half()
+    s40 = torch.randn(40, 64, generator=g).half()
+    y40, _ = sess.run(["y", "sum"], {"x": x40.numpy(), "skip": s40.numpy()})
+    assert _rel(torch.from_numpy(y40), _oracle(x40, w, s40, gamma, bias)[0]) <= TOL
+
+
+@interpreter
+def test_a_product_read_elsewhere_is_not_fused(cpu_splitk):
+    from pagedkit import InferenceSession
+
+    assert InferenceSession(_model(leak=True)[0]).fused == {}
+
+
+def test_cpu_sessions_are_not_fused_by_default():
+    from pagedkit import InferenceSession
+
+    assert InferenceSession(_model()[0]).fused == {}
