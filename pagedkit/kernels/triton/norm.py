@@ -10,8 +10,8 @@ One program per row holds the whole row in registers (H <= MAX_HIDDEN), so a nor
 the five to seven elementwise kernels of the torch composition (casts, add, norm, casts): a decode step's
 norms are launch-bound, not bandwidth-bound. Statistics outputs (mean / inv_std_var) are not served here.
 
-`rms_norm_parts` takes x as split-K partials P [S, R, H] float32 (splitk.partials: x = sum_s P[s], the product
-before it needs no reduce launch) and the skip / bias / gamma as above; its outputs are in skip's dtype.
+`rms_norm_acc` takes x as splitk.accumulate's float32 buffer [R, H] (the product before it needs no reduce launch)
+and zeroes the buffer after reading it; skip / bias / gamma as above; its outputs are in skip's dtype.
 """
 
 from __future__ import annotations
@@ -29,19 +29,16 @@ if common.HAVE_TRITON:
     @triton.jit
     def _rms_kernel(x_ptr, skip_ptr, bias_ptr, gamma_ptr, y_ptr, sum_ptr, H, eps,
                     HAS_SKIP: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_SUM: tl.constexpr, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr = 0, PARTS: tl.constexpr = 0, part_stride=0):
+                    PDL: tl.constexpr = 0, ACC: tl.constexpr = False):
         if PDL:
             common.pdl_gate(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
         off = row * H + cols  # x / skip / y / sum [R, H] contiguous
-        if PARTS:  # x as split-K partials [PARTS, R, H] float32 (part_stride = R * H)
-            s = tl.zeros([BLOCK], tl.float32)
-            for p in tl.static_range(PARTS):
-                s += tl.load(x_ptr + p * part_stride + off, mask=mask, other=0.0)
-        else:
-            s = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        if ACC:  # x is splitk's shared float32 accumulator: zero it for the next product
+            tl.store(x_ptr + off, tl.zeros([BLOCK], tl.float32), mask=mask)
         if HAS_SKIP:
             s += tl.load(skip_ptr + off, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
@@ -77,20 +74,20 @@ def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float, *, skip: torch.Te
     return _launch(x, gamma, eps, skip, bias, want_sum, out_dtype or x.dtype, x.dim() and x.numel() // x.shape[-1])
 
 
-def rms_norm_parts(parts: torch.Tensor, gamma: torch.Tensor, eps: float, *, skip: torch.Tensor,
-                   bias: torch.Tensor | None = None, want_sum: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """rms_norm of x = parts.sum(0) (parts [S, R, H] float32, skip [.., H] with R rows), outputs in skip's dtype."""
+def rms_norm_acc(acc: torch.Tensor, gamma: torch.Tensor, eps: float, *, skip: torch.Tensor,
+                 bias: torch.Tensor | None = None, want_sum: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """rms_norm of x = acc (splitk.accumulate's float32 [R, H], zeroed after reading; skip [.., H] with R rows),
+    outputs in skip's dtype."""
     common.require_triton()
-    if (parts.dim() != 3 or parts.dtype != torch.float32 or not parts.is_contiguous()
-            or parts.shape[1] * parts.shape[2] != skip.numel() or not serves(skip, gamma, None, bias)):
-        raise ValueError(f"rms_norm_parts: unsupported operands parts {list(parts.shape)} {parts.dtype}, "
+    if (acc.dim() != 2 or acc.dtype != torch.float32 or not acc.is_contiguous() or acc.numel() != skip.numel()
+            or not serves(skip, gamma, None, bias)):
+        raise ValueError(f"rms_norm_acc: unsupported operands acc {list(acc.shape)} {acc.dtype}, "
                          f"skip {list(skip.shape)} {skip.dtype}, gamma {list(gamma.shape)}")
-    return _launch(skip, gamma, eps, None, bias, want_sum, skip.dtype, parts.shape[1], parts=parts)
+    return _launch(skip, gamma, eps, None, bias, want_sum, skip.dtype, acc.shape[0], acc=acc)
 
 
-def _launch(x, gamma, eps, skip, bias, want_sum, out_dtype, rows, parts=None):
-    """One _rms_kernel launch over `rows` rows of x's shape (x: the input, or the skip when `parts` is the input)."""
+def _launch(x, gamma, eps, skip, bias, want_sum, out_dtype, rows, acc=None):
+    """One _rms_kernel launch over `rows` rows of x's shape (x: the input, or the skip when `acc` is the input)."""
     h = x.shape[-1]
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     s = torch.empty_like(x) if want_sum else None
@@ -98,11 +95,10 @@ def _launch(x, gamma, eps, skip, bias, want_sum, out_dtype, rows, parts=None):
         block = triton.next_power_of_2(h)
         pdl = common.pdl_launch(x.device, rows)
         gamma = gamma if gamma.is_contiguous() else gamma.contiguous()
-        src, other = (parts, x) if parts is not None else (x, skip)
+        src, other = (acc, x) if acc is not None else (x, skip)
         _rms_kernel[(rows,)](src, other if other is not None else x, bias if bias is not None else gamma, gamma, y,
                              s if s is not None else y, h, float(eps), HAS_SKIP=other is not None,
                              HAS_BIAS=bias is not None, WRITE_SUM=want_sum, BLOCK=block,
                              num_warps=4 if block <= 4096 else 8, PDL=common.pdl_mode(pdl),
-                             PARTS=0 if parts is None else parts.shape[0],
-                             part_stride=0 if parts is None else rows * h, **pdl)
+                             ACC=acc is not None, **pdl)
     return y, s

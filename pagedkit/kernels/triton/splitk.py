@@ -1,15 +1,21 @@
-"""Decode-sized products as split-K partials: P [S, R, N] float32 with sum_s P[s] = a [R, K] @ B [K, N], for the
-consumer kernel to reduce (norm.rms_norm(parts=...): the RMS norm after a decoder's O and down products), so the
-product needs no reduce launch of its own.
+"""Decode-sized products split over K, accumulated by float32 atomic adds into a persistent zeroed buffer
+acc [R, N] = a [R, K] @ B [K, N] that the consumer kernel reads and zeroes again (norm.rms_norm_acc: the RMS norm
+after a decoder's O and down products), so the product needs no reduce launch of its own.
 
 cuBLAS runs these products on a few column tiles: at one row, [2048, 2048] takes 32 tiles of 64 columns on the
 H200's 132 SMs and streams 1.4 TB/s. Splitting K as well gives (N / BLOCK_N) x S programs, each reading a
 [K / S, BLOCK_N] slab of B. H200, L2-cold, CUDA-graph replays (benchmarks/splitk_probe.py,
 results/splitk_probe.json): the partials alone take 4.5 us against cuBLAS's 6.0 at [2048, 2048] and 10.3 against
-14.2 at [8192, 2048] (a separate reduce launch would give the gain back: hence the fused consumer).
+14.2 at [8192, 2048] (a separate reduce launch would give the gain back: hence the fused consumer). A first
+version kept the S partials and let the norm sum them: one program per row then read S x N floats, and the norms
+took 180 us of a batch-1 step instead of 67 (results/step_profile_splitk_partials.json).
 
-Layouts: a [R, K] (row stride given, last dim contiguous), B [K, N] contiguous (an ONNX MatMul's constant), P
-[S, R, N] contiguous float32; R <= MAX_ROWS (padded to >= 16 rows for the tensor cores)."""
+The buffer of (device, R, N) is made zeroed once (`_acc`) and shared by every product of that shape: each consumer
+zeroes it after reading, before the next product on the stream accumulates into it. Make it outside a CUDA-graph
+capture (the engine's warm-up step does) so that it does not live in one graph's private pool.
+
+Layouts: a [R, K] (row stride given, last dim contiguous), B [K, N] contiguous (an ONNX MatMul's constant), acc
+[R, N] contiguous float32; R <= MAX_ROWS (padded to >= 16 rows for the tensor cores)."""
 
 from __future__ import annotations
 
@@ -43,7 +49,7 @@ if common.HAVE_TRITON:
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
             else:
                 acc = tl.dot(a, b, acc)
-        tl.store(p_ptr + (s * R + r[:, None]).to(tl.int64) * N + n[None, :], acc, mask=r_ok[:, None])
+        tl.atomic_add(p_ptr + r[:, None].to(tl.int64) * N + n[None, :], acc, mask=r_ok[:, None], sem="relaxed")
 
 
 def _block_n(k: int) -> int:
@@ -61,20 +67,32 @@ def serves(a: torch.Tensor, b: torch.Tensor) -> bool:
             and k % (SPLITS * BLOCK_K) == 0 and n % _block_n(k) == 0)
 
 
-def partials(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """P [SPLITS, R, N] float32, sum over dim 0 = a [.., K] (R rows) @ b [K, N] (module docstring)."""
+_ACC: dict[tuple, torch.Tensor] = {}
+
+
+def _acc(device: torch.device, rows: int, n: int) -> torch.Tensor:
+    key = (str(device), rows, n)
+    buf = _ACC.get(key)
+    if buf is None:
+        buf = _ACC[key] = torch.zeros((rows, n), dtype=torch.float32, device=device)
+    return buf
+
+
+def accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The shared buffer acc [R, N] float32 holding a [.., K] (R rows) @ b [K, N]; the caller's consumer must
+    zero it again after reading (module docstring)."""
     common.require_triton()
     if not serves(a, b):
-        raise ValueError(f"splitk.partials: unsupported operands a {list(a.shape)} {a.dtype}, "
+        raise ValueError(f"splitk.accumulate: unsupported operands a {list(a.shape)} {a.dtype}, "
                          f"b {list(b.shape)} {b.dtype}")
     k, n = b.shape
     a2 = a.reshape(-1, k)
     rows = a2.shape[0]
-    p = torch.empty((SPLITS, rows, n), dtype=torch.float32, device=a.device)
+    acc = _acc(a.device, rows, n)
     bn = _block_n(k)
     pdl = common.pdl_launch(a.device, (n // bn) * SPLITS)
-    _splitk_kernel[(n // bn, SPLITS)](a2, b, p, rows, n, a2.stride(0), K_SPLIT=k // SPLITS,
+    _splitk_kernel[(n // bn, SPLITS)](a2, b, acc, rows, n, a2.stride(0), K_SPLIT=k // SPLITS,
                                       BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=bn, BLOCK_K=BLOCK_K,
                                       INTERP=common.INTERPRET,
                                       num_warps=4, num_stages=4, PDL=common.pdl_mode(pdl), **pdl)
-    return p
+    return acc
