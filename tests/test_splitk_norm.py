@@ -101,17 +101,17 @@ def test_teeth(wrong):
 # --- the session fusion --------------------------------------------------------------------------------------
 
 
-def _model(k=1024, n=64, slot=0, leak=False, with_bias=True):
+def _model(k=1024, n=64, slot=0, leak=False, with_bias=True, np_dtype=np.float16):
     """y, sum = SkipSimplifiedLayerNormalization(x @ W, skip, gamma, bias) (x @ W in input `slot`), float16."""
     rng = np.random.default_rng(3)
-    w = (rng.standard_normal((k, n)) / k ** 0.5).astype(np.float16)
-    gamma = (1 + 0.2 * rng.standard_normal(n)).astype(np.float16)
-    bias = (0.1 * rng.standard_normal(n)).astype(np.float16)
+    w = (rng.standard_normal((k, n)) / k ** 0.5).astype(np_dtype)
+    gamma = (1 + 0.2 * rng.standard_normal(n)).astype(np_dtype)
+    bias = (0.1 * rng.standard_normal(n)).astype(np_dtype)
     ins = ["h", "skip"] if slot == 0 else ["skip", "h"]
     nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="o_proj"),
              helper.make_node("SkipSimplifiedLayerNormalization", [*ins, "gamma"] + (["bias"] if with_bias else []),
                               ["y", "", "", "sum"], name="norm", domain="com.microsoft", epsilon=EPS)]
-    f16 = TensorProto.FLOAT16
+    f16 = TensorProto.FLOAT16 if np_dtype == np.float16 else TensorProto.FLOAT
     outputs = [helper.make_tensor_value_info("y", f16, ["T", n]), helper.make_tensor_value_info("sum", f16, ["T", n])]
     if leak:
         outputs.append(helper.make_tensor_value_info("h", f16, ["T", n]))
@@ -171,3 +171,24 @@ def test_cpu_sessions_are_not_fused_by_default():
     from pagedkit import InferenceSession
 
     assert InferenceSession(_model()[0]).fused == {}
+
+
+@interpreter
+def test_fused_op_matches_onnxruntime_on_the_unfused_graph(cpu_splitk):
+    """pagedkit.fused::MatMulSkipNorm (its split-K route) against onnxruntime's CPU run of the graph it replaces
+    (float16; onnxruntime rounds the product to float16 before the norm, the fused op does not: float16 bound)."""
+    import onnxruntime as ort
+
+    from pagedkit import InferenceSession
+
+    model = _model()[0]
+    sess = InferenceSession(model)
+    assert sess.fused == {"splitk_skip_norm": 1}
+    rng = np.random.default_rng(9)
+    feeds = {"x": rng.standard_normal((3, 1024)).astype(np.float16),
+             "skip": rng.standard_normal((3, 64)).astype(np.float16)}
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(["y", "sum"], feeds)
+    for got, ref in zip(sess.run(["y", "sum"], feeds), want):
+        got, ref = got.astype(np.float64), ref.astype(np.float64)
+        assert np.abs(got - ref).max() <= TOL * np.abs(ref).max()
+    assert "splitk" in cpu_splitk
