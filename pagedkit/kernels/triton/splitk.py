@@ -1,5 +1,5 @@
-"""Decode-sized products split over K: y [R, N] float32 = a [R, K] @ B [K, N], summed by the last split to finish
-each column tile (a fixed order: deterministic), for the consumer kernel to read (norm.rms_norm_acc: the RMS norm
+"""Decode-sized products split over K, accumulated by float32 atomic adds into a persistent zeroed buffer
+acc [R, N] = a [R, K] @ B [K, N] that the consumer kernel reads and zeroes again (norm.rms_norm_acc: the RMS norm
 after a decoder's O and down products), so the product needs no reduce launch of its own.
 
 cuBLAS runs these products on a few column tiles: at one row, [2048, 2048] takes 32 tiles of 64 columns on the
@@ -8,14 +8,13 @@ H200's 132 SMs and streams 1.4 TB/s. Splitting K as well gives (N / BLOCK_N) x S
 results/splitk_probe.json): the partials alone take 4.5 us against cuBLAS's 6.0 at [2048, 2048] and 10.3 against
 14.2 at [8192, 2048] (a separate reduce launch would give the gain back: hence the fused consumer). A first
 version kept the S partials and let the norm sum them: one program per row then read S x N floats, and the norms
-took 180 us of a batch-1 step instead of 67 (results/step_profile_splitk_partials.json). A second accumulated by
-float32 atomics (a step replay: batch 1 / 1024 1.065 -> 0.966 ms, results/step_profile_splitk.json), but its sums
-depended on the splits' arrival order, so a graph replay differed from the same step run eagerly in the last bit.
-Here each split stores its partial and counts itself in; the last of a tile (acq_rel count) sums the S partials in
-split order and resets the count. Workspace and counts are made once per (device, R, N) (`_state`): make them outside
-a CUDA-graph capture (the engine's warm-up step does) so that they do not live in one graph's private pool.
+took 180 us of a batch-1 step instead of 67 (results/step_profile_splitk_partials.json).
 
-Layouts: a [R, K] (row stride given, last dim contiguous), B [K, N] contiguous (an ONNX MatMul's constant), y
+The buffer of (device, R, N) is made zeroed once (`_acc`) and shared by every product of that shape: each consumer
+zeroes it after reading, before the next product on the stream accumulates into it. Make it outside a CUDA-graph
+capture (the engine's warm-up step does) so that it does not live in one graph's private pool.
+
+Layouts: a [R, K] (row stride given, last dim contiguous), B [K, N] contiguous (an ONNX MatMul's constant), acc
 [R, N] contiguous float32; R <= MAX_ROWS (padded to >= 16 rows for the tensor cores)."""
 
 from __future__ import annotations
@@ -33,9 +32,8 @@ if common.HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _splitk_kernel(a_ptr, b_ptr, ws_ptr, cnt_ptr, out_ptr, R, N, stride_ar, S: tl.constexpr,
-                       K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       INTERP: tl.constexpr, PDL: tl.constexpr = 0):
+    def _splitk_kernel(a_ptr, b_ptr, p_ptr, R, N, stride_ar, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = 0):
         if PDL:
             common.pdl_gate(PDL)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -51,16 +49,7 @@ if common.HAVE_TRITON:
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
             else:
                 acc = tl.dot(a, b, acc)
-        rn = r[:, None].to(tl.int64) * N + n[None, :]  # [R, N] offsets
-        tl.store(ws_ptr + s.to(tl.int64) * R * N + rn, acc, mask=r_ok[:, None])
-        tl.debug_barrier()  # every thread's partial stored before the count is released
-        done = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-        if done == S - 1:  # the last split of this column tile: the S partials summed in split order (deterministic)
-            tot = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for j in tl.static_range(S):
-                tot += tl.load(ws_ptr + j * R * N + rn, mask=r_ok[:, None], other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + rn, tot, mask=r_ok[:, None])
-            tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")  # ready for the next product
+        tl.atomic_add(p_ptr + r[:, None].to(tl.int64) * N + n[None, :], acc, mask=r_ok[:, None], sem="relaxed")
 
 
 def _block_n(k: int) -> int:
@@ -78,35 +67,32 @@ def serves(a: torch.Tensor, b: torch.Tensor) -> bool:
             and k % (SPLITS * BLOCK_K) == 0 and n % _block_n(k) == 0)
 
 
-_STATE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_ACC: dict[tuple, torch.Tensor] = {}
 
 
-def _state(device: torch.device, rows: int, n: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partials workspace [SPLITS, R, N] float32, per-column-tile arrival counts [tiles] int32, zero between calls)
-    of (device, R, N), shared by every product of that shape (they run one after another on the stream)."""
+def _acc(device: torch.device, rows: int, n: int) -> torch.Tensor:
     key = (str(device), rows, n)
-    st = _STATE.get(key)
-    if st is None:
-        st = _STATE[key] = (torch.empty((SPLITS, rows, n), dtype=torch.float32, device=device),
-                            torch.zeros((tiles,), dtype=torch.int32, device=device))
-    return st
+    buf = _ACC.get(key)
+    if buf is None:
+        buf = _ACC[key] = torch.zeros((rows, n), dtype=torch.float32, device=device)
+    return buf
 
 
-def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [.., K] (R rows) @ b [K, N] as float32 [R, N], split over K (module docstring)."""
+def accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The shared buffer acc [R, N] float32 holding a [.., K] (R rows) @ b [K, N]; the caller's consumer must
+    zero it again after reading (module docstring)."""
     common.require_triton()
     if not serves(a, b):
-        raise ValueError(f"splitk.product: unsupported operands a {list(a.shape)} {a.dtype}, "
+        raise ValueError(f"splitk.accumulate: unsupported operands a {list(a.shape)} {a.dtype}, "
                          f"b {list(b.shape)} {b.dtype}")
     k, n = b.shape
     a2 = a.reshape(-1, k)
     rows = a2.shape[0]
+    acc = _acc(a.device, rows, n)
     bn = _block_n(k)
-    ws, cnt = _state(a.device, rows, n, n // bn)
-    out = torch.empty((rows, n), dtype=torch.float32, device=a.device)
     pdl = common.pdl_launch(a.device, (n // bn) * SPLITS)
-    _splitk_kernel[(n // bn, SPLITS)](a2, b, ws, cnt, out, rows, n, a2.stride(0), S=SPLITS, K_SPLIT=k // SPLITS,
+    _splitk_kernel[(n // bn, SPLITS)](a2, b, acc, rows, n, a2.stride(0), K_SPLIT=k // SPLITS,
                                       BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=bn, BLOCK_K=BLOCK_K,
                                       INTERP=common.INTERPRET,
                                       num_warps=4, num_stages=4, PDL=common.pdl_mode(pdl), **pdl)
-    return out
+    return acc

@@ -124,14 +124,15 @@ SPLITK_ON_CPU = False  # tests: route CPU tensors through the split-K kernels to
 def matmul_skip_norm(inputs, attrs, ctx):
     """runtime/fuse.py's `splitk_skip_norm`: SkipSimplifiedLayerNormalization(a @ B, other, gamma[, bias]) with
     inputs [a, B [K, N] constant, other, gamma, bias] and the norm's outputs and attributes. On CUDA, for decode-sized
-    rows, B's product runs split over K into float32 that the norm's launch reads (kernels/triton/splitk.py,
-    norm.py rms_norm_acc: no rounding in between, no reduce launch); otherwise the product, then the norm."""
+    rows, B's product runs split over K into a float32 accumulator that the norm's launch reads (kernels/triton/
+    splitk.py, norm.py rms_norm_acc: no product output in between, float32 throughout); otherwise the product,
+    then the norm."""
     a, b, other, gamma, bias = inputs[0], inputs[1], inputs[2], inputs[3], opt(inputs, 4)
     if not (ctx.wants(1) or ctx.wants(2)) and (a.is_cuda or SPLITK_ON_CPU):
         sk, tn = triton_kernels("splitk"), triton_kernels("norm")
         if (sk is not None and tn is not None and sk.serves(a, b) and other.dtype == a.dtype
                 and other.shape == a.shape[:-1] + (b.shape[1],) and tn.serves(other, gamma, None, bias)):
-            y, total = tn.rms_norm_acc(sk.product(a, b), gamma, attrs.get("epsilon", 1e-12), skip=other,
+            y, total = tn.rms_norm_acc(sk.accumulate(a, b), gamma, attrs.get("epsilon", 1e-12), skip=other,
                                          bias=bias, want_sum=ctx.wants(3))
             return [y, None, None, total]
     return skip_simplified_layer_norm([matmul([a, b], {}, ctx)[0], other, gamma, bias], attrs, ctx)
