@@ -6,12 +6,6 @@ same request run alone; stop strings; seeded sampling; and `paged-serve MODEL_DI
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -20,9 +14,7 @@ from export_utils import export_tiny, tiny_model
 from pagedkit.runtime.engine import Engine
 from pagedkit.runtime.serve import create_app
 from pagedkit.runtime.serve.tokenizer import load_tokenizer
-from test_serve_helpers import ServerThread, completion_text, sse_events, write_tokenizer
-
-ROOT = Path(__file__).resolve().parents[1]
+from test_serve_helpers import ServeCommand, ServerThread, completion_text, sse_events, write_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -145,34 +137,10 @@ def test_bad_request_against_the_real_engine(url):
     assert "at most 255" in r.json()["error"]["message"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_paged_serve_command_serves_the_folder(model_dir):
-    port = _free_port()
-    env = os.environ | {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "pagedkit.runtime.serve.cli", str(model_dir), "--port", str(port),
-                             "--max-batch-size", "4", "--log-level", "warning"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "paged-serve did not come up"
-            time.sleep(0.2)
-        base = f"http://127.0.0.1:{port}/v1"
+    with ServeCommand(model_dir, "--max-batch-size", "4", "--log-level", "warning") as url:
+        base = f"{url}/v1"
         assert httpx.get(f"{base}/models").json()["data"][0]["id"] == "tiny-llama"
         r = httpx.post(f"{base}/chat/completions", json={"model": "tiny-llama", "max_tokens": 5, "temperature": 0,
                                                          "messages": [{"role": "user", "content": "hello"}]})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
-    finally:
-        proc.terminate()
-        proc.wait(20)

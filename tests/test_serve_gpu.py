@@ -8,11 +8,6 @@ serves the same text as the in-process CUDA engine. Teeth: a request with a diff
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,10 +19,9 @@ from export_utils import export_tiny, tiny_model  # noqa: E402
 from pagedkit.runtime.engine import Engine  # noqa: E402
 from pagedkit.runtime.serve import create_app  # noqa: E402
 from pagedkit.runtime.serve.tokenizer import load_tokenizer  # noqa: E402
-from test_serve_helpers import ServerThread, completion_text, write_tokenizer  # noqa: E402
+from test_serve_helpers import ServeCommand, ServerThread, completion_text, write_tokenizer  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["hello", "the cat sat on the mat", "a dog", "world hello world", "t40 t41 t42", "mat mat"]
 
 
@@ -85,30 +79,8 @@ def test_streamed_equals_plain_on_cuda(url):
 
 
 def test_paged_serve_command_on_cuda(model_dir, url):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = os.environ | {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "pagedkit.runtime.serve.cli", str(model_dir), "--device", "cuda",
-                             "--port", str(port), "--max-batch-size", "4", "--log-level", "warning"], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "paged-serve --device cuda did not come up"
-            time.sleep(0.5)
-        base = f"http://127.0.0.1:{port}"
+    options = ("--device", "cuda", "--max-batch-size", "4", "--log-level", "warning")
+    with ServeCommand(model_dir, *options, timeout=180) as base:
         assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "tiny-llama"
         for req in _reqs()[:3]:
             assert _alone(base, req) == _alone(url, req)
-    finally:
-        proc.terminate()
-        proc.wait(30)

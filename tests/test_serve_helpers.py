@@ -4,13 +4,17 @@ with the real engine's interface, and a real uvicorn server on a free port in a 
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 from pagedkit.runtime.engine.params import RequestOutput, SamplingParams
 
+ROOT = Path(__file__).resolve().parents[1]
 VOCAB_SIZE = 144  # tests/export_utils.py TINY: vocab 144, bos 1, eos 2, pad 0
 WORDS = ["user", "assistant", "system", ":", "hello", "world", "the", "cat", "sat", "on", "mat", "a", "dog"]
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
@@ -140,6 +144,44 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(20)
         self.sock.close()
+
+
+class ServeCommand:
+    """`with ServeCommand(model_dir, *options) as base_url:` `paged-serve MODEL_DIR --port <free> *options` as a
+    subprocess (python -m pagedkit.runtime.serve.cli), once its /health answers (within `timeout` s); stopped on
+    exit."""
+
+    def __init__(self, model_dir: Path, *options: str, timeout: float = 60):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.argv = [sys.executable, "-m", "pagedkit.runtime.serve.cli", str(model_dir), "--port", str(self.port),
+                     *options]
+        self.timeout = timeout
+
+    def __enter__(self) -> str:
+        import httpx
+
+        env = os.environ | {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(self.proc.communicate()[0])
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
+                    return f"http://127.0.0.1:{self.port}"
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.__exit__()
+                raise AssertionError(f"paged-serve did not come up: {' '.join(self.argv[2:])}")
+            time.sleep(0.2)
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
 
 
 async def completion_text(client, body: dict, stream: bool) -> str:
