@@ -142,8 +142,9 @@ def parse_tile(value: str) -> tuple[int, int]:
 QUANT_WIDE_TILE: tuple[int, int] = _env("PAGEDKIT_QUANT_TILE", parse_tile, (128, 4))
 # programs per SM the splits aim for with those tiles (None: WAVES); PAGEDKIT_QUANT_WAVES overrides (tuning runs)
 QUANT_WIDE_WAVES: float | None = _env("PAGEDKIT_QUANT_WAVES", float)
-# (block_n, num_warps) and programs per SM of decode-sized queries (<= DECODE_QUERY_BOUND tokens a sequence) on int8 /
-# fp8 caches, head sizes <= 128, ahead of the two rules above (None: those rules). H200, GQA 32 / 8 heads, head 128,
+# (block_n, num_warps) and programs per SM of decode-sized queries (<= DECODE_QUERY_BOUND tokens a sequence, tiles of
+# <= 16 rows: query tokens x a group's heads) on int8 / fp8 caches, head sizes <= 128, ahead of the two rules above
+# (None: those rules). H200, GQA 32 / 8 heads, head 128,
 # whole operator calls (benchmarks/results/quant_tile_sweep.json): 64-key tiles over 2 warps hold 4 programs per SM
 # (200 registers, 55 KB of shared memory; 128 x 4 took 106 KB: 2), GQA int8 batch 64 / context 4096 0.1734 ->
 # 0.1580 ms, PagedAttention fp8 batch 64 / 8192 256-token blocks 0.3708 -> 0.3160, int8 16-token blocks batch 16
@@ -355,7 +356,7 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
     byte_codes = {k_format.fmt, v_format.fmt if v_format is not None else k_format.fmt} <= {
         common.FMT_INT8, common.FMT_FP8}
     if (block_n is None and num_warps is None and byte_codes and q_bound <= DECODE_QUERY_BOUND and wide <= 128
-            and QUANT_DECODE_TILE is not None):
+            and block_m <= 16 and QUANT_DECODE_TILE is not None):  # 16 rows: what was measured (2 warps' registers)
         block_n, num_warps = QUANT_DECODE_TILE
         waves = QUANT_DECODE_WAVES
     if block_n is None and quant and wide <= 128 and B * Hkv * n_sub >= QUANT_WIDE_PROGRAMS * _num_sms(dev):
