@@ -389,3 +389,41 @@ def test_decode_tile_overrides(monkeypatch, tile, waves):
     # a prefill-sized query keeps its own tiles (the knobs are for decode)
     check(base(q_lens=[20, 1], past=[0, 40]))
     assert spy.launches[-1]["BLOCK_N"] != 64 or tile is None
+
+
+@pytest.mark.parametrize("cache,picked", [("int8", True), ("float8e4m3fn", True), ("int4", False)])
+def test_quantized_decode_tiles(monkeypatch, cache, picked):
+    """QUANT_DECODE_TILE / QUANT_DECODE_WAVES: int8 / fp8 decode (tiles of <= 16 rows) runs 64-key tiles over 2
+    warps with splits aimed at 4 programs per SM; int4, and a multi-token query whose tile has more rows, keep the
+    earlier rules; "0" (None) turns it off. Every launch matches the reference."""
+    from pagedkit.kernels.triton import _decode_kernels as K
+
+    spy = _LaunchSpy(K._attn_kernel)
+    monkeypatch.setattr(K, "_attn_kernel", spy)
+    monkeypatch.setattr(decode, "_num_sms", lambda device: 4)  # few SMs: the splits follow the waves, uncapped
+    monkeypatch.setattr(decode, "QUANT_DECODE_TILE", (64, 2))
+    monkeypatch.setattr(decode, "QUANT_DECODE_WAVES", 4.0)
+    spec = base(cache=cache, k_quant="PER_TENSOR", v_quant="PER_TENSOR", q_lens=[1, 1, 1], past=[150, 7, 601])
+    check(spec)
+    got = spy.launches[-1]
+    assert got["BLOCK_M"] == 16
+    assert ((got["BLOCK_N"], got["num_warps"]) == (64, 2)) == picked, got
+    if picked:  # more programs per SM -> more splits
+        monkeypatch.setattr(decode, "QUANT_DECODE_WAVES", 12.0)
+        check(spec)
+        assert spy.launches[-1]["grid"][2] > got["grid"][2]
+        monkeypatch.setattr(decode, "QUANT_DECODE_TILE", None)  # off: the earlier rules' tile
+        check(spec)
+        assert (spy.launches[-1]["BLOCK_N"], spy.launches[-1]["num_warps"]) != (64, 2)
+        monkeypatch.setattr(decode, "QUANT_DECODE_TILE", (64, 2))
+        check(base(cache=cache, k_quant="PER_TENSOR", v_quant="PER_TENSOR", num_heads=8, kv_num_heads=2,
+                   q_lens=[8, 8], past=[40, 30]))  # 8 tokens x a group of 4 heads: 32 rows
+        wide = spy.launches[-1]
+        assert wide["BLOCK_M"] > 16 and (wide["BLOCK_N"], wide["num_warps"]) != (64, 2), wide
+
+
+def test_quantized_decode_tile_setting(monkeypatch):
+    monkeypatch.setenv("PAGEDKIT_QUANT_DECODE_TILE", "64by2")
+    with pytest.raises(ValueError, match="PAGEDKIT_QUANT_DECODE_TILE='64by2'"):
+        decode._env("PAGEDKIT_QUANT_DECODE_TILE", lambda v: None if v == "0" else decode.parse_tile(v))
+    assert decode.parse_tile("32x1") == (32, 1)
