@@ -241,11 +241,14 @@ def _attn_kernel(
         vch = vw
     qk_scale = sm_scale
     if K_SCALE == 1:
-        qk_scale = sm_scale * tl.load(ks_ptr + kvh * D)
+        qk_scale = sm_scale * tl.load(ks_ptr)  # PER_TENSOR: float32 [1]
     if HAS_SINK:
         sink2 = tl.load(sink_ptr + h, mask=head_ok, other=0.0).to(tl.float32) * LOG2E
     if DIRECT:
-        if V_SCALE == 1 or V_SCALE == 2:
+        if V_SCALE == 1:  # PER_TENSOR: float32 [1]
+            vsa = tl.zeros([VW_PAD], tl.float32) + tl.load(vs_ptr)
+            vsb = vsa
+        elif V_SCALE == 2:
             vsa = tl.load(vs_ptr + kvh * D + vch, mask=vw_ok, other=0.0)
             vsb = tl.load(vs_ptr + kvh * D + vch + 1, mask=vw_ok, other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
@@ -470,7 +473,9 @@ def _reduce_kernel(wacc_ptr, wml_ptr, sink_ptr, vs_ptr, out_ptr, mlf_ptr, num_sp
     if HAS_SINK:
         den += tl.exp2(sink2 - mx)
     o = tl.sum(acc, 0) * tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)
-    if V_SCALE == 1 or V_SCALE == 2:
+    if V_SCALE == 1:  # PER_TENSOR: float32 [1]
+        o = o * tl.load(vs_ptr)
+    elif V_SCALE == 2:
         o = o * tl.load(vs_ptr + (h // G) * D + d, mask=d_ok, other=0.0)
     o_ptr = out_ptr + t * (H * DV) + h * DV
     if ROTATE:  # o @ H_n / sqrt(n), H_n[i, j] = (-1)^popcount(i & j) (Sylvester), built in registers

@@ -147,7 +147,9 @@ def encode_store(x, rows, nrows, D, write, cache, cs0, cs1, cs2, cs3, blk, off,
             st = tl.where(amax > 0, tl.math.div_rn(amax, QMAX + 0.0 * amax), 1.0).to(scache.dtype.element_ty)
             tl.store(scache + blk * ss0 + off * ss1 + rows.to(tl.int64) * ss2, st, mask=rm)
             s = st.to(tl.float32)[:, None]
-        else:  # PER_TENSOR / PER_CHANNEL: float32 [Hkv * D]
+        elif SCALE == 1:  # PER_TENSOR: float32 [1]
+            s = tl.load(scale_vec)
+        else:  # PER_CHANNEL: float32 [Hkv * D]
             s = tl.load(scale_vec + rows[:, None] * D + cols[None, :],
                         mask=(rows[:, None] < nrows) & (cols[None, :] < D), other=1.0)
         # IEEE division (div_rn): the GPU's plain float32 `/` is approximate (div.full, 2 ulp), which rounds a

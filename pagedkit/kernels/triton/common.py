@@ -8,8 +8,8 @@ One cache side (K or V) is described by a `SideFormat`: its storage code (`FMT_*
 - FMT_INT8:  int8 codes, clamp(rint(x / s), -128, 127);
 - FMT_FP8:   float8e4m3fn codes, clamp(x / s, -448, 448) rounded to nearest even;
 - FMT_INT4:  uint8 bytes [.., (D + 1) // 2], nibble = code + 8, channel 2i in the low nibble of byte i.
-Scales: SCALE_TENSOR / SCALE_CHANNEL come as one float32 vector [Hkv * D] (PER_TENSOR broadcast), the
-launchers build it (`static_scale_vector`); SCALE_TOKEN reads the scale cache [NB, BS, Hkv] at the slot.
+Scales: SCALE_TENSOR comes as float32 [1] (kernels read element 0), SCALE_CHANNEL as float32 [Hkv * D]; the
+launchers build them (`static_scale_vector`); SCALE_TOKEN reads the scale cache [NB, BS, Hkv] at the slot.
 """
 
 from __future__ import annotations
@@ -73,13 +73,14 @@ def side_format(cache: torch.Tensor, cache_dtype_attr: str, quant_type: str, nam
 
 
 def static_scale_vector(scale: torch.Tensor | None, kv_heads: int, head_size: int) -> torch.Tensor | None:
-    """k_scale / v_scale (PER_TENSOR [1] or PER_CHANNEL [Hkv * D] in any layout) -> float32 [Hkv * D]
-    contiguous on the scale's device (an expand + copy: capture-safe, no host read)."""
+    """k_scale / v_scale (PER_TENSOR [1] or PER_CHANNEL [Hkv * D] in any layout) -> float32 [1] (the kernels
+    read a PER_TENSOR scale at element 0) or [Hkv * D], contiguous on the scale's device: a view of a float32
+    scale, no launch (an expanded copy took one small kernel per side and call), no host read."""
     if scale is None:
         return None
     flat = scale.reshape(-1).to(torch.float32)
     if flat.numel() == 1:
-        return flat.expand(kv_heads * head_size).contiguous()
+        return flat.contiguous()
     if flat.numel() != kv_heads * head_size:
         raise ValueError(f"scale of {flat.numel()} elements: expected 1 or kv_num_heads * head_size = "
                          f"{kv_heads * head_size}")

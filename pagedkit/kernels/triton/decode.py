@@ -5,7 +5,8 @@ Layouts (the last dim of every tensor contiguous):
 - q [N, H, D] in T (float16 / bfloat16), already normed / roped / rotated (a [N, H * D] view is accepted);
 - key_cache / value_cache [NB, BS, Hkv, Dc], Dc = D (float / int8 / fp8) or D / 2 (int4 bytes); LATENT:
   value_cache None, V = the leading Dv channels of key_cache (same format and scales as K);
-- k_scale / v_scale float32 [Hkv * D] (common.static_scale_vector), scale caches [NB, BS, Hkv];
+- k_scale / v_scale float32 [1] PER_TENSOR / [Hkv * D] PER_CHANNEL (common.static_scale_vector), scale
+  caches [NB, BS, Hkv];
 - sequence b owns tokens [csl[b], csl[b+1]), its KV extent is past[b] + n_b, read through block_table[b];
 - output [N, H * Dv] in T; output_qk [H, N, C] float32, C = block_table.shape[1] * BS.
 
@@ -244,11 +245,14 @@ def _check(cond: bool, msg: str) -> None:
 
 
 def _static(scale, fmt: SideFormat, name: str, numel: int):
-    """A PER_TENSOR / PER_CHANNEL scale vector (float32 [Hkv * D]) the side uses, else None."""
+    """The PER_TENSOR (float32 [1]; the kernels read element 0 — the [Hkv * D] broadcast of it is taken too) /
+    PER_CHANNEL (float32 [Hkv * D]) scale the side uses, else None."""
     if fmt.scale not in (SCALE_TENSOR, SCALE_CHANNEL):
         return None
-    _check(scale is not None and scale.numel() == numel and scale.dtype == torch.float32,
-           f"{name} should be a float32 vector of kv_num_heads * head_size = {numel} elements")
+    _check(scale is not None and scale.numel() in ((1, numel) if fmt.scale == SCALE_TENSOR else (numel,))
+           and scale.dtype == torch.float32,
+           f"{name} should be " + ("one float32 value (PER_TENSOR)" if fmt.scale == SCALE_TENSOR else
+                                   f"a float32 vector of kv_num_heads * head_size = {numel} elements"))
     return scale.reshape(-1).contiguous()
 
 

@@ -167,8 +167,9 @@ def mla_decode(q, *, key_cache, k_format, cumulative_sequence_length, past_seqle
     c_arg = key_cache.view(torch.uint8) if key_cache.dtype == torch.float8_e4m3fn else key_cache
     ks = None
     if k_format.scale == SCALE_TENSOR:
-        _check(k_scale is not None and k_scale.numel() == D and k_scale.dtype == torch.float32,
-               f"k_scale should be a float32 vector of head_size = {D} elements")
+        _check(k_scale is not None and k_scale.numel() in (1, D) and k_scale.dtype == torch.float32,
+               f"k_scale should be one float32 value (PER_TENSOR; a vector of head_size = {D} equal ones is read "
+               "at element 0)")
         ks = k_scale.reshape(-1).contiguous()
     ksc = None
     if k_format.scale == SCALE_TOKEN:
