@@ -27,6 +27,7 @@ import torch
 
 from ..kv.cache import KVCacheExhausted
 from ..kv.staging import PinnedRing
+from .sampling import greedy_rows
 
 PLACEHOLDER = 0  # the id a step is planned with before its real id is known (set before commit)
 
@@ -57,7 +58,7 @@ class HostRing:
 
     def launch(self, entries: list, plan, logits: torch.Tensor) -> Inflight:
         """The in-flight record of a launched step: greedy choices of logits [B, V] on the device, copied."""
-        choices = logits.argmax(-1)
+        choices = greedy_rows(logits)
         host = self.ring.take()[: choices.shape[0]]
         host.copy_(choices, non_blocking=self.ring.cuda)
         return Inflight(entries, plan, choices, host, self.ring.done())
