@@ -274,6 +274,15 @@ def test_block_table_unmapped_aliased_zero_token_sequence():
     compare(x, a)
 
 
+@pytest.mark.parametrize("q_lens, past", [((1, 3, 0, 0), (2, 7, 0, 5)), ((2, 0, 4), (0, 3, 9)),
+                                          ((0, 0, 3, 3), (1, 2, 3, 4)), ((2, 2, 2), (5, 0, 17))])
+def test_row_guess_misses_take_the_search(q_lens, past):
+    """Token counts that divide by the batch (the launcher guesses N / B rows per sequence) with ragged or empty
+    sequences: every missed guess falls back to the search over csl, the uniform last case hits throughout."""
+    x, a = case(past=past, q_lens=q_lens, cache="int8", quant="PER_TENSOR", seed=sum(q_lens) + len(past))
+    compare(x, a)
+
+
 def test_token_count_zero_and_decode_of_one():
     x, a = case(past=(4, 0, 2), q_lens=(0, 0, 0), seed=13)
     q, caches = run_kernel(poison(x), a)
