@@ -82,3 +82,16 @@ def test_argmax_teeth():
     assert last_tie != want
     signed = [int(torch.argmax(torch.where((r == 0) & (torch.sign(1 / r) < 0), -1e-30, r))) for r in x]
     assert signed != want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_argmax_rows_cuda_vocab_rows(dtype):
+    """A decode step's logits on the GPU ([R, 128256], ties planted across chunks) against torch's CPU argmax."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(33, 128256, generator=g) * 3).to(dtype)
+    x[::3, 70000] = x[::3, 1234] = 1e3  # ties: 1234 first
+    got = argmax.argmax_rows(x.cuda())
+    assert got.cpu().tolist() == x.float().argmax(-1).tolist()
+    assert got[0].item() == 1234
