@@ -6,8 +6,9 @@ tests/conftest.py) or compiled on CUDA, against the float64 loop oracle that sha
 Every configuration of tests/test_gqa_vs_ort.py and tests/test_gqa_oracle.py the variant serves, on fresh
 random inputs in float16 and bfloat16 (seeds no other test uses): outputs, presents (quantized: within one
 code), output_qk. Bounds: norm-relative, the case files' float16 / bfloat16 tolerances (5e-3 / 2e-2), as for
-triton_paged. A shared buffer is updated in place. What the variant refuses (sliding_window_cache, shared KV)
-is refused by dispatch with the reason. Teeth: a 2% wrong scale, a dropped head sink, smooth_softmax off,
+triton_paged. A shared buffer is updated in place. What the variant refuses (shared KV, qk_output with
+sliding_window_cache) is refused by dispatch with the reason. Windowed caches (sliding_window_cache=1: filling, evicting, steps longer
+than the capacity, ragged chunks with bias and sinks, quantized) run through kernels/triton/gqa_window.py. Teeth: a 2% wrong scale, a dropped head sink, smooth_softmax off,
 bias before softcap, a window one longer fail the bound.
 """
 
@@ -29,7 +30,8 @@ from pagedkit.kernels.triton import decode, gqa  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
-REFUSED = {n for n, c in ALL.items() if c.get("shared_kv") or c.get("attrs", {}).get("sliding_window_cache")}
+REFUSED = {n for n, c in ALL.items() if c.get("shared_kv") or (c.get("attrs", {}).get("sliding_window_cache")
+                                                                and c.get("attrs", {}).get("qk_output"))}
 SERVED = [n for n in ALL if n not in REFUSED]
 
 
@@ -152,6 +154,8 @@ def test_shared_buffer_is_updated_in_place():
     ("smooth_softmax_decode", {"smooth_softmax": 0}),  # smooth softmax removed
     ("rotary_interleaved_decode", {"rotary_interleaved": 0}),  # the other rotary layout
     ("qk_norm_separate_eps", {"k_norm_epsilon": 1e-3}),  # K normed with Q's epsilon
+    ("window_cache_evicting", {"local_window_size": 5}),  # a windowed cache: another resident count and window
+    ("window_cache_chunked_ragged", {"local_window_size": 3}),  # a window one shorter, ragged chunks with bias
 ])
 def test_teeth_a_wrong_attribute_fails(name, change):
     spec = _spec(name, torch.float16)
@@ -192,7 +196,7 @@ BASE_IN = {"query", "key", "value", "past_key", "past_value", "seqlens_k", "tota
 
 
 @pytest.mark.parametrize("attrs,present,kw,reason", [
-    ({"sliding_window_cache": 1, "local_window_size": 4}, BASE_IN, {}, "sliding_window_cache"),
+    ({"sliding_window_cache": 1, "local_window_size": 4, "qk_output": 1}, BASE_IN, {}, "sliding_window_cache"),
     ({}, BASE_IN, {"key_rows": 0}, "shared_kv"),
     ({}, BASE_IN, {"dtype": "float", "past": "float"}, "float"),
     ({}, BASE_IN, {"past": "float"}, "cache with T"),

@@ -15,7 +15,7 @@ real shapes (32 / 8 heads, head 128, float16 and bfloat16), against the independ
 - CUDA-graph capture of 8 decode steps with a growing context on a shared past / present buffer (float and
   int8 caches): the replays give the eager outputs and caches bit for bit, and every step matches the oracle;
 - a one-node model in `pagedkit.InferenceSession` on CUDA dispatches to triton_gqa (also with
-  capturable=True) and matches the oracle; a sliding_window_cache node (which triton_gqa refuses) is refused;
+  capturable=True) and matches the oracle, a sliding_window_cache node too;
 - teeth: a 2% wrong scale fails the bound.
 
 The oracle is a float64 loop on the CPU (~1 us per key and head). Attention is separable per KV-head group, so
@@ -414,11 +414,14 @@ def test_a_session_on_cuda_dispatches_gqa_to_triton_gqa():
     assert torch.equal(res["output"].cpu(), got["output"])  # same kernel, same inputs
     capt = InferenceSession(model, providers=["CUDAExecutionProvider"], capturable=True)
     assert set(capt.attention_variants.values()) == {"triton_gqa"}
-    # what triton_gqa refuses (sliding_window_cache), no other GPU kernel serves: refused without the fallback
-    window = gqa_case("sliding_window_cache", dtype=torch.float16).model()
-    with pytest.raises(NotImplementedError, match="allow_reference_fallback") as exc:
-        InferenceSession(window, providers=["CUDAExecutionProvider"], allow_reference_fallback=False)
-    assert "triton_gqa" in str(exc.value) and "sliding_window_cache" in str(exc.value), exc.value
+    # a windowed cache (sliding_window_cache=1: gqa_window.py) runs on triton_gqa too
+    wcase = gqa_case("sliding_window_cache", dtype=torch.float16)
+    wsess = InferenceSession(wcase.model(), providers=["CUDAExecutionProvider"], allow_reference_fallback=False)
+    assert set(wsess.attention_variants.values()) == {"triton_gqa"}, wsess.attention_dispatch
+    wnames = [o.name for o in wsess.get_outputs()]
+    wouts = wsess.run(None, {n: t.numpy() for n, t in wcase.inputs.items()})
+    wgot = {n: torch.from_numpy(np.ascontiguousarray(a)) for n, a in zip(wnames, wouts)}
+    compare_with_oracle(wgot, wcase.inputs, wcase.attrs, TOL[torch.float16])
 
 
 # ---- teeth ------------------------------------------------------------------------------------------------

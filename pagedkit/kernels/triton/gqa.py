@@ -23,8 +23,10 @@ on float caches in T and without softcap / window / sinks / smooth_softmax / bia
 fused attention instead (cuDNN, else FlashAttention-2: `sdpa_prefill.fused_sdpa`) over the rows the prologue
 wrote; `LAST_ROUTE` says which attention the last call ran ("triton", "cudnn", "flash", "math" on CPU tensors).
 
-Refuses (static): sliding_window_cache=1 (the windowed ring of buffers), key / value with 0 rows (shared KV),
-T float32, a float cache of another type than T, head_size > 256.
+sliding_window_cache=1 (windowed past / present buffers) runs in gqa_window.py on the same kernels.
+
+Refuses (static): sliding_window_cache=1 with qk_output, key / value with 0 rows (shared KV), T float32, a float
+cache of another type than T, head_size > 256.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ _FEATURES = tuple(f for f in OP_FEATURES["GroupQueryAttention"] if f != "shared_
 def _supports(info: Any) -> str | None:
     if not common.HAVE_TRITON:
         return "triton is not installed (pip install 'pagedkit[gpu]')"
-    if int(info.attr("sliding_window_cache") or 0):
-        return "sliding_window_cache=1 (windowed past / present buffers) is served by the reference only"
+    if int(info.attr("sliding_window_cache") or 0) and int(info.attr("qk_output") or 0):
+        return "sliding_window_cache=1 with qk_output is served by the reference only"
     if info.head_size is not None and info.head_size > MAX_HEAD_SIZE:
         return f"head_size {info.head_size} > {MAX_HEAD_SIZE}"
     cache = info.dtypes.get("past_key")
@@ -74,8 +76,10 @@ VARIANT = KernelVariant(
     description="Triton: PagedAttention's cache-write prologue and split-KV attention kernels through a "
                 "contiguous (BNSH) cache accessor: in-place writes into a shared past / present buffer, padded "
                 "batches, attention_bias after softcap, smooth_softmax; plain causal first prompts on torch's fused "
-                "attention (cuDNN, else FlashAttention-2; gqa.LAST_ROUTE). CUDA-graph capturable.",
-    limits=f"head_size <= {MAX_HEAD_SIZE}; no sliding_window_cache, no shared KV, a float cache in T; needs triton",
+                "attention (cuDNN, else FlashAttention-2; gqa.LAST_ROUTE); windowed caches (sliding_window_cache=1). "
+                "CUDA-graph capturable.",
+    limits=f"head_size <= {MAX_HEAD_SIZE}; no shared KV, no qk_output with sliding_window_cache, a float cache in "
+           "T; needs triton",
 )
 
 
@@ -180,19 +184,22 @@ def group_query_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] |
     d = width // (h + 2 * hkv) if packed else width // h
     if not packed and x["key"].shape[1] == 0:
         raise NotImplementedError("triton_gqa: key / value with 0 rows (shared KV) is served by the reference")
-    if int(a["sliding_window_cache"]):
-        raise NotImplementedError("triton_gqa: sliding_window_cache=1 is served by the reference")
     total = _host_total(x["total_sequence_length"])
     bits = int(a["kv_cache_bit_width"] or 0)
     past_k, past_v = x.get("past_key"), x.get("past_value")
     kf = _side(past_k, str(a["k_quant_type"]), bits)
     vf = _side(past_v, str(a["v_quant_type"]), bits)
+    want = set(outputs) if outputs is not None else None
+    if int(a["sliding_window_cache"]):  # windowed past / present buffers: gqa_window.py
+        from .gqa_window import windowed
+
+        _route("triton")
+        return windowed(x, a, h=h, hkv=hkv, d=d, kf=kf, vf=vf, total=total, present_of=_present,
+                        cache_dtype=lambda past, f: _cache_dtype(past, f, t_dtype), constants=_constants, want=want)
 
     # presents (in place into a shared buffer) and the write slots of a flat [rows, 1, Hkv, Dc] view
     cap = max(past_k.shape[2] if past_k is not None else 0, total)
-    cache_dtype = lambda past, f: (past.dtype if past is not None else  # noqa: E731
-                                   {common.FMT_INT4: torch.uint8, common.FMT_INT8: torch.int8,
-                                    common.FMT_FP8: torch.float8_e4m3fn}.get(f.fmt, t_dtype))
+    cache_dtype = lambda past, f: _cache_dtype(past, f, t_dtype)  # noqa: E731
     dck, dcv = (d // 2 if kf.fmt == common.FMT_INT4 else d), (d // 2 if vf.fmt == common.FMT_INT4 else d)
     present_k = _present(past_k, (bsz, hkv, cap, dck), cache_dtype(past_k, kf), dev)
     present_v = _present(past_v, (bsz, hkv, cap, dcv), cache_dtype(past_v, vf), dev)
@@ -245,7 +252,6 @@ def group_query_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] |
         unique_slots=True, k_norm_epsilon=float(eps_k))
 
     qk_output = int(a["qk_output"])
-    want = set(outputs) if outputs is not None else None
     if want is not None and "output_qk" in want and not qk_output:
         raise ValueError("output 'output_qk' requested but attribute 'qk_output' is 0 (expected 1 or 2)")
     if _first_prompt_route(x, a, s, total, kf, vf, present_k, t_dtype, qk_output):
@@ -270,6 +276,14 @@ def group_query_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] |
     if qk_output:
         qk = qk.view(h, bsz, s, -1).permute(1, 0, 2, 3)[..., :total].to(t_dtype)
     return _results(out, present_k, present_v, qk if qk_output else None, want)
+
+
+def _cache_dtype(past: torch.Tensor | None, f: common.SideFormat, t_dtype: torch.dtype) -> torch.dtype:
+    """A present's dtype: the past's, else the format's storage (float caches: T)."""
+    if past is not None:
+        return past.dtype
+    return {common.FMT_INT4: torch.uint8, common.FMT_INT8: torch.int8,
+            common.FMT_FP8: torch.float8_e4m3fn}.get(f.fmt, t_dtype)
 
 
 def _results(out, present_k, present_v, qk, want) -> dict[str, torch.Tensor]:

@@ -1,0 +1,141 @@
+"""GroupQueryAttention's windowed cache (sliding_window_cache=1) on the Triton kernels (called by gqa.py).
+
+A windowed present [B, Hkv, C, Dc] of capacity C and window W holds the L(T) most recent positions of entry b
+at rows [0, L(T)), onnxruntime 1.32.0's resident count (kernels/gqa/cache.py): G = C - W + 1,
+L(T) = T if T <= C else T - G * ceil((T - C) / G). A step of Q_b new rows after P_b = T_b - Q_b cached ones reads
+the past as it was (positions [P - L(P), P) at rows [0, L(P))) plus its new rows, then keeps positions
+[T - L(T), T).
+
+All on the device, no host reads (capture-safe), in row space (row r of entry b = position P_b - L(P_b) + r; the
+causal and window masks only compare positions, so they hold there too):
+1. W [B, Hkv, C + S, Dc] = the present's rows, then room for the S new rows;
+2. the cache-write prologue writes entry b's valid rows at rows L(P_b) + s of W (RoPE at the absolute positions);
+3. the split-KV attention reads W through the BNSH accessor with past = L(P_b), attention_bias shifted to rows;
+4. present rows r < L(T_b) = W rows r + (T - L(T)) - (P - L(P)); rows past L(T_b) keep their contents.
+Refused: output_qk (its columns are absolute positions).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..attention_math import default_scale
+from . import common
+
+
+def _resident(n: torch.Tensor, cap: int, window: int) -> torch.Tensor:
+    """L(n) per entry (int64 [B])."""
+    g = cap - window + 1
+    return torch.where(n <= cap, n, n - g * torch.div(n - cap + g - 1, g, rounding_mode="floor"))
+
+
+def _rows(bias: torch.Tensor, first: torch.Tensor, bsz: int, width: int) -> torch.Tensor:
+    """attention_bias [B or 1, H or 1, S, K] indexed by absolute key position -> [B, H or 1, S, width] by row
+    (row r of entry b = position first[b] + r; 0 beyond K)."""
+    kb = bias.shape[3]
+    col = first[:, None] + torch.arange(width, device=bias.device)[None, :]  # [B, width]
+    ok = col < kb
+    idx = col.clamp(max=max(kb - 1, 0))[:, None, None, :].expand(bsz, bias.shape[1], bias.shape[2], width)
+    got = torch.gather(bias.expand(bsz, *bias.shape[1:]), 3, idx)
+    return torch.where(ok[:, None, None, :], got, torch.zeros((), dtype=bias.dtype, device=bias.device))
+
+
+def windowed(x: dict, a: dict, *, h: int, hkv: int, d: int, kf, vf, total: int, present_of, cache_dtype,
+             constants, want) -> dict[str, Any]:
+    """The windowed call (module docstring); x / a: gqa.py's inputs and attributes with defaults."""
+    from . import ops
+    from .gqa import _results
+
+    if int(a["qk_output"]):
+        raise NotImplementedError("triton_gqa: sliding_window_cache=1 with qk_output is served by the reference")
+    window = int(a["local_window_size"])
+    if window <= 0:
+        raise ValueError(f"attribute 'local_window_size': sliding_window_cache=1 needs a window > 0, got {window}")
+    query = x["query"]
+    bsz, s, width = query.shape
+    dev = query.device
+    packed = "key" not in x
+    past_k, past_v = x.get("past_key"), x.get("past_value")
+    cap = past_k.shape[2] if past_k is not None else max(window, total)
+    if cap < window:
+        raise ValueError(f"input 'past_key': a windowed cache holds at least local_window_size = {window} rows, "
+                         f"got capacity {cap}")
+    dck, dcv = (d // 2 if kf.fmt == common.FMT_INT4 else d), (d // 2 if vf.fmt == common.FMT_INT4 else d)
+    present_k = present_of(past_k, (bsz, hkv, cap, dck), cache_dtype(past_k, kf), dev)
+    present_v = present_of(past_v, (bsz, hkv, cap, dcv), cache_dtype(past_v, vf), dev)
+    c = constants(dev, bsz, s, hkv * (cap + s))
+
+    # lengths (int64 [B]): T, Q, P; resident counts before (L(P)) and after (L(T)) the step
+    t_len = x["seqlens_k"].to(torch.int64) + 1
+    q_len = (x["query_seqlens"].to(torch.int64) if "query_seqlens" in x else torch.clamp(t_len, max=s))
+    p_len = t_len - q_len
+    lp, lt = _resident(p_len, cap, window), _resident(t_len, cap, window)
+    first_p, first_t = p_len - lp, t_len - lt
+
+    # 1. the step's window buffers W [B, Hkv, C + S, Dc]
+    cw = cap + s
+    wk = torch.empty((bsz, hkv, cw, dck), dtype=present_k.dtype, device=dev)
+    wv = torch.empty((bsz, hkv, cw, dcv), dtype=present_v.dtype, device=dev)
+    wk[:, :, :cap] = present_k
+    wv[:, :, :cap] = present_v
+    # 2. the write: entry b's valid row j to W row L(P_b) + j (flat [rows, 1, Hkv, Dc] views, explicit slots)
+    n_rows = ((bsz - 1) * hkv + 1) * cw
+    flat_k = wk.as_strided((n_rows, 1, hkv, dck), (dck, dck, cw * dck, 1))
+    flat_v = wv.as_strided((n_rows, 1, hkv, dcv), (dcv, dcv, cw * dcv, 1))
+    rows = c.rows.to(torch.int64)
+    valid = rows[None, :] < q_len[:, None]  # [B, S]
+    entry = torch.arange(bsz, device=dev, dtype=torch.int64)[:, None] * (hkv * cw)
+    slots = torch.where(valid, entry + lp[:, None] + rows[None, :], -1).reshape(-1)
+    rotary = bool(int(a["do_rotary"]))
+    qpos = None
+    if rotary:  # absolute positions: position_ids (a first prompt reads position_ids[0, 0] + s), else P_b + s
+        if "position_ids" in x:
+            pid = x["position_ids"]
+            if "query_seqlens" not in x and s == total:
+                pid = (pid.reshape(-1)[:1] + rows.to(pid.dtype)).expand(bsz, s)
+            qpos = pid.reshape(-1).to(torch.int32)
+        else:
+            qpos = (p_len[:, None] + rows[None, :]).reshape(-1).to(torch.int32)
+    ks = common.static_scale_vector(x.get("k_scale"), hkv, d) if kf.quantized else None
+    vs = common.static_scale_vector(x.get("v_scale"), hkv, d) if vf.quantized else None
+    eps_q = a["q_norm_epsilon"] if a["q_norm_epsilon"] is not None else a["qk_norm_epsilon"]
+    eps_k = a["k_norm_epsilon"] if a["k_norm_epsilon"] is not None else a["qk_norm_epsilon"]
+    n_tok = bsz * s
+    q = ops.write_kv(
+        query.reshape(n_tok, width), None if packed else x["key"].reshape(n_tok, hkv * d),
+        None if packed else x["value"].reshape(n_tok, hkv * d), c.csl, p_len.to(torch.int32), c.table, flat_k,
+        flat_v, slots, qpos, x.get("cos_cache") if rotary else None, x.get("sin_cache") if rotary else None,
+        x.get("q_norm_weight"), x.get("k_norm_weight"), ks, vs, None, None,
+        num_heads=h, kv_num_heads=hkv, head_size=d, k_fmt=kf.fmt, k_scale_mode=kf.scale, v_fmt=vf.fmt,
+        v_scale_mode=vf.scale, rotary=rotary, rotary_interleaved=bool(int(a["rotary_interleaved"])),
+        rotary_offset=0, qk_norm_epsilon=float(eps_q), qk_rotation=False, v_rotation=False, latent=False,
+        unique_slots=True, k_norm_epsilon=float(eps_k))
+    # 3. the attention over W in row space
+    sink = x.get("head_sink")
+    if sink is None and int(a["smooth_softmax"]) == 1:
+        sink = torch.zeros(h, dtype=query.dtype, device=dev)
+    bias = x.get("attention_bias")
+    if bias is not None:
+        bias = _rows(bias, first_p, bsz, cw)
+    out, _ = ops.paged_decode(
+        q, wk, wv, q_len.to(torch.int32), lp.to(torch.int32), c.table, ks, vs, None, None, None, sink, bias,
+        k_fmt=kf.fmt, k_scale_mode=kf.scale, v_fmt=vf.fmt, v_scale_mode=vf.scale, num_heads=h, kv_num_heads=hkv,
+        head_size=d, v_head_size=d, scale=default_scale(float(a["scale"]), d), softcap=float(a["softcap"]),
+        local_window_size=window, is_causal=bool(int(a["causal"])), qk_output=0, v_rotation=False,
+        max_query_len=s, max_kv_len=cw, bnsh=True, row_pad=s, bias_after_softcap=True)
+    out = out.view(bsz, s, h * d)
+    if s > 1:
+        out = torch.where(valid[:, :, None], out, torch.zeros((), dtype=out.dtype, device=dev))
+    # 4. the presents: the L(T) most recent positions at rows [0, L(T)), the other rows as they were
+    r = torch.arange(cap, device=dev)
+    src = (r[None, :] + (first_t - first_p)[:, None]).clamp(max=cw - 1)  # [B, C]
+    keep = (r[None, :] < lt[:, None])[:, None, :, None]
+    for present, wbuf, dc in ((present_k, wk, dck), (present_v, wv, dcv)):
+        pv, wb = present, wbuf
+        if present.dtype == torch.float8_e4m3fn:  # gather / where on the bytes
+            pv, wb = present.view(torch.uint8), wbuf.view(torch.uint8)
+        got = torch.gather(wb, 2, src[:, None, :, None].expand(bsz, hkv, cap, dc))
+        pv.copy_(torch.where(keep, got, pv))
+    return _results(out, present_k, present_v, None, want)
