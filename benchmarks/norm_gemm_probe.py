@@ -6,7 +6,9 @@ silu(gate) * up fused; M = 1 / 8 rows. L2-cold (rotating weight copies past 2.5x
 The fused kernel: one program per BLOCK_N output columns walks K: s = x + skip (program 0 stores s, the new
 residual), acc += (s * gamma) @ W[:, cols] on the tensor cores, ss += s * s; at the end y = acc * rsqrt(ss / K +
 eps) (the norm's row scale commutes with the product), for the MLP silu(gate) * up of two such accumulators.
-A prototype kept here until it is measured (not in the package).
+A prototype, not in the package. Measured (H200, results/norm_gemm_probe.json at 233abbb): 3.3-6x slower than
+the baseline at every row (QKV best 28.5 us against 7.7; gate | up 51 against 22.4): W [K, N] gives each program
+BLOCK_N x 2-byte segments strided by the row. Kept as the record; a next attempt needs W^T [N, K] or split-K.
 
     PYTHONPATH=$PWD python3 benchmarks/norm_gemm_probe.py [--out FILE]
 """
