@@ -225,31 +225,8 @@ def group_query_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] |
         valid = c.rows[None, :] < q_len[:, None]  # [B, S]
         pos = past[:, None] + c.rows[None, :]  # [B, S] absolute positions
         slots = torch.where(valid & (pos < cap), c.entry + pos, -1).reshape(-1)
-    csl = c.csl  # the write's row ranges (padded): 0, S, 2S, ...
-    rows = c.rows
-
-    qpos = None
-    rotary = bool(int(a["do_rotary"]))
-    if rotary and "position_ids" in x:
-        pid = x["position_ids"]
-        if "query_seqlens" not in x and s == total:  # a first prompt reads position_ids[0, 0] only (ORT CPU)
-            pid = (pid.reshape(-1)[:1] + rows.to(pid.dtype)).expand(bsz, s)
-        qpos = pid.reshape(-1).to(torch.int32)
-    ks = common.static_scale_vector(x.get("k_scale"), hkv, d) if kf.quantized else None
-    vs = common.static_scale_vector(x.get("v_scale"), hkv, d) if vf.quantized else None
-    eps_q = a["q_norm_epsilon"] if a["q_norm_epsilon"] is not None else a["qk_norm_epsilon"]
-    eps_k = a["k_norm_epsilon"] if a["k_norm_epsilon"] is not None else a["qk_norm_epsilon"]
-    n_tok = bsz * s
-    key = None if packed else x["key"].reshape(n_tok, hkv * d)
-    value = None if packed else x["value"].reshape(n_tok, hkv * d)
-    q = ops.write_kv(
-        query.reshape(n_tok, width), key, value, csl, past, table, flat_k, flat_v, slots, qpos,
-        x.get("cos_cache") if rotary else None, x.get("sin_cache") if rotary else None, x.get("q_norm_weight"),
-        x.get("k_norm_weight"), ks, vs, None, None,
-        num_heads=h, kv_num_heads=hkv, head_size=d, k_fmt=kf.fmt, k_scale_mode=kf.scale, v_fmt=vf.fmt,
-        v_scale_mode=vf.scale, rotary=rotary, rotary_interleaved=bool(int(a["rotary_interleaved"])),
-        rotary_offset=0, qk_norm_epsilon=float(eps_q), qk_rotation=False, v_rotation=False, latent=False,
-        unique_slots=True, k_norm_epsilon=float(eps_k))
+    q, ks, vs = write(x, a, h=h, hkv=hkv, d=d, kf=kf, vf=vf, csl=c.csl, past=past, table=table, flat_k=flat_k,
+                      flat_v=flat_v, slots=slots, rows=c.rows, total=total)
 
     qk_output = int(a["qk_output"])
     if want is not None and "output_qk" in want and not qk_output:
@@ -260,11 +237,9 @@ def group_query_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] |
         if out is not None:  # None: no fused backend takes it, the Triton attention below does
             return _results(out, present_k, present_v, None, want)
     _route("triton")
-    sink = x.get("head_sink")
-    if sink is None and int(a["smooth_softmax"]) == 1:  # exp(0) in every denominator: a zero sink
-        sink = _zeros(dev, h, t_dtype)
     out, qk = ops.paged_decode(
-        q, present_k, present_v, q_len, past, c.table, ks, vs, None, None, None, sink, x.get("attention_bias"),
+        q, present_k, present_v, q_len, past, c.table, ks, vs, None, None, None, sink(x, a, h, t_dtype, dev),
+        x.get("attention_bias"),
         k_fmt=kf.fmt, k_scale_mode=kf.scale, v_fmt=vf.fmt, v_scale_mode=vf.scale, num_heads=h, kv_num_heads=hkv,
         head_size=d, v_head_size=d, scale=default_scale(float(a["scale"]), d), softcap=float(a["softcap"]),
         local_window_size=max(int(a["local_window_size"]), 0), is_causal=bool(int(a["causal"])),
@@ -276,6 +251,48 @@ def group_query_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] |
     if qk_output:
         qk = qk.view(h, bsz, s, -1).permute(1, 0, 2, 3)[..., :total].to(t_dtype)
     return _results(out, present_k, present_v, qk if qk_output else None, want)
+
+
+def write(x: Mapping[str, Any], a: Mapping[str, Any], *, h: int, hkv: int, d: int, kf, vf, csl, past, table,
+          flat_k, flat_v, slots, rows, total: int, positions=None):
+    """One call's cache-write prologue (ops.write_kv: RoPE, QK-norm, quantization, the rows to `slots` or through
+    `table`) -> (q [N, H, D] in T, k_scale, v_scale as the kernels take them). RoPE positions: position_ids (a
+    first prompt, no query_seqlens and S == total, reads position_ids[0, 0] + s, as onnxruntime's CPU kernel
+    does), else `positions` (int32 [B * S]), else the write's P_b + s from `past`."""
+    from . import ops
+
+    query = x["query"]
+    bsz, s, width = query.shape
+    n_tok = bsz * s
+    rotary = bool(int(a["do_rotary"]))
+    qpos = positions if rotary else None
+    if rotary and "position_ids" in x:
+        pid = x["position_ids"]
+        if "query_seqlens" not in x and s == total:
+            pid = (pid.reshape(-1)[:1] + rows.to(pid.dtype)).expand(bsz, s)
+        qpos = pid.reshape(-1).to(torch.int32)
+    ks = common.static_scale_vector(x.get("k_scale"), hkv, d) if kf.quantized else None
+    vs = common.static_scale_vector(x.get("v_scale"), hkv, d) if vf.quantized else None
+    eps_q = a["q_norm_epsilon"] if a["q_norm_epsilon"] is not None else a["qk_norm_epsilon"]
+    eps_k = a["k_norm_epsilon"] if a["k_norm_epsilon"] is not None else a["qk_norm_epsilon"]
+    packed = "key" not in x
+    q = ops.write_kv(
+        query.reshape(n_tok, width), None if packed else x["key"].reshape(n_tok, hkv * d),
+        None if packed else x["value"].reshape(n_tok, hkv * d), csl, past, table, flat_k, flat_v, slots, qpos,
+        x.get("cos_cache") if rotary else None, x.get("sin_cache") if rotary else None, x.get("q_norm_weight"),
+        x.get("k_norm_weight"), ks, vs, None, None,
+        num_heads=h, kv_num_heads=hkv, head_size=d, k_fmt=kf.fmt, k_scale_mode=kf.scale, v_fmt=vf.fmt,
+        v_scale_mode=vf.scale, rotary=rotary, rotary_interleaved=bool(int(a["rotary_interleaved"])),
+        rotary_offset=0, qk_norm_epsilon=float(eps_q), qk_rotation=False, v_rotation=False, latent=False,
+        unique_slots=True, k_norm_epsilon=float(eps_k))
+    return q, ks, vs
+
+
+def sink(x: Mapping[str, Any], a: Mapping[str, Any], h: int, t_dtype: torch.dtype, dev: torch.device):
+    """head_sink, else for smooth_softmax=1 a zero sink (exp(0) in every denominator), else None."""
+    if x.get("head_sink") is None and int(a["smooth_softmax"]) == 1:
+        return _zeros(dev, h, t_dtype)
+    return x.get("head_sink")
 
 
 def _cache_dtype(past: torch.Tensor | None, f: common.SideFormat, t_dtype: torch.dtype) -> torch.dtype:

@@ -46,7 +46,7 @@ def windowed(x: dict, a: dict, *, h: int, hkv: int, d: int, kf, vf, total: int, 
              constants, want) -> dict[str, Any]:
     """The windowed call (module docstring); x / a: gqa.py's inputs and attributes with defaults."""
     from . import ops
-    from .gqa import _results
+    from .gqa import _results, sink, write
 
     if int(a["qk_output"]):
         raise NotImplementedError("triton_gqa: sliding_window_cache=1 with qk_output is served by the reference")
@@ -54,9 +54,8 @@ def windowed(x: dict, a: dict, *, h: int, hkv: int, d: int, kf, vf, total: int, 
     if window <= 0:
         raise ValueError(f"attribute 'local_window_size': sliding_window_cache=1 needs a window > 0, got {window}")
     query = x["query"]
-    bsz, s, width = query.shape
+    bsz, s, _ = query.shape
     dev = query.device
-    packed = "key" not in x
     past_k, past_v = x.get("past_key"), x.get("past_value")
     cap = past_k.shape[2] if past_k is not None else max(window, total)
     if cap < window:
@@ -88,39 +87,16 @@ def windowed(x: dict, a: dict, *, h: int, hkv: int, d: int, kf, vf, total: int, 
     valid = rows[None, :] < q_len[:, None]  # [B, S]
     entry = torch.arange(bsz, device=dev, dtype=torch.int64)[:, None] * (hkv * cw)
     slots = torch.where(valid, entry + lp[:, None] + rows[None, :], -1).reshape(-1)
-    rotary = bool(int(a["do_rotary"]))
-    qpos = None
-    if rotary:  # absolute positions: position_ids (a first prompt reads position_ids[0, 0] + s), else P_b + s
-        if "position_ids" in x:
-            pid = x["position_ids"]
-            if "query_seqlens" not in x and s == total:
-                pid = (pid.reshape(-1)[:1] + rows.to(pid.dtype)).expand(bsz, s)
-            qpos = pid.reshape(-1).to(torch.int32)
-        else:
-            qpos = (p_len[:, None] + rows[None, :]).reshape(-1).to(torch.int32)
-    ks = common.static_scale_vector(x.get("k_scale"), hkv, d) if kf.quantized else None
-    vs = common.static_scale_vector(x.get("v_scale"), hkv, d) if vf.quantized else None
-    eps_q = a["q_norm_epsilon"] if a["q_norm_epsilon"] is not None else a["qk_norm_epsilon"]
-    eps_k = a["k_norm_epsilon"] if a["k_norm_epsilon"] is not None else a["qk_norm_epsilon"]
-    n_tok = bsz * s
-    q = ops.write_kv(
-        query.reshape(n_tok, width), None if packed else x["key"].reshape(n_tok, hkv * d),
-        None if packed else x["value"].reshape(n_tok, hkv * d), c.csl, p_len.to(torch.int32), c.table, flat_k,
-        flat_v, slots, qpos, x.get("cos_cache") if rotary else None, x.get("sin_cache") if rotary else None,
-        x.get("q_norm_weight"), x.get("k_norm_weight"), ks, vs, None, None,
-        num_heads=h, kv_num_heads=hkv, head_size=d, k_fmt=kf.fmt, k_scale_mode=kf.scale, v_fmt=vf.fmt,
-        v_scale_mode=vf.scale, rotary=rotary, rotary_interleaved=bool(int(a["rotary_interleaved"])),
-        rotary_offset=0, qk_norm_epsilon=float(eps_q), qk_rotation=False, v_rotation=False, latent=False,
-        unique_slots=True, k_norm_epsilon=float(eps_k))
+    q, ks, vs = write(x, a, h=h, hkv=hkv, d=d, kf=kf, vf=vf, csl=c.csl, past=p_len.to(torch.int32), table=c.table,
+                      flat_k=flat_k, flat_v=flat_v, slots=slots, rows=c.rows, total=total,
+                      positions=(p_len[:, None] + rows[None, :]).reshape(-1).to(torch.int32))  # absolute positions
     # 3. the attention over W in row space
-    sink = x.get("head_sink")
-    if sink is None and int(a["smooth_softmax"]) == 1:
-        sink = torch.zeros(h, dtype=query.dtype, device=dev)
     bias = x.get("attention_bias")
     if bias is not None:
         bias = _rows(bias, first_p, bsz, cw)
     out, _ = ops.paged_decode(
-        q, wk, wv, q_len.to(torch.int32), lp.to(torch.int32), c.table, ks, vs, None, None, None, sink, bias,
+        q, wk, wv, q_len.to(torch.int32), lp.to(torch.int32), c.table, ks, vs, None, None, None,
+        sink(x, a, h, query.dtype, dev), bias,
         k_fmt=kf.fmt, k_scale_mode=kf.scale, v_fmt=vf.fmt, v_scale_mode=vf.scale, num_heads=h, kv_num_heads=hkv,
         head_size=d, v_head_size=d, scale=default_scale(float(a["scale"]), d), softcap=float(a["softcap"]),
         local_window_size=window, is_causal=bool(int(a["causal"])), qk_output=0, v_rotation=False,
