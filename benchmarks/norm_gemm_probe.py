@@ -8,7 +8,8 @@ residual), acc += (s * gamma) @ W[:, cols] on the tensor cores, ss += s * s; at 
 eps) (the norm's row scale commutes with the product), for the MLP silu(gate) * up of two such accumulators.
 A prototype, not in the package. Measured (H200, results/norm_gemm_probe.json at 233abbb): 3.3-6x slower than
 the baseline at every row (QKV best 28.5 us against 7.7; gate | up 51 against 22.4): W [K, N] gives each program
-BLOCK_N x 2-byte segments strided by the row. Kept as the record; a next attempt needs W^T [N, K] or split-K.
+BLOCK_N x 2-byte segments strided by the row. The W^T [N, K] arms (config ending True: K contiguous) are the
+next measurement (added after that run, checked on the CPU interpreter only).
 
     PYTHONPATH=$PWD python3 benchmarks/norm_gemm_probe.py [--out FILE]
 """
@@ -35,7 +36,8 @@ EPS = 1e-5
 
 @triton.jit
 def _norm_gemm_kernel(x_ptr, skip_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, M, K, N_OUT, W_COLS, eps,
-                      SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      NK: tl.constexpr = False):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N_OUT
@@ -53,10 +55,15 @@ def _norm_gemm_kernel(x_ptr, skip_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, M, K, N_O
             tl.store(sum_ptr + xo, s.to(sum_ptr.dtype.element_ty), mask=m_ok[:, None])
         ss += tl.sum(s * s, 1)
         a = (s * tl.load(g_ptr + kk).to(tl.float32)[None, :]).to(tl.float16)
-        wo = kk[:, None].to(tl.int64) * W_COLS + n[None, :]
+        if NK:  # W^T [W_COLS, K]: the tile's K runs contiguous in memory
+            wo = n[None, :].to(tl.int64) * K + kk[:, None]
+            up = N_OUT * K
+        else:  # W [K, W_COLS]
+            wo = kk[:, None].to(tl.int64) * W_COLS + n[None, :]
+            up = N_OUT
         acc = tl.dot(a, tl.load(w_ptr + wo, mask=n_ok[None, :], other=0.0), acc)
         if SILU:
-            acc_u = tl.dot(a, tl.load(w_ptr + wo + N_OUT, mask=n_ok[None, :], other=0.0), acc_u)
+            acc_u = tl.dot(a, tl.load(w_ptr + wo + up, mask=n_ok[None, :], other=0.0), acc_u)
     r = 1.0 / tl.sqrt(ss / K + eps)
     y = acc * r[:, None]
     if SILU:
@@ -65,14 +72,16 @@ def _norm_gemm_kernel(x_ptr, skip_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, M, K, N_O
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-def fused(x, skip, gamma, w, silu: bool, block_n: int, block_k: int, stages: int, warps: int):
+def fused(x, skip, gamma, w, silu: bool, block_n: int, block_k: int, stages: int, warps: int, nk: bool = False):
+    """w: [K, N] (nk False) or its transpose [N, K] contiguous (nk True)."""
     m, k = x.shape
-    n_out = w.shape[1] // 2 if silu else w.shape[1]
+    cols = w.shape[0] if nk else w.shape[1]
+    n_out = cols // 2 if silu else cols
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     new_sum = torch.empty_like(x)
     _norm_gemm_kernel[(triton.cdiv(n_out, block_n),)](
-        x, skip, new_sum, gamma, w, out, m, k, n_out, w.shape[1], EPS, SILU=silu, BLOCK_M=16, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_stages=stages, num_warps=warps)
+        x, skip, new_sum, gamma, w, out, m, k, n_out, cols, EPS, SILU=silu, BLOCK_M=16, BLOCK_N=block_n,
+        BLOCK_K=block_k, NK=nk, num_stages=stages, num_warps=warps)
     return out, new_sum
 
 
@@ -88,6 +97,9 @@ def baseline(x, skip, gamma, w, silu: bool):
 
 CONFIGS = {False: [(16, 256, 4, 4), (32, 256, 4, 4), (32, 512, 3, 4), (64, 128, 4, 4)],
            True: [(16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 3, 4), (64, 128, 3, 8)]}
+# over W^T [N, K] (a transposed copy the runtime would keep instead): the skinny GEMM over W^T of
+# decode_matmul_probe.json was within 5% of cuBLAS at (32, 512, 5, 4)
+CONFIGS_NK = [(32, 512, 5, 4), (16, 512, 4, 4), (32, 256, 4, 4), (64, 256, 4, 8)]
 
 
 def main() -> int:
@@ -99,6 +111,7 @@ def main() -> int:
     for name, k, n, silu in (("norm+qkv", 2048, 3072, False), ("norm+gate_up+silu", 2048, 16384, True)):
         copies = max(2, math.ceil(2.5 * l2 / (k * n * 2)))
         ws = [torch.randn(k, n, device="cuda", dtype=torch.float16) * 0.02 for _ in range(copies)]
+        wts = [w.t().contiguous() for w in ws]
         gamma = torch.rand(k, device="cuda", dtype=torch.float16) + 0.5
         for m in (1, 8):
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
@@ -112,14 +125,15 @@ def main() -> int:
             row = {"product": name, "k": k, "n": n, "m": m, "floor_us": k * n * 2 / 4.4e12 * 1e6,
                    "baseline_us": time_graph(lambda: [run_base() for _ in range(copies)], 10, 5) * 1e3 / copies,
                    "arms": []}
-            for cfg in CONFIGS[silu]:
+            for cfg in [(*c, False) for c in CONFIGS[silu]] + [(*c, True) for c in CONFIGS_NK]:
+                wl = wts if cfg[-1] else ws
                 try:
-                    got, got_sum = fused(x, skip, gamma, ws[0], silu, *cfg)
+                    got, got_sum = fused(x, skip, gamma, wl[0], silu, *cfg)
                     err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
                     serr = float((got_sum.float() - ref_sum.float()).abs().max())
 
-                    def run_fused(cfg=cfg):
-                        return [fused(x, skip, gamma, ws[j], silu, *cfg) for j in range(copies)]
+                    def run_fused(cfg=cfg, wl=wl):
+                        return [fused(x, skip, gamma, wl[j], silu, *cfg) for j in range(copies)]
 
                     us = time_graph(run_fused, 10, 5) * 1e3 / copies
                     row["arms"].append({"config": list(cfg), "us": us, "err": err, "sum_err": serr})
