@@ -10,18 +10,15 @@ import asyncio
 import httpx
 import pytest
 
-from export_utils import export_tiny, tiny_model
 from pagedkit.runtime.engine import Engine
 from pagedkit.runtime.serve import create_app
 from pagedkit.runtime.serve.tokenizer import load_tokenizer
-from test_serve_helpers import ServeCommand, ServerThread, completion_text, sse_events, write_tokenizer
+from test_serve_helpers import ServeCommand, ServerThread, completion_text, sse_events, tiny_served_model
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("serve") / "tiny-llama"
-    export_tiny(tiny_model("LlamaConfig"), out)
-    return write_tokenizer(out)
+    return tiny_served_model(tmp_path_factory.mktemp("serve") / "tiny-llama")
 
 
 @pytest.fixture(scope="module")

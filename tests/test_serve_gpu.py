@@ -15,11 +15,10 @@ import torch
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from export_utils import export_tiny, tiny_model  # noqa: E402
 from pagedkit.runtime.engine import Engine  # noqa: E402
 from pagedkit.runtime.serve import create_app  # noqa: E402
 from pagedkit.runtime.serve.tokenizer import load_tokenizer  # noqa: E402
-from test_serve_helpers import ServeCommand, ServerThread, completion_text, write_tokenizer  # noqa: E402
+from test_serve_helpers import ServeCommand, ServerThread, completion_text, tiny_served_model  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 PROMPTS = ["hello", "the cat sat on the mat", "a dog", "world hello world", "t40 t41 t42", "mat mat"]
@@ -27,9 +26,7 @@ PROMPTS = ["hello", "the cat sat on the mat", "a dog", "world hello world", "t40
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("serve_gpu") / "tiny-llama"
-    export_tiny(tiny_model("LlamaConfig"), out)
-    return write_tokenizer(out)
+    return tiny_served_model(tmp_path_factory.mktemp("serve_gpu") / "tiny-llama")
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,14 @@ def vocab() -> dict[str, int]:
     return v
 
 
+def tiny_served_model(folder: Path) -> Path:
+    """A tiny random Llama exported to `folder` with the word-level tokenizer beside it (the engine tests' model)."""
+    from export_utils import export_tiny, tiny_model
+
+    export_tiny(tiny_model("LlamaConfig"), folder)
+    return write_tokenizer(folder)
+
+
 def write_tokenizer(folder: Path, chat_template: str | None = CHAT_TEMPLATE) -> Path:
     """tokenizer.json (WordLevel over 144 tokens, whitespace pre-tokenizer) + tokenizer_config.json."""
     from tokenizers import Tokenizer, models, pre_tokenizers

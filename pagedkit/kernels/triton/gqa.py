@@ -194,18 +194,12 @@ def group_query_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] |
         from .gqa_window import windowed
 
         _route("triton")
-        return windowed(x, a, h=h, hkv=hkv, d=d, kf=kf, vf=vf, total=total, present_of=_present,
-                        cache_dtype=lambda past, f: _cache_dtype(past, f, t_dtype), constants=_constants, want=want)
+        return windowed(x, a, h=h, hkv=hkv, d=d, kf=kf, vf=vf, total=total, want=want)
 
     # presents (in place into a shared buffer) and the write slots of a flat [rows, 1, Hkv, Dc] view
     cap = max(past_k.shape[2] if past_k is not None else 0, total)
-    cache_dtype = lambda past, f: _cache_dtype(past, f, t_dtype)  # noqa: E731
-    dck, dcv = (d // 2 if kf.fmt == common.FMT_INT4 else d), (d // 2 if vf.fmt == common.FMT_INT4 else d)
-    present_k = _present(past_k, (bsz, hkv, cap, dck), cache_dtype(past_k, kf), dev)
-    present_v = _present(past_v, (bsz, hkv, cap, dcv), cache_dtype(past_v, vf), dev)
-    n_rows = ((bsz - 1) * hkv + 1) * cap  # row b * Hkv * C + p of the view is position p of entry b, head 0
-    flat_k = present_k.as_strided((n_rows, 1, hkv, dck), (dck, dck, cap * dck, 1))
-    flat_v = present_v.as_strided((n_rows, 1, hkv, dcv), (dcv, dcv, cap * dcv, 1))
+    present_k, present_v = presents(x, hkv, cap, d, kf, vf)
+    flat_k, flat_v = flat_rows(present_k), flat_rows(present_v)
     c = _constants(dev, bsz, s, hkv * cap)
 
     # per-entry lengths, on the device: T_b, Q_b (valid rows), P_b (cached before); a step of one new token
@@ -295,12 +289,25 @@ def sink(x: Mapping[str, Any], a: Mapping[str, Any], h: int, t_dtype: torch.dtyp
     return x.get("head_sink")
 
 
-def _cache_dtype(past: torch.Tensor | None, f: common.SideFormat, t_dtype: torch.dtype) -> torch.dtype:
-    """A present's dtype: the past's, else the format's storage (float caches: T)."""
-    if past is not None:
-        return past.dtype
-    return {common.FMT_INT4: torch.uint8, common.FMT_INT8: torch.int8,
-            common.FMT_FP8: torch.float8_e4m3fn}.get(f.fmt, t_dtype)
+def flat_rows(buf: torch.Tensor) -> torch.Tensor:
+    """A contiguous [B, Hkv, C, Dc] buffer as the cache write's [rows, 1, Hkv, Dc] view: row b * Hkv * C + p is
+    position p of entry b (head 0; head h at + h * C rows)."""
+    bsz, hkv, cap, dc = buf.shape
+    return buf.as_strided((((bsz - 1) * hkv + 1) * cap, 1, hkv, dc), (dc, dc, cap * dc, 1))
+
+
+def presents(x: Mapping[str, Any], hkv: int, cap: int, d: int, kf, vf) -> tuple[torch.Tensor, torch.Tensor]:
+    """present_key / present_value [B, Hkv, cap, Dc] (Dc = D, D / 2 bytes for int4): the past buffers themselves
+    when they hold cap rows (updated in place), else new ones holding the past rows; in the past's dtype, else
+    the format's storage (float caches: T)."""
+    query = x["query"]
+    out = []
+    for past, f in ((x.get("past_key"), kf), (x.get("past_value"), vf)):
+        dtype = past.dtype if past is not None else {common.FMT_INT4: torch.uint8, common.FMT_INT8: torch.int8,
+                                                      common.FMT_FP8: torch.float8_e4m3fn}.get(f.fmt, query.dtype)
+        dc = d // 2 if f.fmt == common.FMT_INT4 else d
+        out.append(_present(past, (query.shape[0], hkv, cap, dc), dtype, query.device))
+    return out[0], out[1]
 
 
 def _results(out, present_k, present_v, qk, want) -> dict[str, torch.Tensor]:

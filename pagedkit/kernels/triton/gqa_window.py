@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from ..attention_math import default_scale
-from . import common
 
 
 def _resident(n: torch.Tensor, cap: int, window: int) -> torch.Tensor:
@@ -42,11 +41,10 @@ def _rows(bias: torch.Tensor, first: torch.Tensor, bsz: int, width: int) -> torc
     return torch.where(ok[:, None, None, :], got, torch.zeros((), dtype=bias.dtype, device=bias.device))
 
 
-def windowed(x: dict, a: dict, *, h: int, hkv: int, d: int, kf, vf, total: int, present_of, cache_dtype,
-             constants, want) -> dict[str, Any]:
+def windowed(x: dict, a: dict, *, h: int, hkv: int, d: int, kf, vf, total: int, want) -> dict[str, Any]:
     """The windowed call (module docstring); x / a: gqa.py's inputs and attributes with defaults."""
     from . import ops
-    from .gqa import _results, sink, write
+    from .gqa import _constants, _results, flat_rows, presents, sink, write
 
     if int(a["qk_output"]):
         raise NotImplementedError("triton_gqa: sliding_window_cache=1 with qk_output is served by the reference")
@@ -56,15 +54,14 @@ def windowed(x: dict, a: dict, *, h: int, hkv: int, d: int, kf, vf, total: int, 
     query = x["query"]
     bsz, s, _ = query.shape
     dev = query.device
-    past_k, past_v = x.get("past_key"), x.get("past_value")
+    past_k = x.get("past_key")
     cap = past_k.shape[2] if past_k is not None else max(window, total)
     if cap < window:
         raise ValueError(f"input 'past_key': a windowed cache holds at least local_window_size = {window} rows, "
                          f"got capacity {cap}")
-    dck, dcv = (d // 2 if kf.fmt == common.FMT_INT4 else d), (d // 2 if vf.fmt == common.FMT_INT4 else d)
-    present_k = present_of(past_k, (bsz, hkv, cap, dck), cache_dtype(past_k, kf), dev)
-    present_v = present_of(past_v, (bsz, hkv, cap, dcv), cache_dtype(past_v, vf), dev)
-    c = constants(dev, bsz, s, hkv * (cap + s))
+    present_k, present_v = presents(x, hkv, cap, d, kf, vf)
+    dck, dcv = present_k.shape[3], present_v.shape[3]
+    c = _constants(dev, bsz, s, hkv * (cap + s))  # c.entry: b * Hkv * (C + S), entry b's first row in W
 
     # lengths (int64 [B]): T, Q, P; resident counts before (L(P)) and after (L(T)) the step
     t_len = x["seqlens_k"].to(torch.int64) + 1
@@ -80,16 +77,13 @@ def windowed(x: dict, a: dict, *, h: int, hkv: int, d: int, kf, vf, total: int, 
     wk[:, :, :cap] = present_k
     wv[:, :, :cap] = present_v
     # 2. the write: entry b's valid row j to W row L(P_b) + j (flat [rows, 1, Hkv, Dc] views, explicit slots)
-    n_rows = ((bsz - 1) * hkv + 1) * cw
-    flat_k = wk.as_strided((n_rows, 1, hkv, dck), (dck, dck, cw * dck, 1))
-    flat_v = wv.as_strided((n_rows, 1, hkv, dcv), (dcv, dcv, cw * dcv, 1))
+    flat_k, flat_v = flat_rows(wk), flat_rows(wv)
     rows = c.rows.to(torch.int64)
     valid = rows[None, :] < q_len[:, None]  # [B, S]
-    entry = torch.arange(bsz, device=dev, dtype=torch.int64)[:, None] * (hkv * cw)
-    slots = torch.where(valid, entry + lp[:, None] + rows[None, :], -1).reshape(-1)
+    slots = torch.where(valid, c.entry + lp[:, None] + rows[None, :], -1).reshape(-1)
+    rope_pos = (p_len[:, None] + rows[None, :]).reshape(-1).to(torch.int32) if int(a["do_rotary"]) else None
     q, ks, vs = write(x, a, h=h, hkv=hkv, d=d, kf=kf, vf=vf, csl=c.csl, past=p_len.to(torch.int32), table=c.table,
-                      flat_k=flat_k, flat_v=flat_v, slots=slots, rows=c.rows, total=total,
-                      positions=(p_len[:, None] + rows[None, :]).reshape(-1).to(torch.int32))  # absolute positions
+                      flat_k=flat_k, flat_v=flat_v, slots=slots, rows=c.rows, total=total, positions=rope_pos)
     # 3. the attention over W in row space
     bias = x.get("attention_bias")
     if bias is not None:
