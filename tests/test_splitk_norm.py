@@ -192,3 +192,139 @@ def test_fused_op_matches_onnxruntime_on_the_unfused_graph(cpu_splitk):
         got, ref = got.astype(np.float64), ref.astype(np.float64)
         assert np.abs(got - ref).max() <= TOL * np.abs(ref).max()
     assert "splitk" in cpu_splitk
+
+
+# --- the accumulator's fixed point: splits add as integers ---------------------------------------------------
+
+
+def test_accumulator_holds_the_rounded_split_partials_as_integers():
+    """acc = sum over splits s of round(P_s * 2**FIX_BITS), P_s = a[:, Ks] @ B[Ks, :] (float64 here): an int64 sum,
+    so the order the splits arrive in cannot change it. Each split's float32 partial may round to a neighbouring
+    unit, so the bound is one unit per split."""
+    from pagedkit.kernels.triton import splitk
+
+    a, b, *_ = _operands(3, 2048, 128)
+    acc = splitk.accumulate(a, b)
+    assert acc.dtype == torch.int64
+    got = acc.cpu().clone()
+    acc.zero_()  # the consumer's job
+    ks = a.shape[-1] // splitk.SPLITS
+    ad, bd = a.cpu().double(), b.cpu().double()
+    want = sum(torch.round(ad[:, s * ks:(s + 1) * ks] @ bd[s * ks:(s + 1) * ks] * 2.0 ** splitk.FIX_BITS)
+               for s in range(splitk.SPLITS)).to(torch.int64)
+    # float32 partials: within a float32 ulp of each split's partial, in units
+    ulp_units = (bd.abs().T @ ad.abs().T).T.max() * 2.0 ** -23 * 2.0 ** splitk.FIX_BITS
+    assert (got - want).abs().max() <= splitk.SPLITS * (1 + ulp_units)
+    assert not torch.equal(got, torch.zeros_like(got))
+
+
+@pytest.mark.gpu
+def test_split_k_product_is_bitwise_repeatable_on_cuda():
+    """On CUDA the 16 splits arrive in a run-time order: with integer accumulation 40 runs (and a CUDA-graph replay
+    of the same launch pair) give bit-identical norm outputs. (The earlier float32 atomics differed in the last bit
+    between a graph replay and the eager step: tests/test_engine_graphs_gpu.py::test_graphs_deepseek_mla.)"""
+    a, b, skip, gamma, bias = _operands(8, 8192, 2048)
+    first, _ = _fused(a, b, skip, gamma, bias)
+    for _ in range(40):
+        y, _ = _fused(a, b, skip, gamma, bias)
+        assert torch.equal(y, first)
+    ref_y, _ = _oracle(a, b, skip, gamma, bias)
+    assert _rel(first, ref_y) <= TOL
+    from pagedkit.kernels.triton import norm, splitk
+
+    static_y = torch.empty_like(first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y.copy_(norm.rms_norm_acc(splitk.accumulate(a, b), gamma, EPS, skip=skip, bias=bias)[0])
+    for _ in range(10):
+        static_y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, first)
+
+
+# --- SiluMul folded into the down product ----------------------------------------------------------------------
+
+
+def _silu_oracle(y, b, skip, gamma, bias=None):
+    k = b.shape[0]
+    yd = y.cpu().double().reshape(-1, 2 * k)
+    h = yd[:, :k] * torch.sigmoid(yd[:, :k]) * yd[:, k:]
+    return _oracle(h, b, skip, gamma, bias)
+
+
+@pytest.mark.parametrize("rows,k,n,dtype", [(1, 1024, 64, torch.float16), (4, 2048, 128, torch.bfloat16)])
+def test_silu_operand_folded_into_the_product(rows, k, n, dtype):
+    from pagedkit.kernels.triton import norm, splitk
+
+    _, b, skip, gamma, bias = _operands(rows, k, n, dtype)
+    y = (2 * torch.randn(rows, 2 * k, generator=torch.Generator().manual_seed(4))).to(dtype).to(DEVICE)
+    out, total = norm.rms_norm_acc(splitk.accumulate(y, b, silu=True), gamma, EPS, skip=skip, bias=bias,
+                                   want_sum=True)
+    ref_y, ref_s = _silu_oracle(y, b, skip, gamma, bias)
+    tol = TOL if dtype == torch.float16 else 2e-2
+    assert _rel(out, ref_y) <= tol and _rel(total, ref_s) <= tol
+    # teeth: the gate | up halves swapped, or the plain product of the gate half, are far off
+    swapped = torch.cat((y[:, k:], y[:, :k]), dim=1).contiguous()
+    bad, _ = norm.rms_norm_acc(splitk.accumulate(swapped, b, silu=True), gamma, EPS, skip=skip, bias=bias)
+    assert _rel(bad, ref_y) > tol
+    plain, _ = norm.rms_norm_acc(splitk.accumulate(y[:, :k].contiguous(), b), gamma, EPS, skip=skip, bias=bias)
+    assert _rel(plain, ref_y) > tol
+
+
+def test_silu_operand_width_is_checked():
+    from pagedkit.kernels.triton import splitk
+
+    a, b, *_ = _operands(2, 1024, 64)
+    assert not splitk.serves(a, b, silu=True)  # [.., K], not [.., 2K]
+    with pytest.raises(ValueError, match=r"silu: a should be \[\.\., 2K\]"):
+        splitk.accumulate(a, b, silu=True)
+
+
+def _mlp_model(k=1024, hidden=64, np_dtype=np.float16):
+    """A gated MLP as exporters write it, then the residual norm:
+    h = MatMul(Mul(Mul(g, Sigmoid(g)), u), Wd), g / u = MatMul(x, Wg / Wu); y, sum = SkipSimplifiedLayerNorm(h, skip)."""
+    rng = np.random.default_rng(6)
+    wg, wu = ((rng.standard_normal((hidden, k)) / hidden ** 0.5).astype(np_dtype) for _ in range(2))
+    wd = (rng.standard_normal((k, hidden)) / k ** 0.5).astype(np_dtype)
+    gamma = (1 + 0.2 * rng.standard_normal(hidden)).astype(np_dtype)
+    nodes = [helper.make_node("MatMul", ["x", "wg"], ["g"], name="gate"),
+             helper.make_node("MatMul", ["x", "wu"], ["u"], name="up"),
+             helper.make_node("Sigmoid", ["g"], ["sg"], name="sig"),
+             helper.make_node("Mul", ["g", "sg"], ["act"], name="act"),
+             helper.make_node("Mul", ["act", "u"], ["hmid"], name="mul"),
+             helper.make_node("MatMul", ["hmid", "wd"], ["h"], name="down"),
+             helper.make_node("SkipSimplifiedLayerNormalization", ["h", "skip", "gamma"], ["y", "", "", "sum"],
+                              name="norm", domain="com.microsoft", epsilon=EPS)]
+    f16 = TensorProto.FLOAT16
+    graph = helper.make_graph(
+        nodes, "mlp_norm", [helper.make_tensor_value_info("x", f16, ["T", hidden]),
+                            helper.make_tensor_value_info("skip", f16, ["T", hidden])],
+        [helper.make_tensor_value_info("y", f16, ["T", hidden]), helper.make_tensor_value_info("sum", f16, ["T", hidden])],
+        [numpy_helper.from_array(w, name) for w, name in ((wg, "wg"), (wu, "wu"), (wd, "wd"), (gamma, "gamma"))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+
+
+@interpreter
+def test_session_folds_silu_into_the_down_product_and_matches_onnxruntime(cpu_splitk):
+    """swiglu_mlp then splitk_skip_norm: gate | up product, then one MatMulSkipNorm with silu_split (no SiluMul
+    step left); against onnxruntime's CPU run of the unfused float16 graph, decode rows (split-K) and 40 rows (the
+    SiluMul, product, norm fallback)."""
+    import onnxruntime as ort
+
+    from pagedkit import InferenceSession
+
+    model = _mlp_model()
+    sess = InferenceSession(model)
+    assert sess.fused == {"swiglu_mlp": 1, "splitk_skip_norm": 1}
+    ops = [s.op_type for s in sess._compiled.graph.steps]
+    assert "SiluMul" not in ops and ops.count("MatMulSkipNorm") == 1
+    peer = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(10)
+    for rows in (3, 40):
+        feeds = {"x": rng.standard_normal((rows, 64)).astype(np.float16),
+                 "skip": rng.standard_normal((rows, 64)).astype(np.float16)}
+        for got, ref in zip(sess.run(["y", "sum"], feeds), peer.run(["y", "sum"], feeds)):
+            got, ref = got.astype(np.float64), ref.astype(np.float64)
+            assert np.abs(got - ref).max() <= TOL * np.abs(ref).max()
+    assert "splitk" in cpu_splitk

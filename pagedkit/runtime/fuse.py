@@ -9,10 +9,13 @@ replace a chain of steps whose intermediate values nobody else reads (no other s
   GEMV of a decode step runs closer to the memory bandwidth). The concatenated weight replaces both originals
   (dropped when no other step reads them); prepacking then lays it out once.
 
-- `splitk_skip_norm` (CUDA sessions with PAGEDKIT_SPLITK_NORM=1; off by default, see SPLITK_DEVICES): a MatMul on a constant float16 / bfloat16 B [K, N] whose only reader is a
+- `splitk_skip_norm` (CUDA sessions; PAGEDKIT_SPLITK_NORM=0 turns it off, see SPLITK_DEVICES): a MatMul on a
+  constant float16 / bfloat16 B [K, N] whose only reader is a
   SkipSimplifiedLayerNormalization (the decoder's O and down products before the residual norms) becomes
   `pagedkit.fused::MatMulSkipNorm` [a, B, other, gamma(, bias)] with the norm's outputs: decode-sized rows run the
   product as split-K partials that the norm's launch reduces (runtime/ops/norms.py, kernels/triton/splitk.py).
+  A `SiluMul` (from `swiglu_mlp`) read only by that MatMul folds in as well (attribute silu_split = K; input 0 is
+  then the gate | up product): the down product's programs compute silu(gate) * up as they load it.
 
 `fuse(graph, device)` runs every rule and returns {rule: number of rewrites}; `FUSIONS` lists them.
 """
@@ -100,11 +103,10 @@ def swiglu_mlp(g: Graph, device: torch.device | None = None) -> int:
     return done
 
 
-# device types splitk_skip_norm rewrites for: none by default, ("cuda",) with PAGEDKIT_SPLITK_NORM=1 (tests add
-# "cpu": the interpreter). Off by default: its float32 atomic adds sum the splits in run-time order, so two runs of
-# one step may differ in the last bit (on the H200 a CUDA-graph replay differed from the same step run eagerly:
-# tests/test_engine_graphs_gpu.py::test_graphs_deepseek_mla), which the engine's graph = eager promise excludes
-SPLITK_DEVICES = ("cuda",) if os.environ.get("PAGEDKIT_SPLITK_NORM") == "1" else ()
+# device types splitk_skip_norm rewrites for: ("cuda",) by default, none with PAGEDKIT_SPLITK_NORM=0 (tests add
+# "cpu": the interpreter). Its splits add as fixed-point integers, so the sum is the same in any arrival order and a
+# CUDA-graph replay equals the same step run eagerly (kernels/triton/splitk.py)
+SPLITK_DEVICES = () if os.environ.get("PAGEDKIT_SPLITK_NORM") == "0" else ("cuda",)
 
 
 def splitk_skip_norm(g: Graph, device: torch.device | None = None) -> int:
@@ -127,9 +129,15 @@ def splitk_skip_norm(g: Graph, device: torch.device | None = None) -> int:
             if (not isinstance(b, torch.Tensor) or b.dim() != 2 or b.dtype not in (torch.float16, torch.bfloat16)
                     or norm.inputs[1 - slot] == mm.outputs[0]):
                 continue
-            inputs = [mm.inputs[0], mm.inputs[1], norm.inputs[1 - slot], *norm.inputs[2:]]
-            g.steps[i] = replace(norm, name=f"{mm.name}+{norm.name}", op_type="MatMulSkipNorm", domain=FUSED_DOMAIN,
-                                 inputs=inputs, release=[], impl=lookup(FUSED_DOMAIN, "MatMulSkipNorm", 1, norm.name))
+            a, attrs, name = mm.inputs[0], dict(norm.attrs), f"{mm.name}+{norm.name}"
+            act = producer.get(a)  # a SiluMul read only by this product folds in too (a down product's input)
+            if (act is not None and act.domain == FUSED_DOMAIN and act.op_type == "SiluMul" and id(act) not in gone
+                    and readers.get(a) == 1 and int(act.attrs.get("split", 0)) == b.shape[0]):
+                a, attrs["silu_split"], name = act.inputs[0], int(b.shape[0]), f"{act.name}+{name}"
+                gone.add(id(act))
+            inputs = [a, mm.inputs[1], norm.inputs[1 - slot], *norm.inputs[2:]]
+            g.steps[i] = replace(norm, name=name, op_type="MatMulSkipNorm", domain=FUSED_DOMAIN, inputs=inputs,
+                                 attrs=attrs, release=[], impl=lookup(FUSED_DOMAIN, "MatMulSkipNorm", 1, norm.name))
             gone.add(id(mm))
             done += 1
             break

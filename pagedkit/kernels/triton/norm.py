@@ -10,8 +10,9 @@ One program per row holds the whole row in registers (H <= MAX_HIDDEN), so a nor
 the five to seven elementwise kernels of the torch composition (casts, add, norm, casts): a decode step's
 norms are launch-bound, not bandwidth-bound. Statistics outputs (mean / inv_std_var) are not served here.
 
-`rms_norm_acc` takes x as splitk.accumulate's float32 buffer [R, H] (the product before it needs no reduce launch)
-and zeroes the buffer after reading it; skip / bias / gamma as above; its outputs are in skip's dtype.
+`rms_norm_acc` takes x as splitk.accumulate's int64 fixed-point buffer [R, H] (value = acc * 2**-splitk.FIX_BITS;
+the product before it needs no reduce launch) and zeroes the buffer after reading it; skip / bias / gamma as above;
+its outputs are in skip's dtype.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import common
+from .splitk import FIX_BITS  # the split-K accumulator's fixed point (rms_norm_acc)
 
 MAX_HIDDEN = 16384
 
@@ -29,16 +31,18 @@ if common.HAVE_TRITON:
     @triton.jit
     def _rms_kernel(x_ptr, skip_ptr, bias_ptr, gamma_ptr, y_ptr, sum_ptr, H, eps,
                     HAS_SKIP: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_SUM: tl.constexpr, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr = 0, ACC: tl.constexpr = False):
+                    PDL: tl.constexpr = 0, ACC: tl.constexpr = False, INV_FIX: tl.constexpr = 1.0):
         if PDL:
             common.pdl_gate(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
         off = row * H + cols  # x / skip / y / sum [R, H] contiguous
-        s = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
-        if ACC:  # x is splitk's shared float32 accumulator: zero it for the next product
-            tl.store(x_ptr + off, tl.zeros([BLOCK], tl.float32), mask=mask)
+        if ACC:  # x is splitk's shared int64 fixed-point accumulator: zero it for the next product
+            s = tl.load(x_ptr + off, mask=mask, other=0).to(tl.float32) * INV_FIX
+            tl.store(x_ptr + off, tl.zeros([BLOCK], tl.int64), mask=mask)
+        else:
+            s = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
         if HAS_SKIP:
             s += tl.load(skip_ptr + off, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
@@ -76,10 +80,10 @@ def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float, *, skip: torch.Te
 
 def rms_norm_acc(acc: torch.Tensor, gamma: torch.Tensor, eps: float, *, skip: torch.Tensor,
                  bias: torch.Tensor | None = None, want_sum: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """rms_norm of x = acc (splitk.accumulate's float32 [R, H], zeroed after reading; skip [.., H] with R rows),
-    outputs in skip's dtype."""
+    """rms_norm of x = acc (splitk.accumulate's int64 fixed point [R, H], zeroed after reading; skip [.., H] with R
+    rows), outputs in skip's dtype."""
     common.require_triton()
-    if (acc.dim() != 2 or acc.dtype != torch.float32 or not acc.is_contiguous() or acc.numel() != skip.numel()
+    if (acc.dim() != 2 or acc.dtype != torch.int64 or not acc.is_contiguous() or acc.numel() != skip.numel()
             or not serves(skip, gamma, None, bias)):
         raise ValueError(f"rms_norm_acc: unsupported operands acc {list(acc.shape)} {acc.dtype}, "
                          f"skip {list(skip.shape)} {skip.dtype}, gamma {list(gamma.shape)}")
@@ -100,5 +104,5 @@ def _launch(x, gamma, eps, skip, bias, want_sum, out_dtype, rows, acc=None):
                              s if s is not None else y, h, float(eps), HAS_SKIP=other is not None,
                              HAS_BIAS=bias is not None, WRITE_SUM=want_sum, BLOCK=block,
                              num_warps=4 if block <= 4096 else 8, PDL=common.pdl_mode(pdl),
-                             ACC=acc is not None, **pdl)
+                             ACC=acc is not None, INV_FIX=2.0 ** -FIX_BITS if acc is not None else 1.0, **pdl)
     return y, s
