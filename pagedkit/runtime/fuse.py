@@ -9,7 +9,7 @@ replace a chain of steps whose intermediate values nobody else reads (no other s
   GEMV of a decode step runs closer to the memory bandwidth). The concatenated weight replaces both originals
   (dropped when no other step reads them); prepacking then lays it out once.
 
-- `splitk_skip_norm` (CUDA sessions; PAGEDKIT_SPLITK_NORM=0 turns it off, see SPLITK_DEVICES): a MatMul on a
+- `splitk_skip_norm` (CUDA sessions with PAGEDKIT_SPLITK_NORM=1; off by default, see SPLITK_DEVICES): a MatMul on a
   constant float16 / bfloat16 B [K, N] whose only reader is a
   SkipSimplifiedLayerNormalization (the decoder's O and down products before the residual norms) becomes
   `pagedkit.fused::MatMulSkipNorm` [a, B, other, gamma(, bias)] with the norm's outputs: decode-sized rows run the
@@ -103,10 +103,11 @@ def swiglu_mlp(g: Graph, device: torch.device | None = None) -> int:
     return done
 
 
-# device types splitk_skip_norm rewrites for: ("cuda",) by default, none with PAGEDKIT_SPLITK_NORM=0 (tests add
-# "cpu": the interpreter). Its splits add as fixed-point integers, so the sum is the same in any arrival order and a
-# CUDA-graph replay equals the same step run eagerly (kernels/triton/splitk.py)
-SPLITK_DEVICES = () if os.environ.get("PAGEDKIT_SPLITK_NORM") == "0" else ("cuda",)
+# device types splitk_skip_norm rewrites for: none by default, ("cuda",) with PAGEDKIT_SPLITK_NORM=1 (tests add
+# "cpu": the interpreter). Its splits now add as fixed-point integers, so a CUDA-graph replay equals the same step
+# run eagerly (kernels/triton/splitk.py; the float32 atomics before broke that). Still opt-in: this version (int64
+# atomics, the folded SiluMul, the weight tile before the PDL gate) has not been measured on a GPU yet
+SPLITK_DEVICES = ("cuda",) if os.environ.get("PAGEDKIT_SPLITK_NORM") == "1" else ()
 
 
 def splitk_skip_norm(g: Graph, device: torch.device | None = None) -> int:
