@@ -129,3 +129,41 @@ def test_teeth_stale_input_ids_change_the_logits(tiny_llama, monkeypatch):
     same = _run(padded, prompts, 6, 5, 144)
     assert g.stats.replays >= 4
     assert any(not torch.equal(a, b) for a, b in zip(got, same)), "stale input ids went unnoticed"
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    """A float16 Llama whose O and down products the split-K route serves (K multiples of 1024): hidden 1024,
+    16 heads of 64 (4 KV heads), intermediate 2048, 2 layers."""
+    pytest.importorskip("transformers")
+    from export_utils import export_tiny, tiny_model
+
+    out = tmp_path_factory.mktemp("wide-llama") / "onnx"
+    export_tiny(tiny_model("LlamaConfig", hidden_size=1024, intermediate_size=2048, num_attention_heads=16,
+                           num_key_value_heads=4, head_dim=64), out, dtype="fp16")
+    return out
+
+
+def test_graphs_llama_with_the_opt_in_fusions(wide_llama, monkeypatch):
+    """PAGEDKIT_SPLITK_NORM (int64 split-K O / down products, SiluMul folded in) and PAGEDKIT_FUSED_WRITE (the
+    cache write inside the attention launch) on: replays bit-identical to the same padded steps run eagerly,
+    within fp16 noise of the plain eager steps and of the plain steps without either fusion; both routes ran."""
+    from pagedkit.kernels.triton import ops, paged
+    from pagedkit.runtime import fuse
+
+    fused_calls = []
+    real = ops.write_decode
+    monkeypatch.setattr(ops, "write_decode", lambda *a, **k: fused_calls.append(1) or real(*a, **k))
+    base = _run(Engine(wide_llama, "cuda", cuda_graphs=False, max_batch_size=16, max_num_tokens=2048).model,
+                _prompts(3, 1, 144), 8, 5, 144, grow_to=6)
+    assert not fused_calls
+    monkeypatch.setattr(fuse, "SPLITK_DEVICES", ("cuda",))
+    monkeypatch.setattr(paged, "FUSED_WRITE", True)
+    _check(wide_llama, 144, "triton_paged")
+    assert fused_calls, "the fused cache write did not run"
+    plain = Engine(wide_llama, "cuda", cuda_graphs=False, max_batch_size=16, max_num_tokens=2048).model
+    assert plain.session.fused.get("splitk_skip_norm") == 4  # O and down of 2 layers
+    got = _run(plain, _prompts(3, 1, 144), 8, 5, 144, grow_to=6)
+    for i, (g, r) in enumerate(zip(got, base)):
+        rel = float((g - r).abs().max() / r.abs().max())
+        assert rel <= REL, f"step {i}: fused vs unfused max |diff| {rel:.3g} x max |ref|"
