@@ -395,3 +395,49 @@ def test_pinned_ring_round_robin_without_cuda():
     a, b, c = ring.take(), ring.take(), ring.take()
     assert a is c and a is not b and ring.current == 0 and ring.done() is None
     assert a.tolist() == [-1] * 4 and not a.is_pinned()
+
+
+def test_copy_ranges_merge_close_spans_only():
+    from pagedkit.runtime.kv.plan import copy_ranges
+
+    assert copy_ranges([(0, 3), (10, 2), (100, 5), (5000, 4), (20, 0)], gap=50) == [(0, 12), (100, 5), (5000, 4)]
+    assert copy_ranges([(40, 4), (0, 8)], gap=0) == [(0, 8), (40, 4)]
+    assert copy_ranges([(0, 8), (8, 4)], gap=0) == [(0, 12)]  # adjacent
+    assert copy_ranges([]) == []
+
+
+def test_feed_only_leaves_the_rest_out_of_the_plan():
+    """A manager told the model reads cu / past / the block table only: plans hold None for slot_mapping and
+    query_positions, feeds() for the model's names works, asking for a segment left out is an error naming it."""
+    mgr = manager()
+    mgr.feed_only({"cumulative_sequence_lengths", "past_sequence_lengths", "block_table"})
+    mgr.add_sequence("a", [1, 2, 3])
+    p = mgr.plan([("a", [1, 2, 3])])
+    assert p.query_positions is None and all(v is None for v in p.slot_mappings.values())
+    assert p.past_seqlens is not None and p.block_tables["full"] is not None
+    assert set(p.feeds(names=["cumulative_sequence_lengths", "block_table", "input_ids"])) == {
+        "cumulative_sequence_lengths", "block_table"}
+    with pytest.raises(ValueError, match="slot_mapping.*not copied"):
+        p.feeds(names=["slot_mapping"])
+    mgr.abort(p)
+    mgr.feed_only(None)
+    p = mgr.plan([("a", [1, 2, 3])])
+    assert p.query_positions is not None and p.slot_mappings["full"] is not None
+
+
+@pytest.mark.gpu
+def test_a_fed_decode_plan_is_one_host_to_device_copy_on_cuda():
+    """Fed cu / past / block table only, a decode plan's inputs are one merged copy, equal to the CPU plan's."""
+    cpu, gpu = (manager(num_blocks=32, bs=16, max_seq_len=256, device=d) for d in ("cpu", "cuda"))
+    names = {"cumulative_sequence_lengths", "past_sequence_lengths", "block_table"}
+    for m in (cpu, gpu):
+        m.feed_only(names)
+        for s, n in (("a", 40), ("b", 17)):
+            m.add_sequence(s, n)
+        m.commit(m.plan([("a", 40), ("b", 17)]))
+    before = gpu.buffers.copies
+    plans = [m.plan([("a", [5]), ("b", [6])]) for m in (cpu, gpu)]
+    assert gpu.buffers.copies - before == 1
+    want, got = (p.feeds(names=names) for p in plans)
+    torch.cuda.synchronize()
+    assert set(got) == names and all(torch.equal(got[k].cpu(), want[k]) for k in names)

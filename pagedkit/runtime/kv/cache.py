@@ -41,7 +41,7 @@ import torch
 from .blocks import ALLOCATING, GroupBlocks, GroupState
 from ...interface.names import layer_name
 from .config import GroupConfig, KVCacheConfig
-from .plan import PlanBuffers, StepPlan, step_metadata
+from .plan import CU_SEQLENS, PAST_SEQLENS, QUERY_POSITIONS, PlanBuffers, StepPlan, step_metadata
 from .pool import BlockPool, KVCacheExhausted, block_hash
 
 __all__ = ["KVCacheManager", "KVCacheExhausted"]
@@ -81,6 +81,21 @@ class KVCacheManager:
         self.seqs: dict[object, _Seq] = {}
         self._open_plan: StepPlan | None = None
         self._plan_count = 0
+
+    def feed_only(self, names) -> None:
+        """Copy to the device only the step inputs named (model input names as StepPlan.feeds gives them:
+        cumulative_sequence_lengths, past_sequence_lengths, each group's block table / slot mapping,
+        query_positions); plans hold None for the others. For a caller that feeds a model with those inputs only
+        (the engine: an exported model reads no slot_mapping or query_positions). None: copy everything."""
+        if names is None:
+            self.buffers.fed = None
+            return
+        names = set(names)
+        keys = {"cu": CU_SEQLENS, "past": PAST_SEQLENS, "qpos": QUERY_POSITIONS}
+        for g in self.config.groups:
+            keys[("table", g.name)] = g.block_table_name
+            keys[("slots", g.name)] = g.slot_name
+        self.buffers.fed = frozenset(k for k, name in keys.items() if name in names)
 
     # ---- cache tensors -----------------------------------------------------------------------------
     def cache_feeds(self, present: bool = False) -> dict[str, torch.Tensor]:

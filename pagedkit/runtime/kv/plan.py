@@ -2,10 +2,13 @@
 
 All per-step int32 inputs of a PagedAttention model live in ONE flat device buffer allocated once at
 capacity (max batch, max tokens, block-table width per group), so a captured CUDA graph sees the same
-addresses on every replay. A plan writes the host values into a pinned staging buffer and issues one
-non-blocking host-to-device copy per segment; staging buffers rotate and each is reused only after
-the copy that last read it has completed (an event wait on the host in `plan`, never in `run`).
-On a CPU device the flat buffer is written directly.
+addresses on every replay. A plan writes the host values into a pinned staging buffer and copies the used rows
+to the device with non-blocking host-to-device copies: segments whose used rows lie within MERGE_GAP elements of
+each other go in one copy (the batch-indexed segments come first, so a decode step's cu / past / block-table
+rows are one copy), and segments the model does not read (`PlanBuffers.fed`, set by the engine from its input
+names: an exported model reads no slot_mapping or query_positions) are not copied at all (the plan then holds
+None for them). Staging buffers rotate and each is reused only after the copy that last read it has completed
+(an event wait on the host in `plan`, never in `run`). On a CPU device the flat buffer is written directly.
 
 `attention_metadata` [3] is CPU-resident (ORT's OrtMemTypeCPUInput), also persistent.
 """
@@ -36,6 +39,7 @@ class StepPlan:
     block_tables[group]  [B, max_blocks] int32, indexed by absolute position, -1 = unmapped
     slot_mappings[group] [T] int32, flat slot block * block_size + offset (or -1: no write)
     cumulative_sequence_length [B + 1], past_seqlens [B], query_positions [T]  (int32, run device)
+    (a segment the model does not read, PlanBuffers.fed, is None: never a stale device view)
     attention_metadata [3] int32 on the CPU: max_query_len_bound, max_kv_len_bound, max_kv_len_lower_bound
     host_slots[group]: the slot mapping as a Python list (host bookkeeping, tests).
     pad_rows: rows after the batch's (a padded plan): one-token sequences with no past on the pad block; the
@@ -47,11 +51,11 @@ class StepPlan:
     query_lens: tuple[int, ...]
     past_lens: tuple[int, ...]
     draft_lens: tuple[int, ...]
-    block_tables: dict[str, torch.Tensor]
-    slot_mappings: dict[str, torch.Tensor]
-    cumulative_sequence_length: torch.Tensor
-    past_seqlens: torch.Tensor
-    query_positions: torch.Tensor
+    block_tables: dict[str, torch.Tensor | None]
+    slot_mappings: dict[str, torch.Tensor | None]
+    cumulative_sequence_length: torch.Tensor | None
+    past_seqlens: torch.Tensor | None
+    query_positions: torch.Tensor | None
     attention_metadata: torch.Tensor
     host_slots: dict[str, list[int]]
     table_names: dict[str, str] = field(default_factory=dict)  # group -> model input name
@@ -94,7 +98,11 @@ class StepPlan:
         if names is not None:
             keep = set(names)
             out = {k: v for k, v in out.items() if k in keep}
-        return out
+        missing = sorted(k for k, v in out.items() if v is None)
+        if missing and names is not None:
+            raise ValueError(f"StepPlan.feeds: {missing} were not copied to the device (PlanBuffers.fed leaves "
+                             "them out): the manager was told the model does not read them")
+        return {k: v for k, v in out.items() if v is not None}
 
 
 DECODE_TOKENS = 8  # a step whose sequences each add at most this many tokens over a cached context is "decode"
@@ -114,22 +122,39 @@ def step_metadata(query_lens, kv_lens, bounds) -> list[int]:
     return [q_hi, kv_hi, kv_lo]
 
 
+MERGE_GAP = 4096  # elements: used rows of two segments this close go in one host-to-device copy (16 KB extra
+# bytes cost well under a copy's own latency of a few microseconds)
+
+
+def copy_ranges(spans: list[tuple[int, int]], gap: int = MERGE_GAP) -> list[tuple[int, int]]:
+    """(offset, length) spans -> the fewest (offset, length) copies covering them, merging spans whose gap is
+    <= `gap` elements (empty spans dropped)."""
+    out: list[list[int]] = []
+    for off, n in sorted(sp for sp in spans if sp[1] > 0):
+        if out and off - (out[-1][0] + out[-1][1]) <= gap:
+            out[-1][1] = max(out[-1][1], off + n - out[-1][0])
+        else:
+            out.append([off, n])
+    return [(o, n) for o, n in out]
+
+
 class PlanBuffers:
-    """The flat persistent int32 buffer and its segments: ("table", g), ("slots", g), "cu", "past", "qpos"."""
+    """The flat persistent int32 buffer and its segments, batch-indexed first: "cu", "past", ("table", g), then
+    "qpos", ("slots", g). `fed`: the segments the model reads (None: all); only those are copied."""
 
     def __init__(self, config: KVCacheConfig, staging_depth: int = 3):
         self.config = config
         self.device = torch.device(config.device)
         max_b, max_t = config.max_batch_size, config.max_num_tokens
-        shapes: dict[object, tuple[int, ...]] = {}
+        shapes: dict[object, tuple[int, ...]] = {"cu": (max_b + 1,), "past": (max_b,)}
         for g in config.groups:
             shapes[("table", g.name)] = (max_b, config.max_blocks_per_seq(g))
+        shapes["qpos"] = (max_t,)
         for g in config.groups:
             shapes[("slots", g.name)] = (max_t,)
-        shapes["cu"] = (max_b + 1,)
-        shapes["past"] = (max_b,)
-        shapes["qpos"] = (max_t,)
         self.shapes = shapes
+        self.fed: frozenset | None = None  # segments the model reads (None: all): the others are never copied
+        self.copies = 0  # host-to-device copies issued (tests)
         self.offsets: dict[object, int] = {}
         total = 0
         for key, shape in shapes.items():
@@ -155,17 +180,23 @@ class PlanBuffers:
         self.ring.take()  # waits for the copy that last read this staging buffer
         return self._host_views[self.ring.current]
 
-    def finish(self, used_rows: dict[object, int]) -> dict[object, torch.Tensor]:
-        """Copy the used leading rows of each segment to the device; return device views sliced to them."""
-        out = {}
-        src = self.ring.bufs[self.ring.current]
+    def finish(self, used_rows: dict[object, int]) -> dict[object, torch.Tensor | None]:
+        """Copy the used leading rows of the fed segments to the device (merged copies, `copy_ranges`); return
+        device views sliced to them (None for a segment not fed)."""
+        out: dict[object, torch.Tensor | None] = {}
+        spans = []
         for key, rows in used_rows.items():
+            if self.fed is not None and key not in self.fed:
+                out[key] = None
+                continue
             shape = self.shapes[key]
-            n = rows * (math.prod(shape[1:]) if len(shape) > 1 else 1)
-            off = self.offsets[key]
-            if self.on_cuda and n:
-                self.dev[off : off + n].copy_(src[off : off + n], non_blocking=True)
+            spans.append((self.offsets[key], rows * (math.prod(shape[1:]) if len(shape) > 1 else 1)))
             out[key] = self._dev_views[key][:rows]
+        if self.on_cuda:
+            src = self.ring.bufs[self.ring.current]
+            for off, n in copy_ranges(spans):
+                self.dev[off : off + n].copy_(src[off : off + n], non_blocking=True)
+                self.copies += 1
         self.ring.done()
         return out
 
