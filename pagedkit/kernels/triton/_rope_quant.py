@@ -61,6 +61,23 @@ def hadamard_tile(rows, cols, D):
 
 
 @triton.jit
+def rope_pairs(cols, D, HALF: tl.constexpr, ROT_OFF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Channels cols -> (in the rotated range [ROT_OFF, ROT_OFF + 2 HALF), first of its pair, the partner channel,
+    the cos / sin column), partner and column 0 outside the range."""
+    rel = cols - ROT_OFF
+    inrot = (rel >= 0) & (rel < 2 * HALF) & (cols < D)
+    if INTERLEAVED:  # pairs (2c, 2c + 1)
+        first = (rel & 1) == 0
+        partner = tl.where(first, cols + 1, cols - 1)
+        j = rel >> 1
+    else:  # pairs (c, c + HALF)
+        first = rel < HALF
+        partner = tl.where(first, cols + HALF, cols - HALF)
+        j = tl.where(first, rel, rel - HALF)
+    return inrot, first, tl.where(inrot, partner, 0), tl.where(inrot, j, 0)
+
+
+@triton.jit
 def _norm_rope(x, src, rows, cols, nrows, D, inv, w_ptr, cos_row, sin_row,
                HAS_NORM: tl.constexpr, HAS_ROPE: tl.constexpr, HALF: tl.constexpr, ROT_OFF: tl.constexpr,
                INTERLEAVED: tl.constexpr):
@@ -69,18 +86,7 @@ def _norm_rope(x, src, rows, cols, nrows, D, inv, w_ptr, cos_row, sin_row,
         w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
         x = x * inv[:, None] * w[None, :]
     if HAS_ROPE:
-        rel = cols - ROT_OFF
-        inrot = (rel >= 0) & (rel < 2 * HALF) & (cols < D)
-        if INTERLEAVED:  # pairs (2c, 2c + 1)
-            first = (rel & 1) == 0
-            partner = tl.where(first, cols + 1, cols - 1)
-            j = rel >> 1
-        else:  # pairs (c, c + HALF)
-            first = rel < HALF
-            partner = tl.where(first, cols + HALF, cols - HALF)
-            j = tl.where(first, rel, rel - HALF)
-        j = tl.where(inrot, j, 0)
-        partner = tl.where(inrot, partner, 0)
+        inrot, first, partner, j = rope_pairs(cols, D, HALF, ROT_OFF, INTERLEAVED)
         pm = (rows[:, None] < nrows) & inrot[None, :]
         xp = tl.load(src + rows[:, None] * D + partner[None, :], mask=pm, other=0.0).to(tl.float32)
         if HAS_NORM:
@@ -176,18 +182,7 @@ def rope_rows(x, src, row_off, row_ok, cols, D, cos_ptr, sin_ptr, cos_rs, sin_rs
     """x [R, C] float32 (row r at src + row_off[r], channels cols) -> RoPE on channels [ROT_OFF, ROT_OFF + 2 HALF)
     at each row's own position rpos [R] (cos / sin rows, clamped by the caller): `_norm_rope`'s formula without
     the norm, for tiles whose rows are different tokens (the decode kernel's fused cache write)."""
-    rel = cols - ROT_OFF
-    inrot = (rel >= 0) & (rel < 2 * HALF) & (cols < D)
-    if INTERLEAVED:  # pairs (2c, 2c + 1)
-        first = (rel & 1) == 0
-        partner = tl.where(first, cols + 1, cols - 1)
-        j = rel >> 1
-    else:  # pairs (c, c + HALF)
-        first = rel < HALF
-        partner = tl.where(first, cols + HALF, cols - HALF)
-        j = tl.where(first, rel, rel - HALF)
-    j = tl.where(inrot, j, 0)
-    partner = tl.where(inrot, partner, 0)
+    inrot, first, partner, j = rope_pairs(cols, D, HALF, ROT_OFF, INTERLEAVED)
     pm = row_ok[:, None] & inrot[None, :]
     xp = tl.load(src + row_off[:, None] + partner[None, :], mask=pm, other=0.0).to(tl.float32)
     rp = rpos.to(tl.int64)[:, None]
