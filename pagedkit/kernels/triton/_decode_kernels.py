@@ -3,7 +3,9 @@
 - `_attn_kernel`   grid (B, Hkv * N_SUB, S * L): one program per (sequence, KV head [, head sub-group],
                    split, query-chunk lane); rows = query tokens x heads of the group; lane l of L takes the
                    sequence's query chunks l, l + L, ... (a prefill's chunks run in parallel, decode has
-                   L = 1); partials (m, l, acc) or, with S == 1, the output.
+                   L = 1); partials (m, l, acc) or, with S == 1, the output. FUSED (decode.FusedWrite, decode
+                   steps): first the step's K / V rows of the program's own tiles into the caches (RoPE on K, and
+                   on q as it loads it), then a block barrier.
 - `_reduce_kernel` grid (N, H): merges the S partials of one (token, head), head_sink, V output scale,
                    V un-rotation; writes the output (T) and, for qk_output 2, the final (M, L).
 - `_probs_kernel`  grid (H * N, cdiv(C, BLOCK)): raw scores -> probabilities exp(s - M) / L (-inf -> 0).
