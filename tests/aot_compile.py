@@ -74,8 +74,8 @@ def _scenarios():
         q, k, v, qkv, csl, past, table, kc, vc, cos, sin, n_q = _step(case, B, H, Hkv, D, BS, dtype, nq, rot, packed)
         _attend(q, k, v, csl, past, table, kc, vc, cos, sin, fused=True, H=H, Hkv=Hkv, D=D, interleaved=inter,
                 offset=off, splits=3)
-    for dtype, silu in ((torch.float16, False), (torch.bfloat16, True)):
-        k, n = 2048, 128
+    for dtype, silu, k in ((torch.float16, False, 2048), (torch.bfloat16, True, 8192)):  # slab before the gate / not
+        n = 128
         a = torch.randn(4, 2 * k if silu else k).to(dtype)
         b = torch.randn(k, n).to(dtype)
         acc = splitk.accumulate(a, b, silu)
@@ -112,7 +112,7 @@ def compile_all(in_path: str) -> None:
             cex["PDL"] = 2  # as on a Hopper GPU: griddepcontrol in the kernel
         kernel = triton.compile(ASTSource(fn=fn, signature=rec["sig"], constexprs=cex), target=target,
                                 options=rec["opts"])
-        flags = ",".join(f"{k}={cex[k]}" for k in ("FUSED", "T_BF16", "SILU", "ACC") if k in cex)
+        flags = ",".join(f"{k}={cex[k]}" for k in ("FUSED", "T_BF16", "SILU", "PRE2", "ACC") if k in cex)
         print(f"compiled {name} [{flags}] ptx {len(kernel.asm['ptx'])} chars, shared {kernel.metadata.shared} B")
 
 

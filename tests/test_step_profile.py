@@ -18,6 +18,7 @@ def test_sweep_entries():
     assert sp._config("@6") == {"name": "@6", "waves": 6.0}
     assert sp._config("128x4@1.5") == {"name": "128x4@1.5", "tile": (128, 4), "waves": 1.5}
     assert sp._config("fw+64x4") == {"name": "fw+64x4", "fused_write": True, "tile": (64, 4)}
+    assert sp._config("fw+re") == {"name": "fw+re", "fused_write": True, "reduce_early": True}
     with pytest.raises(ValueError):
         sp._config("64")
 

@@ -531,7 +531,7 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         wacc, wml, sink if sink is not None else dummy, vs if vs is not None else dummy, out, mlf, S,
         1.0 / math.sqrt(DV), H=H, G=G, D=D, DV=DV, DV_PAD=dv_pad, S_BLOCK=min(next_pow2(S), 16),
         ROT_J=min(dv_pad, 32), HAS_SINK=sink is not None, V_SCALE=v_format.scale, ROTATE=bool(v_rotation),
-        STORE_ML=qk_output == 2, num_warps=4, PDL=common.pdl_mode(pdl_r), **pdl_r)
+        STORE_ML=qk_output == 2, num_warps=4, PDL=common.pdl_mode(pdl_r, common.REDUCE_EARLY_RELEASE), **pdl_r)
     if qk_output == 2:
         blk = min(1024, next_pow2(C))
         K._probs_kernel[(H * n_tok, -(-C // blk))](qk, mlf, n_tok, C, H=H, BLOCK=blk, num_warps=4)

@@ -36,6 +36,7 @@ MAX_ROWS = 32
 BLOCK_K = 64
 SPLITS = 16
 FIX_BITS = 28  # acc's fixed point: value = acc * 2**-FIX_BITS (module docstring)
+PRE_BYTES = 32 << 10  # a program's weight slab up to this size is loaded whole before the PDL gate (two tiles)
 
 if common.HAVE_TRITON:
     import triton
@@ -55,7 +56,7 @@ if common.HAVE_TRITON:
     @triton.jit
     def _splitk_kernel(a_ptr, b_ptr, p_ptr, R, N, K, stride_ar, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FIX: tl.constexpr, SILU: tl.constexpr,
-                       INTERP: tl.constexpr, PDL: tl.constexpr = 0):
+                       INTERP: tl.constexpr, PDL: tl.constexpr = 0, PRE2: tl.constexpr = False):
         # acc [R, N] int64 += fixed(a [R, K] @ B [K, N]) over this program's K_SPLIT rows of B; a is y [R, 2K]
         # with SILU
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -63,9 +64,13 @@ if common.HAVE_TRITON:
         r = tl.arange(0, BLOCK_M)
         r_ok = r < R
         dt = b_ptr.dtype.element_ty
-        # the first weight tile before the gate: B is a constant, so it streams while the kernel before drains
+        # the first weight tile (PRE2: the first two, a whole slab of 2 tiles) before the gate: B is a constant, so
+        # it streams while the kernel before runs or drains
         k = (s * K_SPLIT + tl.arange(0, BLOCK_K)).to(tl.int64)
         b = tl.load(b_ptr + k[:, None] * N + n[None, :])
+        if PRE2:
+            k2 = k + BLOCK_K
+            b2 = tl.load(b_ptr + k2[:, None] * N + n[None, :])
         if PDL:
             common.pdl_gate(PDL)
         a = _a_tile(a_ptr, r, r_ok, k, stride_ar, K, SILU, dt)
@@ -73,7 +78,13 @@ if common.HAVE_TRITON:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32))
         else:
             acc = tl.dot(a, b, out_dtype=tl.float32)
-        for kk in range(BLOCK_K, K_SPLIT, BLOCK_K):
+        if PRE2:
+            a = _a_tile(a_ptr, r, r_ok, k2, stride_ar, K, SILU, dt)
+            if INTERP:
+                acc = tl.dot(a.to(tl.float32), b2.to(tl.float32), acc)
+            else:
+                acc = tl.dot(a, b2, acc)
+        for kk in range((2 if PRE2 else 1) * BLOCK_K, K_SPLIT, BLOCK_K):
             k = (s * K_SPLIT + kk + tl.arange(0, BLOCK_K)).to(tl.int64)
             a = _a_tile(a_ptr, r, r_ok, k, stride_ar, K, SILU, dt)
             b = tl.load(b_ptr + k[:, None] * N + n[None, :])
@@ -127,8 +138,10 @@ def accumulate(a: torch.Tensor, b: torch.Tensor, silu: bool = False) -> torch.Te
     acc = _acc(a.device, rows, n)
     bn = _block_n(k)
     pdl = common.pdl_launch(a.device, (n // bn) * SPLITS)
+    pre2 = k // SPLITS >= 2 * BLOCK_K and k // SPLITS * bn * b.element_size() <= PRE_BYTES
     _splitk_kernel[(n // bn, SPLITS)](a2, b, acc, rows, n, k, a2.stride(0), K_SPLIT=k // SPLITS,
                                       BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=bn, BLOCK_K=BLOCK_K,
                                       FIX=float(2 ** FIX_BITS), SILU=bool(silu), INTERP=common.INTERPRET,
+                                      PRE2=pre2,
                                       num_warps=4, num_stages=4, PDL=common.pdl_mode(pdl), **pdl)
     return acc
