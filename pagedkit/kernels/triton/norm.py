@@ -32,25 +32,39 @@ if common.HAVE_TRITON:
     def _rms_kernel(x_ptr, skip_ptr, bias_ptr, gamma_ptr, y_ptr, sum_ptr, H, eps,
                     HAS_SKIP: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_SUM: tl.constexpr, BLOCK: tl.constexpr,
                     PDL: tl.constexpr = 0, ACC: tl.constexpr = False, INV_FIX: tl.constexpr = 1.0):
-        if PDL:
-            common.pdl_gate(PDL)
+        if not ACC:
+            if PDL:
+                common.pdl_gate(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
         off = row * H + cols  # x / skip / y / sum [R, H] contiguous
-        if ACC:  # x is splitk's shared int64 fixed-point accumulator: zero it for the next product
+        if ACC:  # x is splitk's shared int64 fixed-point accumulator, the only operand the launch before (the
+            # split-K product) writes: skip, bias and gamma load before the gate; the accumulator after it, then it
+            # is zeroed for the next product
+            if HAS_SKIP:
+                sk = tl.load(skip_ptr + off, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                bi = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(gamma_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            if PDL:
+                common.pdl_gate(PDL)
             s = tl.load(x_ptr + off, mask=mask, other=0).to(tl.float32) * INV_FIX
             tl.store(x_ptr + off, tl.zeros([BLOCK], tl.int64), mask=mask)
         else:
             s = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SKIP:
+                sk = tl.load(skip_ptr + off, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                bi = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(gamma_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_SKIP:
-            s += tl.load(skip_ptr + off, mask=mask, other=0.0).to(tl.float32)
+            s += sk
         if HAS_BIAS:
-            s += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            s += bi
         if WRITE_SUM:
             tl.store(sum_ptr + off, s.to(sum_ptr.dtype.element_ty), mask=mask)
         inv = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / H + eps)
-        g = tl.load(gamma_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + off, (s * inv * g).to(y_ptr.dtype.element_ty), mask=mask)
 
 
