@@ -7,7 +7,7 @@
                                                    # GPUTarget("cuda", 90, 32); prints one line per kernel
 
 The scenarios are launcher calls of the kernels that only the interpreter tests cover (the int64 split-K product and
-its norm, the decode cache write fused into attention)."""
+its norm, the decode cache write fused into attention; the plain residual norm beside them)."""
 
 from __future__ import annotations
 
@@ -80,6 +80,8 @@ def _scenarios():
         b = torch.randn(k, n).to(dtype)
         acc = splitk.accumulate(a, b, silu)
         norm.rms_norm_acc(acc, torch.ones(n, dtype=dtype), 1e-6, skip=torch.randn(4, n).to(dtype))
+    x = torch.randn(4, 128).half()
+    norm.rms_norm(x, torch.ones(128).half(), 1e-6, skip=torch.randn(4, 128).half(), want_sum=True)
 
 
 def record(out_path: str) -> None:

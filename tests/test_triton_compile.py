@@ -38,5 +38,5 @@ def test_kernels_compile_for_sm90(tmp_path):
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("compiled ")]
     want = ["_attn_kernel [FUSED=True,T_BF16=False]", "_attn_kernel [FUSED=True,T_BF16=True]",
             "_splitk_kernel [SILU=False,PRE2=True]", "_rms_kernel [ACC=True]", "_splitk_kernel [SILU=True,PRE2=False]",
-            "_rms_kernel [ACC=True]"]
+            "_rms_kernel [ACC=True]", "_rms_kernel [ACC=False]"]
     assert [ln.split(" ptx")[0].removeprefix("compiled ") for ln in lines] == want, out.stdout

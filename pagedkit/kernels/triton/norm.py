@@ -29,6 +29,18 @@ if common.HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _operands(skip_ptr, bias_ptr, gamma_ptr, off, cols, mask, HAS_SKIP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BLOCK: tl.constexpr):
+        """(skip row, bias, gamma) as float32 [BLOCK] (zeros for an absent skip / bias: never added)."""
+        sk = tl.zeros([BLOCK], tl.float32)
+        bi = tl.zeros([BLOCK], tl.float32)
+        if HAS_SKIP:
+            sk = tl.load(skip_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            bi = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        return sk, bi, tl.load(gamma_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _rms_kernel(x_ptr, skip_ptr, bias_ptr, gamma_ptr, y_ptr, sum_ptr, H, eps,
                     HAS_SKIP: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_SUM: tl.constexpr, BLOCK: tl.constexpr,
                     PDL: tl.constexpr = 0, ACC: tl.constexpr = False, INV_FIX: tl.constexpr = 1.0):
@@ -42,22 +54,14 @@ if common.HAVE_TRITON:
         if ACC:  # x is splitk's shared int64 fixed-point accumulator, the only operand the launch before (the
             # split-K product) writes: skip, bias and gamma load before the gate; the accumulator after it, then it
             # is zeroed for the next product
-            if HAS_SKIP:
-                sk = tl.load(skip_ptr + off, mask=mask, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                bi = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            g = tl.load(gamma_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            sk, bi, g = _operands(skip_ptr, bias_ptr, gamma_ptr, off, cols, mask, HAS_SKIP, HAS_BIAS, BLOCK)
             if PDL:
                 common.pdl_gate(PDL)
             s = tl.load(x_ptr + off, mask=mask, other=0).to(tl.float32) * INV_FIX
             tl.store(x_ptr + off, tl.zeros([BLOCK], tl.int64), mask=mask)
         else:
             s = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
-            if HAS_SKIP:
-                sk = tl.load(skip_ptr + off, mask=mask, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                bi = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            g = tl.load(gamma_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            sk, bi, g = _operands(skip_ptr, bias_ptr, gamma_ptr, off, cols, mask, HAS_SKIP, HAS_BIAS, BLOCK)
         if HAS_SKIP:
             s += sk
         if HAS_BIAS:
