@@ -441,3 +441,34 @@ def test_a_fed_decode_plan_is_one_host_to_device_copy_on_cuda():
     want, got = (p.feeds(names=names) for p in plans)
     torch.cuda.synchronize()
     assert set(got) == names and all(torch.equal(got[k].cpu(), want[k]) for k in names)
+
+
+@pytest.mark.parametrize("fed", [None, {"cumulative_sequence_lengths", "past_sequence_lengths", "block_table"}])
+def test_merged_copies_carry_every_used_row(fed):
+    """The copy path a CUDA manager takes, on CPU tensors: a separate device buffer fed by the merged copies from
+    the staging ring holds exactly the host rows of every fed segment (windowed group too), step after step."""
+    from pagedkit.runtime.kv.staging import PinnedRing
+
+    mgr = manager(num_blocks=32, bs=16, window=32, max_batch=4, max_tokens=64)
+    buf = mgr.buffers
+    buf.on_cuda = True  # the CUDA path: stage on the host, copy into a distinct "device" buffer
+    buf.dev = torch.full_like(buf.dev, -7)
+    buf.ring = PinnedRing.of(buf.total, torch.int32, False, 3, fill=-1)
+    buf._host_views = [{key: buf._view(flat, key).numpy() for key in buf.shapes} for flat in buf.ring.bufs]
+    buf._dev_views = {key: buf._view(buf.dev, key) for key in buf.shapes}
+    mgr.feed_only(fed)
+    cpu = manager(num_blocks=32, bs=16, window=32, max_batch=4, max_tokens=64)  # the plain CPU manager: the truth
+    names = None if fed is None else sorted(fed)
+    for m in (mgr, cpu):
+        m.add_sequence("a", 20)
+        m.add_sequence("b", 3)
+    steps = [[("a", 20), ("b", 3)], [("a", [1]), ("b", [2])], [("a", [3]), ("b", [4, 5, 6])]]
+    for batch in steps:
+        got, want = mgr.plan(batch), cpu.plan(batch)
+        g, w = got.feeds(names, query_positions=True), want.feeds(names, query_positions=True)
+        assert set(g) == (set(w) if fed is None else (fed | {"attention_metadata"}) & set(w))
+        for k in g:
+            assert torch.equal(g[k], w[k]), k
+        mgr.commit(got)
+        cpu.commit(want)
+    assert buf.copies >= len(steps)
