@@ -7,7 +7,8 @@
                                                    # GPUTarget("cuda", 90, 32); prints one line per kernel
 
 The scenarios are launcher calls of the kernels that only the interpreter tests cover (the int64 split-K product and
-its norm, the decode cache write fused into attention; the plain residual norm beside them)."""
+its norm, the decode cache write fused into attention), and beside them the rest of a decode step's Triton
+launches (the plain residual norm, the cache write, the split-KV attention and its reduce, SwiGLU, argmax)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def _scenarios():
     sys.path.insert(0, str(HERE))
     from test_fused_write import CASES, _attend, _step
 
-    from pagedkit.kernels.triton import norm, splitk
+    from pagedkit.kernels.triton import argmax, norm, splitk, swiglu
 
     for case in (0, 1):  # float16 packed QKV with RoPE; bfloat16 separate inputs, interleaved RoPE
         B, H, Hkv, D, BS, dtype, nq, rot, packed, inter, off, win = CASES[case]
@@ -82,14 +83,23 @@ def _scenarios():
         norm.rms_norm_acc(acc, torch.ones(n, dtype=dtype), 1e-6, skip=torch.randn(4, n).to(dtype))
     x = torch.randn(4, 128).half()
     norm.rms_norm(x, torch.ones(128).half(), 1e-6, skip=torch.randn(4, 128).half(), want_sum=True)
+    # the unfused decode step beside them: the cache write, the split-KV attention and its reduce (float16, RoPE)
+    B, H, Hkv, D, BS, dtype, nq, rot, packed, inter, off, win = CASES[0]
+    q, k, v, qkv, csl, past, table, kc, vc, cos, sin, n_q = _step(0, B, H, Hkv, D, BS, dtype, nq, rot, packed)
+    _attend(q, k, v, csl, past, table, kc, vc, cos, sin, fused=False, H=H, Hkv=Hkv, D=D, splits=3)
+    swiglu.silu_mul(torch.randn(2, 256).half(), 128)
+    argmax.argmax_rows(torch.randn(2, 5000).half())
 
 
 def record(out_path: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "record runs the launchers in the interpreter"
-    from pagedkit.kernels.triton import _decode_kernels, norm, splitk
+    from pagedkit.kernels.triton import _decode_kernels, argmax, cache_write, norm, splitk, swiglu
 
     out: list = []
-    for mod, name in ((_decode_kernels, "_attn_kernel"), (splitk, "_splitk_kernel"), (norm, "_rms_kernel")):
+    for mod, name in ((_decode_kernels, "_attn_kernel"), (_decode_kernels, "_reduce_kernel"),
+                      (cache_write, "_write_kernel"), (splitk, "_splitk_kernel"), (norm, "_rms_kernel"),
+                      (swiglu, "_silu_mul_kernel"), (argmax, "_argmax_chunk_kernel"),
+                      (argmax, "_argmax_final_kernel")):
         setattr(mod, name, _Recorder(getattr(mod, name), out))
     try:
         _scenarios()
