@@ -463,8 +463,11 @@ def test_merged_copies_carry_every_used_row(fed):
         m.add_sequence("a", 20)
         m.add_sequence("b", 3)
     steps = [[("a", 20), ("b", 3)], [("a", [1]), ("b", [2])], [("a", [3]), ("b", [4, 5, 6])]]
-    for batch in steps:
+    for i, batch in enumerate(steps):
+        before = buf.copies
         got, want = mgr.plan(batch), cpu.plan(batch)
+        if fed is not None and i == 1:  # a decode step fed cu / past / tables: one merged copy
+            assert buf.copies - before == 1
         g, w = got.feeds(names, query_positions=True), want.feeds(names, query_positions=True)
         assert set(g) == (set(w) if fed is None else (fed | {"attention_metadata"}) & set(w))
         for k in g:

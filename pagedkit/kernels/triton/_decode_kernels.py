@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ._rope_quant import float_code, hadamard_tile, rope_rows, round_to
+from .common import mma as _dot
 from .common import pdl_gate
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: compiled kernels read no plain globals
@@ -106,16 +107,6 @@ def _values(x, FMT: tl.constexpr, HIGH: tl.constexpr, DT: tl.constexpr, INTERP: 
             return ((u | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0).to(DT)  # 2**23 + 128
     else:
         return x
-
-
-@triton.jit
-def _dot(a, b, acc, INTERP: tl.constexpr):
-    """tl.dot(a, b, acc) with fp32 accumulation; the interpreter's dot cannot take bfloat16 (it multiplies the
-    raw bits), so there the operands go to float32 first (same products: fp16 / bf16 values are exact)."""
-    if INTERP:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    else:
-        return tl.dot(a, b, acc)
 
 
 @triton.jit

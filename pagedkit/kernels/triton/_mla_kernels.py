@@ -17,7 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._decode_kernels import LOG2E, _dot, _values
+from ._decode_kernels import LOG2E, _values
+from .common import mma as _dot
 
 
 @triton.jit

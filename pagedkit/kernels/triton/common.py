@@ -153,6 +153,17 @@ if HAVE_TRITON:
                                       is_pure=False, pack=1)
 
 
+if HAVE_TRITON:
+    @triton.jit
+    def mma(a, b, acc, INTERP: tl.constexpr):
+        """tl.dot(a, b, acc) with fp32 accumulation; the interpreter's dot cannot take bfloat16 (it multiplies the
+        raw bits), so there the operands go to float32 first (same products: fp16 / bf16 values are exact)."""
+        if INTERP:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            return tl.dot(a, b, acc)
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 

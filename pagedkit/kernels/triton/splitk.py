@@ -73,25 +73,14 @@ if common.HAVE_TRITON:
             b2 = tl.load(b_ptr + k2[:, None] * N + n[None, :])
         if PDL:
             common.pdl_gate(PDL)
-        a = _a_tile(a_ptr, r, r_ok, k, stride_ar, K, SILU, dt)
-        if INTERP:  # the interpreter's dot multiplies bfloat16's raw bits: float32 operands (exact values)
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32))
-        else:
-            acc = tl.dot(a, b, out_dtype=tl.float32)
+        acc = common.mma(_a_tile(a_ptr, r, r_ok, k, stride_ar, K, SILU, dt), b,
+                         tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
         if PRE2:
-            a = _a_tile(a_ptr, r, r_ok, k2, stride_ar, K, SILU, dt)
-            if INTERP:
-                acc = tl.dot(a.to(tl.float32), b2.to(tl.float32), acc)
-            else:
-                acc = tl.dot(a, b2, acc)
+            acc = common.mma(_a_tile(a_ptr, r, r_ok, k2, stride_ar, K, SILU, dt), b2, acc, INTERP)
         for kk in range((2 if PRE2 else 1) * BLOCK_K, K_SPLIT, BLOCK_K):
             k = (s * K_SPLIT + kk + tl.arange(0, BLOCK_K)).to(tl.int64)
-            a = _a_tile(a_ptr, r, r_ok, k, stride_ar, K, SILU, dt)
             b = tl.load(b_ptr + k[:, None] * N + n[None, :])
-            if INTERP:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = common.mma(_a_tile(a_ptr, r, r_ok, k, stride_ar, K, SILU, dt), b, acc, INTERP)
         fixed = tl.floor(acc * FIX + 0.5).to(tl.int64)  # [BLOCK_M, BLOCK_N] units of 1 / FIX, rounded
         tl.atomic_add(p_ptr + r[:, None].to(tl.int64) * N + n[None, :], fixed, mask=r_ok[:, None], sem="relaxed")
 

@@ -127,16 +127,9 @@ class PagedModel:
         self.renames = {k: cfg.input(k) for k in N.STEP_INPUTS}
         self.input_names = set(args)
         # copy to the device only the step inputs the model reads (one merged copy a decode step, kv/plan.py)
-        self.mgr.feed_only({k for k in self._plan_input_names() if self.renames.get(k, k) in self.input_names})
+        self.mgr.feed_only({k for k in self.mgr.step_input_names() if self.renames.get(k, k) in self.input_names})
         self.input_ids_name = cfg.input(N.INPUT_IDS)
         self.graphs = DecodeGraphs(self, capture=cuda_graphs != "padded") if graphs else None
-
-    def _plan_input_names(self) -> set[str]:
-        """Every step input name a plan can give (StepPlan.feeds before renames)."""
-        names = {N.CUMULATIVE_SEQUENCE_LENGTHS, N.PAST_SEQUENCE_LENGTHS, N.QUERY_POSITIONS}
-        for g in self.mgr.config.groups:
-            names |= {g.block_table_name, g.slot_name}
-        return names
 
     def blocks_needed(self, num_tokens: int) -> dict[str, int]:
         """Blocks of each group one sequence of num_tokens cached tokens holds."""

@@ -91,11 +91,19 @@ class KVCacheManager:
             self.buffers.fed = None
             return
         names = set(names)
+        self.buffers.fed = frozenset(k for k, name in self._segment_names().items() if name in names)
+
+    def step_input_names(self) -> set[str]:
+        """Every step input name a plan can give (StepPlan.feeds, before a model's renames)."""
+        return set(self._segment_names().values())
+
+    def _segment_names(self) -> dict:
+        """Plan buffer segment (kv/plan.py) -> its step input name."""
         keys = {"cu": CU_SEQLENS, "past": PAST_SEQLENS, "qpos": QUERY_POSITIONS}
         for g in self.config.groups:
             keys[("table", g.name)] = g.block_table_name
             keys[("slots", g.name)] = g.slot_name
-        self.buffers.fed = frozenset(k for k, name in keys.items() if name in names)
+        return keys
 
     # ---- cache tensors -----------------------------------------------------------------------------
     def cache_feeds(self, present: bool = False) -> dict[str, torch.Tensor]:
