@@ -110,10 +110,10 @@ class PagedRunner:
     """Feeds an exported model step by step, building block tables / lengths the way an engine does."""
 
     def __init__(self, model_dir: Path, block_size: int = 16, num_blocks: int = 24, ring_blocks: int = 3,
-                 seed: int = 0):
+                 seed: int = 0, session=None):
         from pagedkit.exporters.config import read_pagedkit_section
 
-        self.sess = _session(model_dir)
+        self.sess = session if session is not None else _session(model_dir)
         self.section = read_pagedkit_section(Path(model_dir))
         self.bs, self.ring_blocks = block_size, ring_blocks
         self.rng = random.Random(seed)
@@ -218,19 +218,31 @@ class ParityReport:
 
 def check_parity(hf_model, model_dir: Path, *, prompt_lens=(11, 37), chunk: int | None = None,
                  steps: int = 16, seed: int = 0, block_size: int = 16, tol: float = TOL,
-                 ring_blocks: int = 3, greedy: bool = True, near_tie: float = NEAR_TIE) -> ParityReport:
+                 ring_blocks: int = 3, greedy: bool = True, near_tie: float = NEAR_TIE, session=None,
+                 reference: dict | None = None) -> ParityReport:
     """Prefill (one shot, or chunked by `chunk`) + `steps` teacher-forced decode steps through the
     exported model vs HF eager; asserts the tolerance at every step (prefill included) and greedy
-    agreement (near-ties, HF top-2 gaps below near_tie * max|ref|, reported, not failed)."""
+    agreement (near-ties, HF top-2 gaps below near_tie * max|ref|, reported, not failed).
+    session: run this session object (get_inputs / run_torch) instead of pagedkit's on model_dir.
+    reference: a dict memoizing HF's sequences and logits per (prompt, steps) across calls on the same,
+    unchanged model (the family tests run one model through several exports)."""
     rng = np.random.default_rng(seed)
     vocab = hf_model.config.vocab_size
     seqs, refs = [], []
     for n in prompt_lens:
         prompt = [int(t) for t in rng.integers(3, vocab, n)]
-        ids, ref = hf_greedy_sequence(hf_model, prompt, steps)
-        seqs.append(_Seq(ids))
+        key = (tuple(prompt), steps)
+        if reference is None or key not in reference:
+            got = hf_greedy_sequence(hf_model, prompt, steps)
+            if reference is None:
+                ids, ref = got
+            else:
+                reference[key] = got
+        if reference is not None:
+            ids, ref = reference[key]
+        seqs.append(_Seq(list(ids)))
         refs.append(ref)
-    runner = PagedRunner(model_dir, block_size=block_size, seed=seed, ring_blocks=ring_blocks)
+    runner = PagedRunner(model_dir, block_size=block_size, seed=seed, ring_blocks=ring_blocks, session=session)
     worst, ties, bad = 0.0, [], []
 
     def compare(b: int, step: int, got: np.ndarray, first: int):

@@ -166,6 +166,38 @@ def rms_norm(g: GraphBuilder, x: str, weight: torch.Tensor, eps: float, prefix: 
                   stash_type=1, out_type=elem_type, out_shape=shape)
 
 
+def layer_norm(g: GraphBuilder, x: str, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, prefix: str,
+               init_name: str) -> str:
+    """LayerNorm (mean-centred) over the last axis in float32 (stash_type=1); weight / bias of x's type.
+    `init_name` names the weight; the bias is `init_name` with `weight` -> `bias`."""
+    elem_type, shape = g.vi[x]
+    ins = [x, g.initializer(init_name, weight.detach(), elem_type)]
+    if bias is not None:
+        ins.append(g.initializer(_bias_name(init_name), bias.detach(), elem_type))
+    return g.node("LayerNormalization", ins, f"{prefix}/LayerNormalization", axis=-1, epsilon=float(eps),
+                  stash_type=1, out_type=elem_type, out_shape=shape)
+
+
+def _bias_name(weight_name: str) -> str:
+    return weight_name[:-len("weight")] + "bias" if weight_name.endswith("weight") else weight_name + ".bias"
+
+
+@dataclass
+class Norm:
+    """One norm of the model: RMSNorm (`kind` "rms") or LayerNorm ("layer", optional bias), gains already in
+    their multiplicative form (Gemma's 1 + w, Nemotron's LayerNorm1P)."""
+
+    weight: torch.Tensor
+    eps: float
+    kind: str = "rms"
+    bias: torch.Tensor | None = None
+
+    def apply(self, g: GraphBuilder, x: str, prefix: str, init_name: str) -> str:
+        if self.kind == "rms":
+            return rms_norm(g, x, self.weight, self.eps, prefix, init_name)
+        return layer_norm(g, x, self.weight, self.bias, self.eps, prefix, init_name)
+
+
 class Residual:
     """The residual stream h with a pending sublayer output: `norm()` fuses "h += pending; RMSNorm(h)"
     into one SkipSimplifiedLayerNormalization (onnxruntime contrib op, as onnxruntime-genai does)."""
@@ -190,15 +222,22 @@ class Residual:
             self.pending = None
         return self.h
 
-    def norm(self, weight: torch.Tensor, eps: float, prefix: str, init_name: str) -> str:
+    def norm(self, weight: "torch.Tensor | Norm", eps: float | None, prefix: str, init_name: str) -> str:
+        """h += pending; return norm(h). `weight` is an RMSNorm gain (with `eps`) or a `Norm` (eps None):
+        LayerNorms fuse into SkipLayerNormalization, RMSNorms into SkipSimplifiedLayerNormalization."""
         g = self.g
+        norm = weight if isinstance(weight, Norm) else Norm(weight, float(eps))
         if self.pending is None:
-            return rms_norm(g, self.h, weight, eps, prefix, init_name)
-        w = g.initializer(init_name, weight.detach(), self.elem_type)
+            return norm.apply(g, self.h, prefix, init_name)
+        ins = [self.pending, self.h, g.initializer(init_name, norm.weight.detach(), self.elem_type)]
+        op = "SkipSimplifiedLayerNormalization"
+        if norm.kind == "layer":
+            op = "SkipLayerNormalization"
+            if norm.bias is not None:
+                ins.append(g.initializer(_bias_name(init_name), norm.bias.detach(), self.elem_type))
         name = f"{prefix}/SkipLayerNorm"
         outs = [f"{name}/output_0", "", "", f"{name}/output_3"]
-        g.node("SkipSimplifiedLayerNormalization", [self.pending, self.h, w], name, domain=MS_DOMAIN,
-               outputs=outs, epsilon=float(eps))
+        g.node(op, ins, name, domain=MS_DOMAIN, outputs=outs, epsilon=float(norm.eps))
         shape = g.shape_of(self.h)
         g.vi[outs[0]] = g.vi[outs[3]] = (self.elem_type, shape)
         self.h, self.pending = outs[3], None
@@ -217,17 +256,39 @@ def activation(g: GraphBuilder, x: str, act: str, prefix: str) -> str:
         return g.node("Gelu", [x], f"{prefix}/Gelu", out_type=t, out_shape=shape)
     if act == "relu":
         return g.node("Relu", [x], f"{prefix}/Relu", out_type=t, out_shape=shape)
-    raise NotImplementedError(f"hidden activation {act!r} is not supported (silu, gelu, gelu_pytorch_tanh, relu)")
+    if act == "relu2":  # squared ReLU (Nemotron)
+        r = g.node("Relu", [x], f"{prefix}/Relu", out_type=t, out_shape=shape)
+        return g.node("Mul", [r, r], f"{prefix}/Mul", out_type=t, out_shape=shape)
+    raise NotImplementedError(f"hidden activation {act!r} is not supported "
+                              "(silu, gelu, gelu_pytorch_tanh, gelu_new, relu, relu2)")
 
 
-def gated_mlp(g: GraphBuilder, x: str, gate: tuple, up: tuple, down: tuple, act: str, layer: int) -> str:
-    """down(act(gate(x)) * up(x)); gate/up/down are (weight [out, in], bias or None)."""
-    p, ip = f"/model/layers.{layer}/mlp", f"model.layers.{layer}.mlp"
+def gated_mlp(g: GraphBuilder, x: str, gate: tuple, up: tuple, down: tuple, act: str, layer: int, *,
+              prefix: str | None = None, init_prefix: str | None = None) -> str:
+    """down(act(gate(x)) * up(x)); gate/up/down are (weight [out, in], bias or None). Named under
+    `/model/layers.{layer}/mlp` unless prefix / init_prefix say otherwise (a shared expert)."""
+    p = prefix or f"/model/layers.{layer}/mlp"
+    ip = init_prefix or f"model.layers.{layer}.mlp"
     a = linear(g, x, *gate, f"{p}/gate_proj", f"{ip}.gate_proj")
     b = linear(g, x, *up, f"{p}/up_proj", f"{ip}.up_proj")
     a = activation(g, a, act, f"{p}/act_fn")
     m = g.node("Mul", [a, b], f"{p}/Mul", out_type=g.float_type, out_shape=g.shape_of(b))
     return linear(g, m, *down, f"{p}/down_proj", f"{ip}.down_proj")
+
+
+def plain_mlp(g: GraphBuilder, x: str, up: tuple, down: tuple, act: str, layer: int) -> str:
+    """down(act(up(x))) (no gate: StarCoder2, Nemotron, Phi-2); up/down are (weight [out, in], bias or None)."""
+    p, ip = f"/model/layers.{layer}/mlp", f"model.layers.{layer}.mlp"
+    a = activation(g, linear(g, x, *up, f"{p}/up_proj", f"{ip}.up_proj"), act, f"{p}/act_fn")
+    return linear(g, a, *down, f"{p}/down_proj", f"{ip}.down_proj")
+
+
+def scale(g: GraphBuilder, x: str, factor: float, name: str) -> str:
+    """x * factor (a no-op for 1.0), in x's type."""
+    if float(factor) == 1.0:
+        return x
+    t, shape = g.vi[x]
+    return g.node("Mul", [x, g.const(float(factor), t)], name, out_type=t, out_shape=shape)
 
 
 # ---- rotary ------------------------------------------------------------------------------------------

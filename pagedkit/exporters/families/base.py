@@ -33,7 +33,9 @@ from ...interface import dtypes
 from ...interface import names as N
 from ...interface.genai_config import CacheSpec, LayerSpec, ModelSpec, genai_type_of
 from ...validators.contract import cache_format, cache_width
-from ..graph import GraphBuilder, GraphInputs, Residual, cast, gated_mlp, linear, paged_attention, rotary_tables
+from ..graph import (GraphBuilder, GraphInputs, Norm, Residual, cast, gated_mlp, linear, paged_attention, rotary_tables,
+                     scale)
+from ..rope import LongRope, check_context, longrope_tables, original_max_positions, rope_type, select_tables
 
 FLOAT_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16, "fp32": TensorProto.FLOAT}
 DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}  # ModelSpec.dtype spellings
@@ -100,17 +102,12 @@ class DecoderFamily:
     name = "llama"
     model_types: tuple[str, ...] = ("llama",)
     # what the family supports, in words (for docs and `paged-export --list`)
-    features: tuple[str, ...] = ("RoPE (default, linear, llama3, YaRN scaling via the model's rotary module)",
-                                 "GQA", "tied or separate LM head")
+    features: tuple[str, ...] = ("RoPE (default, linear, dynamic, llama3, YaRN, LongRoPE via the model's rotary "
+                                 "module)", "GQA", "tied or separate LM head")
 
     # ---- per-model facts ---------------------------------------------------------------------
     def check(self, config) -> None:
         """Raise NotImplementedError for a configuration this family cannot export faithfully."""
-        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-        if kind in ("dynamic", "longrope"):
-            raise NotImplementedError(f"rope_type {kind!r} depends on the sequence length at run time; "
-                                      "pagedkit exports static cos/sin caches only")
 
     def decoder(self, model):
         return model.model
@@ -129,8 +126,19 @@ class DecoderFamily:
     def rope_key(self, config, i: int) -> str | None:
         return "cos_cache"
 
-    def rope_tables(self, model, max_positions: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        return {"cos_cache": rotary_tables(self.decoder(model).rotary_emb, max_positions)}
+    def rope_in_node(self, config, i: int) -> bool:
+        """Whether layer i's RoPE runs in the attention node (do_rotary=1). A family that must act after RoPE
+        (a norm, a per-position query scale) returns False and rotates in `project_qkv` (rope.apply_rope)."""
+        return True
+
+    def rope_tables(self, model, max_positions: int) -> dict[str, "tuple[torch.Tensor, torch.Tensor] | LongRope"]:
+        """key -> cos / sin tables [max_positions, rotary_dim / 2] (or a LongRope pair switched per step)."""
+        rot, config = self.decoder(model).rotary_emb, model.config
+        if rope_type(config) == "longrope":
+            orig = original_max_positions(config)
+            short, long = longrope_tables(rot, max_positions, orig)
+            return {"cos_cache": short if long is None else LongRope(short, long, orig)}
+        return {"cos_cache": rotary_tables(rot, max_positions)}
 
     def model_spec(self, model, opts: ExportOptions) -> ModelSpec:
         config = model.config
@@ -156,6 +164,7 @@ class DecoderFamily:
                 raise ValueError("slot_mapping: this model's windowed layers read block_table_windowed (a "
                                  "second block pool); one slot_mapping input cannot address both pools")
         context = opts.max_seq_len or config.max_position_embeddings
+        check_context(config, context)
         gen = getattr(model, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None) if gen is not None else None
         return ModelSpec(
@@ -191,6 +200,14 @@ class DecoderFamily:
         """The multiplicative RMSNorm gain (Gemma: 1 + w)."""
         return norm.weight.detach().float()
 
+    def norm(self, norm) -> Norm:
+        """The graph norm of a Hugging Face norm module: LayerNorm (with its bias) for torch.nn.LayerNorm
+        subclasses, RMSNorm otherwise (gains through `norm_weight`)."""
+        if isinstance(norm, torch.nn.LayerNorm):
+            bias = norm.bias.detach().float() if norm.bias is not None else None
+            return Norm(self.norm_weight(norm), self.norm_eps(norm), "layer", bias)
+        return Norm(self.norm_weight(norm), self.norm_eps(norm))
+
     def norm_eps(self, norm) -> float:
         return float(getattr(norm, "variance_epsilon", None) or getattr(norm, "eps"))
 
@@ -209,6 +226,14 @@ class DecoderFamily:
     def rotary_interleaved(self, config) -> int:
         return 0
 
+    def embed_multiplier(self, config) -> float:
+        """Factor on the embedding output (Granite's embedding_multiplier)."""
+        return 1.0
+
+    def logits_multiplier(self, config) -> float:
+        """Factor on the logits (Granite: 1 / logits_scaling; Cohere: logit_scale)."""
+        return 1.0
+
     # ---- graph --------------------------------------------------------------------------------
     def build(self, ctx: ExportContext, progress: Iterable[int] | None = None) -> None:
         g, model = ctx.g, ctx.model
@@ -219,9 +244,8 @@ class DecoderFamily:
         layers = self.layers(model)
         for i in (progress if progress is not None else range(len(layers))):
             self.decoder_layer(ctx, i, layers[i], res)
-        final = self.decoder(model).norm
-        x = res.norm(self.norm_weight(final), self.norm_eps(final),
-                     f"/model/layers.{len(layers)}/final_norm_layernorm", "model.norm.weight")
+        x = res.norm(self.norm(self.decoder(model).norm), None, f"/model/layers.{len(layers)}/final_norm_layernorm",
+                     "model.norm.weight")
         self.lm_head(ctx, x)
 
     def make_inputs(self, ctx: ExportContext) -> None:
@@ -254,27 +278,33 @@ class DecoderFamily:
         if not keys:
             return
         tables = self.rope_tables(ctx.model, ctx.spec.context_length)
+        g = ctx.g  # T-typed node inputs: the attention type (fp16 in a float32 export)
         for key in sorted(keys):
-            cos, sin = tables[key]
             sin_name = key.replace("cos", "sin", 1)
-            g = ctx.g  # T-typed node inputs: the attention type (fp16 in a float32 export)
-            ctx.rope[key] = (g.initializer(key, cos, g.attn_type), g.initializer(sin_name, sin, g.attn_type))
+            table = tables[key]
+            if isinstance(table, LongRope):  # two tables, one picked per step by the batch's longest sequence
+                short = (g.initializer(key, table.short[0], g.attn_type), g.initializer(sin_name, table.short[1], g.attn_type))
+                long = (g.initializer(f"{key}_long", table.long[0], g.attn_type),
+                        g.initializer(f"{sin_name}_long", table.long[1], g.attn_type))
+                ctx.rope[key] = select_tables(g, ctx.io, short, long, table.original, key)
+            else:
+                ctx.rope[key] = (g.initializer(key, table[0], g.attn_type), g.initializer(sin_name, table[1], g.attn_type))
 
     def embed(self, ctx: ExportContext) -> str:
         g = ctx.g
         emb = self.decoder(ctx.model).embed_tokens
         w = g.initializer("model.embed_tokens.weight", emb.weight.detach())
-        return g.node("Gather", [w, N.INPUT_IDS], "/model/embed_tokens/Gather", out_type=g.float_type,
-                      out_shape=(_rows(), ctx.config.hidden_size))
+        h = g.node("Gather", [w, N.INPUT_IDS], "/model/embed_tokens/Gather", out_type=g.float_type,
+                   out_shape=(_rows(), ctx.config.hidden_size))
+        return scale(g, h, self.embed_multiplier(ctx.config), "/model/embed_tokens/Mul")
 
     def decoder_layer(self, ctx: ExportContext, i: int, layer, res: Residual) -> None:
         p = f"/model/layers.{i}"
-        x = res.norm(self.norm_weight(layer.input_layernorm), self.norm_eps(layer.input_layernorm),
-                     f"{p}/input_layernorm", f"model.layers.{i}.input_layernorm.weight")
+        x = res.norm(self.norm(layer.input_layernorm), None, f"{p}/input_layernorm",
+                     f"model.layers.{i}.input_layernorm.weight")
         res.add(self.attention(ctx, i, layer.self_attn, x), f"{p}/attn")
-        x = res.norm(self.norm_weight(layer.post_attention_layernorm),
-                     self.norm_eps(layer.post_attention_layernorm),
-                     f"{p}/post_attention_layernorm", f"model.layers.{i}.post_attention_layernorm.weight")
+        x = res.norm(self.norm(layer.post_attention_layernorm), None, f"{p}/post_attention_layernorm",
+                     f"model.layers.{i}.post_attention_layernorm.weight")
         res.add(self.mlp(ctx, i, layer.mlp, x), f"{p}/mlp")
 
     def mlp(self, ctx: ExportContext, i: int, mlp, x: str) -> str:
@@ -283,16 +313,33 @@ class DecoderFamily:
         act = getattr(ctx.config, "hidden_activation", None) or ctx.config.hidden_act
         return gated_mlp(ctx.g, x, wb(mlp.gate_proj), wb(mlp.up_proj), wb(mlp.down_proj), act, i)
 
+    def project_qkv(self, ctx: ExportContext, i: int, attn, x: str) -> tuple[str, str | None, str | None]:
+        """(query, key, value) fed to layer i's node: the packed QKV product [T, (Hq + 2 Hkv) * D] with key /
+        value None (default), or three tensors when the family transforms Q / K before the node."""
+        w, b = self.qkv_weights(attn)
+        return linear(ctx.g, x, w, b, f"/model/layers.{i}/attn/qkv_proj", f"model.layers.{i}.attn.qkv_proj"), None, None
+
+    def separate_qkv(self, ctx: ExportContext, i: int, attn, x: str) -> tuple[str, str, str]:
+        """Q [T, Hq * D], K / V [T, Hkv * D] as three products of the packed weight's rows (for families that
+        transform Q / K before the node)."""
+        l = ctx.spec.layers[i]
+        w, b = self.qkv_weights(attn)
+        sizes = [l.num_heads * l.head_size, l.kv_num_heads * l.head_size, l.kv_num_heads * l.head_size]
+        ws, bs = w.split(sizes, 0), b.split(sizes, 0) if b is not None else (None, None, None)
+        p, ip = f"/model/layers.{i}/attn", f"model.layers.{i}.attn"
+        return tuple(linear(ctx.g, x, wj, bj, f"{p}/{n}_proj", f"{ip}.{n}_proj")
+                     for wj, bj, n in zip(ws, bs, "qkv"))
+
     def attention(self, ctx: ExportContext, i: int, attn, x: str) -> str:
         g, l, config = ctx.g, ctx.spec.layers[i], ctx.config
         p, ip = f"/model/layers.{i}/attn", f"model.layers.{i}.attn"
-        w, b = self.qkv_weights(attn)
-        qkv = linear(g, x, w, b, f"{p}/qkv_proj", f"{ip}.qkv_proj")
+        query, key, value = self.project_qkv(ctx, i, attn, x)
         extra: dict[str, str] = {}
         attrs: dict[str, Any] = dict(num_heads=l.num_heads, kv_num_heads=l.kv_num_heads,
                                      scale=self.attention_scale(attn, config),
                                      softcap=self.attention_softcap(config), local_window_size=l.window)
-        if l.rope:
+        node_rope = bool(l.rope) and self.rope_in_node(config, i)
+        if node_rope:
             attrs.update(do_rotary=1, rotary_interleaved=self.rotary_interleaved(config))
         qk = self.qk_norm(attn)
         if qk is not None:
@@ -303,11 +350,14 @@ class DecoderFamily:
         if sink is not None:
             extra["head_sink"] = g.initializer(f"{ip}.sinks", sink.detach(), g.attn_type)
         caches = self.cache_io(ctx, l, extra, attrs)
-        out = paged_attention(g, layer=i, io=ctx.io, query=qkv, key=None, value=None, caches=caches,
-                              windowed_table=l.windowed_table, rope=ctx.rope.get(l.rope) if l.rope else None,
+        out = paged_attention(g, layer=i, io=ctx.io, query=query, key=key, value=value, caches=caches,
+                              windowed_table=l.windowed_table, rope=ctx.rope[l.rope] if node_rope else None,
                               extra_inputs=extra, attrs=attrs, out_width=l.num_heads * l.head_size)
+        return self.output_projection(ctx, i, attn, out)
+
+    def output_projection(self, ctx: ExportContext, i: int, attn, out: str) -> str:
         o = attn.o_proj
-        return linear(g, out, o.weight, o.bias, f"{p}/o_proj", f"{ip}.o_proj")
+        return linear(ctx.g, out, o.weight, o.bias, f"/model/layers.{i}/attn/o_proj", f"model.layers.{i}.attn.o_proj")
 
     def cache_io(self, ctx: ExportContext, l: LayerSpec, extra: dict, attrs: dict) -> dict[str, str]:
         """Cache inputs/outputs of layer l's node and their quantization attributes / static scales."""
@@ -351,6 +401,7 @@ class DecoderFamily:
                        out_type=g.float_type, out_shape=(_rows(), vocab))
         else:
             y = linear(g, x, head.weight, getattr(head, "bias", None), "/lm_head", "lm_head")
+        y = scale(g, y, self.logits_multiplier(config), "/lm_head/Mul")
         y = self.final_softcap(ctx, y)
         if g.float_type == TensorProto.BFLOAT16:  # onnxruntime-genai: float32 logits for bf16 models
             y = cast(g, y, TensorProto.FLOAT, "/lm_head/Cast")

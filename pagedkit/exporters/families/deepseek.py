@@ -26,9 +26,9 @@ experts. Routing is computed exactly as Hugging Face does:
 - everything else (V2 `group_limited_greedy`; V3: sigmoid scores, + e_score_correction_bias for the
   choice, groups ranked by the sum of their top-2 choice scores, topk_group groups kept, top-k of the
   rest, weights = the scores of the chosen experts, renormalized when norm_topk_prob, times
-  routed_scaling_factor): plain ONNX ops in float32 giving routing weights R [T, E] (zero off the top-k),
-  and the experts evaluated densely ([E, T, ...] batched MatMuls) and summed with R — exact, at E/k times
-  the expert FLOPs of a sparse kernel.
+  routed_scaling_factor): the choice in plain ONNX ops in float32 (experts idx [T, k], weights w [T, k]),
+  fed to the same com.microsoft::MoE node through `moe.routed_moe` (router logits log(w) at the chosen
+  experts, -inf elsewhere, the output times sum(w)): only the chosen experts are computed.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from onnx import TensorProto
 
-from ..graph import MS_DOMAIN, GraphBuilder, activation, cast, linear, paged_attention, rms_norm, rotary_tables
+from ..graph import GraphBuilder, cast, linear, paged_attention, rms_norm, rotary_tables
+from ..moe import Experts, routed_moe, softmax_moe
 from .base import DecoderFamily, ExportContext, ExportOptions
 
 F32, I64 = TensorProto.FLOAT, TensorProto.INT64
@@ -51,8 +52,9 @@ class DeepseekFamily(DecoderFamily):
                 "q_lora_rank (q_a_proj -> RMSNorm -> q_b_proj) or q_proj",
                 "RoPE offset to the latent's rope channels, interleaved as the model rotates, YaRN",
                 "softmax scale with YaRN mscale^2 (explicit node scale)",
-                "MoE with shared experts: V2 greedy softmax as com.microsoft::MoE; group-limited / sigmoid "
-                "(V3, e_score_correction_bias) routing as plain ONNX ops", "first_k_dense_replace dense layers")
+                "MoE with shared experts in com.microsoft::MoE: V2 greedy softmax routing natively; group-limited / "
+                "sigmoid (V3, e_score_correction_bias) routing chosen in plain ONNX ops and fed to the node",
+                "first_k_dense_replace dense layers")
 
     # ---- per-model facts ---------------------------------------------------------------------
     def check(self, config) -> None:
@@ -166,17 +168,20 @@ class DeepseekFamily(DecoderFamily):
             return super().mlp(ctx, i, mlp, x)
         g, config = ctx.g, ctx.config
         p, ip = f"/model/layers.{i}/mlp", f"model.layers.{i}.mlp"
-        if self.moe_op_fits(config):
-            routed = self.moe_op(ctx, mlp, x, p, ip)
+        ex = Experts.fused(mlp.experts.gate_up_proj, mlp.experts.down_proj, config.hidden_act)
+        logits = self.router_logits(ctx, mlp, x, p, ip)
+        k = int(config.num_experts_per_tok)
+        if self.moe_op_fits(config):  # V2 greedy: the node's own softmax routing
+            routed = softmax_moe(g, x, logits, ex, k, p, ip, normalize=False, scale=float(config.routed_scaling_factor))
         else:
-            routed = self.moe_dense(ctx, mlp, x, p, ip)
+            idx, w = self.route(ctx, mlp, logits, p, ip)
+            routed = routed_moe(g, x, idx, w, ex, p, ip)
         shared = super().mlp(ctx, i, mlp.shared_experts, x)  # /model/layers.{i}/mlp/{gate,up,down}_proj
         return g.node("Add", [routed, shared], f"{p}/shared/Add", out_type=g.float_type, out_shape=g.shape_of(x))
 
     def moe_op_fits(self, config) -> bool:
         """com.microsoft::MoE routes by softmax over all experts + top-k: Hugging Face's DeepseekV2 'greedy'."""
-        return (config.model_type == "deepseek_v2" and config.topk_method == "greedy"
-                and config.hidden_act == "silu")
+        return config.model_type == "deepseek_v2" and config.topk_method == "greedy"
 
     def router_logits(self, ctx: ExportContext, mlp, x: str, p: str, ip: str) -> str:
         """[T, E] float32, as Hugging Face (float32 gate weight, float32 hidden states)."""
@@ -186,32 +191,12 @@ class DeepseekFamily(DecoderFamily):
         return g.node("MatMul", [x32, w], f"{p}/gate/MatMul", out_type=F32,
                       out_shape=(g.shape_of(x)[0], mlp.gate.weight.shape[0]))
 
-    def moe_op(self, ctx: ExportContext, mlp, x: str, p: str, ip: str) -> str:
+    def route(self, ctx: ExportContext, mlp, logits: str, p: str, ip: str) -> tuple[str, str]:
+        """(idx [T, k] int64, w [T, k] float32): each token's experts and routing weights, as Hugging Face."""
         g, config = ctx.g, ctx.config
-        logits = cast(g, self.router_logits(ctx, mlp, x, p, ip), g.float_type, f"{p}/gate/Cast_1")
-        ex = mlp.experts
-        n_exp, two_i, hidden = ex.gate_up_proj.shape
-        gate, up = ex.gate_up_proj.detach().chunk(2, dim=1)  # HF: [gate | up] rows
-        fc1 = torch.stack([gate, up], dim=2).reshape(n_exp, two_i, hidden)  # interleaved (swiglu_fusion=1)
-        fc1 = g.initializer(f"{ip}.experts.gate_up_proj.weight", fc1)
-        fc2 = g.initializer(f"{ip}.experts.down_proj.weight", ex.down_proj.detach())
-        y = g.node("MoE", [x, logits, fc1, "", fc2], f"{p}/MoE", domain=MS_DOMAIN, k=int(config.num_experts_per_tok),
-                   activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
-                   normalize_routing_weights=0, use_sparse_mixer=0, out_type=g.float_type,
-                   out_shape=g.shape_of(x))
-        factor = float(config.routed_scaling_factor)
-        if factor != 1.0:
-            y = g.node("Mul", [y, g.const(factor, g.float_type)], f"{p}/MoE/Mul", out_type=g.float_type,
-                       out_shape=g.shape_of(x))
-        return y
-
-    def routing_weights(self, ctx: ExportContext, mlp, x: str, p: str, ip: str) -> str:
-        """R [T, E] float32: each token's routing weight per expert (0 off its top-k), as Hugging Face."""
-        g, config = ctx.g, ctx.config
-        rows = g.shape_of(x)[0]
-        n_exp, k = mlp.gate.weight.shape[0], int(config.num_experts_per_tok)
+        rows, n_exp = g.shape_of(logits)
+        k = int(config.num_experts_per_tok)
         v3 = config.model_type != "deepseek_v2"
-        logits = self.router_logits(ctx, mlp, x, p, ip)
         te = (rows, n_exp)
         if v3:
             scores = g.node("Sigmoid", [logits], f"{p}/gate/Sigmoid", out_type=F32, out_shape=te)
@@ -233,11 +218,7 @@ class DeepseekFamily(DecoderFamily):
             w = g.node("Div", [w, s], f"{p}/gate/Div", out_type=F32, out_shape=tk)
         w = g.node("Mul", [w, g.const(float(config.routed_scaling_factor), F32)], f"{p}/gate/scale/Mul",
                    out_type=F32, out_shape=tk)
-        zeros = g.node("ConstantOfShape", [g.node("Shape", [logits], f"{p}/gate/Shape", out_type=I64,
-                                                  out_shape=(2,))],
-                       f"{p}/gate/ConstantOfShape", value=_scalar_proto(0.0), out_type=F32, out_shape=te)
-        return g.node("ScatterElements", [zeros, idx, w], f"{p}/gate/ScatterElements", axis=1, out_type=F32,
-                      out_shape=te)
+        return idx, w
 
     @staticmethod
     def group_limit(g: GraphBuilder, choice: str, n_group: int, topk_group: int, v3: bool, p: str, rows,
@@ -269,32 +250,6 @@ class DeepseekFamily(DecoderFamily):
         masked = g.node("Where", [keep, grouped, fill], f"{p}/gate/group/Where", out_type=F32,
                         out_shape=(rows, n_group, per))
         return reshape(g, masked, [-1, n_exp], (rows, n_exp), f"{p}/gate/group/Reshape_1")
-
-    def moe_dense(self, ctx: ExportContext, mlp, x: str, p: str, ip: str) -> str:
-        """sum_e R[:, e] * down_e(act(gate_e x) * up_e x), all experts evaluated as [E, T, ...] MatMuls."""
-        g, config = ctx.g, ctx.config
-        rows = g.shape_of(x)[0]
-        ex = mlp.experts
-        n_exp, two_i, hidden = ex.gate_up_proj.shape
-        inter = two_i // 2
-        r = self.routing_weights(ctx, mlp, x, p, ip)  # [T, E] f32
-        w1 = g.initializer(f"{ip}.experts.gate_up_proj.MatMul.weight", ex.gate_up_proj.detach().transpose(1, 2))
-        h = g.node("MatMul", [x, w1], f"{p}/experts/gate_up_proj/MatMul", out_type=g.float_type,
-                   out_shape=(n_exp, rows, two_i))  # [T, H] @ [E, H, 2I] -> [E, T, 2I]
-        gate, up = split(g, h, [inter, inter], -1, f"{p}/experts/Split")
-        act = activation(g, gate, config.hidden_act, f"{p}/experts/act_fn")
-        m = g.node("Mul", [act, up], f"{p}/experts/Mul", out_type=g.float_type, out_shape=(n_exp, rows, inter))
-        w2 = g.initializer(f"{ip}.experts.down_proj.MatMul.weight", ex.down_proj.detach().transpose(1, 2))
-        y = g.node("MatMul", [m, w2], f"{p}/experts/down_proj/MatMul", out_type=g.float_type,
-                   out_shape=(n_exp, rows, hidden))  # [E, T, I] @ [E, I, H] -> [E, T, H]
-        y = cast(g, y, F32, f"{p}/experts/Cast")
-        rt = g.node("Transpose", [r], f"{p}/experts/Transpose", perm=[1, 0], out_type=F32, out_shape=(n_exp, rows))
-        rt = g.node("Unsqueeze", [rt, g.const([-1], I64)], f"{p}/experts/Unsqueeze", out_type=F32,
-                    out_shape=(n_exp, rows, 1))
-        y = g.node("Mul", [y, rt], f"{p}/experts/weights/Mul", out_type=F32, out_shape=(n_exp, rows, hidden))
-        y = g.node("ReduceSum", [y, g.const([0], I64)], f"{p}/experts/ReduceSum", keepdims=0, out_type=F32,
-                   out_shape=(rows, hidden))
-        return cast(g, y, g.float_type, f"{p}/experts/Cast_1")
 
 
 # ---- small graph pieces ---------------------------------------------------------------------------
@@ -332,7 +287,3 @@ def head_matmul(g: GraphBuilder, x: str, weight: str, width: int, prefix: str) -
                   out_shape=(rows, heads, width))
 
 
-def _scalar_proto(value: float):
-    import onnx
-
-    return onnx.helper.make_tensor("value", F32, [1], [value])
