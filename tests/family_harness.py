@@ -68,11 +68,20 @@ def model_of(case: FamilyCase) -> tuple[torch.nn.Module, dict]:
     return _MODELS[case.key]
 
 
-def _parity(case: FamilyCase, model_dir: Path, tol: float, **kw):
+def torch_session(model_dir: Path):
+    """pagedkit's session with the CPU backend pinned to torch (what these tests cover stays put when the
+    default CPU backend changes)."""
+    from pagedkit import InferenceSession
+
+    return InferenceSession(str(Path(model_dir) / "model.onnx"), cpu_backend="torch")
+
+
+def _parity(case: FamilyCase, model_dir: Path, tol: float, session=None, **kw):
     hf, memo = model_of(case)
     extra = {} if case.near_tie is None else {"near_tie": case.near_tie}
     return check_parity(hf, model_dir, prompt_lens=case.prompt_lens, steps=case.steps, chunk=case.chunk, tol=tol,
-                        reference=memo, **extra, **kw)
+                        reference=memo, session=session if session is not None else torch_session(model_dir),
+                        **extra, **kw)
 
 
 def export_case(case: FamilyCase, out: Path, dtype: str = "fp16", **opts) -> Path:
@@ -92,8 +101,26 @@ def check_export(case: FamilyCase, tmp_path: Path, dtype: str) -> dict:
         hf, _ = model_of(case)
         with fp16_node_boundary(hf, out):
             worst["fp32_boundary"] = check_parity(hf, out, prompt_lens=case.prompt_lens, steps=case.steps,
-                                                  chunk=case.chunk, tol=FP32_BOUNDARY_TOL).worst_ratio
+                                                  chunk=case.chunk, tol=FP32_BOUNDARY_TOL,
+                                                  session=torch_session(out)).worst_ratio
     return worst
+
+
+def check_builtin(name: str, tmp_path: Path, *, num_layers: int = 4, num_experts: int | None = None,
+                  max_seq_len: int = 4096, steps: int = 6) -> float:
+    """A built-in real configuration (pagedkit/exporters/builtin/NAME.json) cut to `num_layers` layers (and
+    `num_experts` routed experts), random weights (Hugging Face's init): exported in fp16, validated, and run
+    against HF eager float32 built from the same configuration and weights (2e-2, greedy up to near-ties)."""
+    from pagedkit.exporters.export import export_hf_model
+    from pagedkit.exporters.families.base import ExportOptions
+    from pagedkit.exporters.weights import load_model
+
+    loaded = load_model(name, num_layers=num_layers, num_experts=num_experts, seed=0, dtype=torch.float32)
+    hf = loaded.model.eval()
+    out = tmp_path / name
+    export_hf_model(hf, out, ExportOptions(progress=False, max_seq_len=max_seq_len))
+    assert_valid_export(out)
+    return check_parity(hf, out, prompt_lens=(11, 20), steps=steps, session=torch_session(out)).worst_ratio
 
 
 def check_decomposed(case: FamilyCase, tmp_path: Path) -> float:
