@@ -115,10 +115,13 @@ class DelegationReport:
 
 def _barrier(node: onnx.NodeProto) -> bool:
     """PagedAttention (onnxruntime has no CPU kernel; the ones decompose() rewrote are standard ops by now),
-    nodes holding subgraphs and unknown domains. GroupQueryAttention is not one: onnxruntime's CPU kernel is
-    the operator's reference implementation (contract-decisions §4); a segment it refuses stays with torch."""
+    nodes holding subgraphs, unknown domains, and MoE / QMoE with use_sparse_mixer=1. GroupQueryAttention is
+    not one: onnxruntime's CPU kernel is the operator's reference implementation (contract-decisions §4); a
+    segment it refuses stays with torch."""
     if (normalize_domain(node.domain), node.op_type) == ("com.microsoft", "PagedAttention"):
         return True
+    if node.op_type in ("MoE", "QMoE") and any(a.name == "use_sparse_mixer" and a.i for a in node.attribute):
+        return True  # onnxruntime's CPU MoE ignores use_sparse_mixer (1.32: softmax top-2); pagedkit's kernel has it
     if node.domain not in _KNOWN_DOMAINS and node.domain != "ai.onnx":
         return True
     return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)

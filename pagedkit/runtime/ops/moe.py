@@ -1,7 +1,12 @@
 """com.microsoft MoE: top-k mixture of experts (Mixtral, GPT-OSS layouts).
 
 Routing, as onnxruntime: softmax over all experts' router logits (float32), top-k, and with
-normalize_routing_weights=1 the k weights renormalized to sum 1. Weights are [out, in] per expert:
+normalize_routing_weights=1 the k weights renormalized to sum 1. use_sparse_mixer=1 (k = 2 only): PhiMoE's
+sparsemixer in eval mode, as onnxruntime's CUDA kernel `sparse_mixer_top2` with its constant jitter_eps 0.01:
+expert 1 = argmax s; mask_j = (m1 - s_j) > 2 eps max(|s_j|, m1); w1 = 1 / sum over unmasked j of
+exp(s_j - m1); expert 2 = argmax of s without expert 1, the same with m2 and expert 1 masked too; the two
+weights are not renormalized (normalize_routing_weights does not apply). onnxruntime's kernel takes 8 or 16
+experts; this one any number >= 2. (onnxruntime 1.32's CPU MoE ignores the attribute: softmax top-2.) Weights are [out, in] per expert:
 fc1 [E, fusion * I, hidden], fc2 [E, hidden, I], fc3 [E, I, hidden]. Activations:
   relu, gelu (tanh approximation, as onnxruntime's CPU kernel), silu, identity, relu2,
   swiglu: G = min(g, limit), L = clamp(l, -limit, limit), G * sigmoid(alpha G) * (L + beta)
@@ -124,20 +129,45 @@ def _all_experts(xs, w, attrs, where):
     return lin(a, fc2_w, fc2_b)
 
 
+SPARSE_MIXER_EPS = 0.01  # onnxruntime's constant jitter_eps (PhiMoE's router_jitter_noise)
+
+
+def _mixer_weight(s: torch.Tensor, top: torch.Tensor, excluded: torch.Tensor | None) -> torch.Tensor:
+    """[T, 1] sparsemixer weight of the expert holding `top` [T, 1] (its logit): 1 / sum of exp(s_j - top) over
+    the experts j not masked (top - s_j > 2 eps max(|s_j|, top), or `excluded` [T, E] bool)."""
+    mask = (top - s) > (2 * SPARSE_MIXER_EPS) * torch.maximum(s.abs(), top)
+    if excluded is not None:
+        mask = mask | excluded
+    return 1.0 / torch.exp(s - top).masked_fill(mask, 0.0).sum(-1, keepdim=True)
+
+
+def sparse_mixer(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """use_sparse_mixer routing of logits [T, E]: (weights [T, 2] float32, experts [T, 2] int64)."""
+    s = logits.float()
+    m1, e1 = s.max(-1, keepdim=True)  # ties: the lowest index, as the kernel's arg-max
+    first = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, e1, True)
+    m2, e2 = s.masked_fill(first, -math.inf).max(-1, keepdim=True)
+    w = torch.cat([_mixer_weight(s, m1, None), _mixer_weight(s, m2, first)], -1)
+    return w, torch.cat([e1, e2], -1)
+
+
 @register("MoE", domain=MS_DOMAIN)
 def moe(inputs, attrs, ctx):
     x, router = inputs[0], inputs[1]  # x [T, hidden] or [B, S, hidden]; router [T, E] logits
     weights = (inputs[2], opt(inputs, 3), inputs[4], opt(inputs, 5), opt(inputs, 6), opt(inputs, 7))
     where = f"MoE node {ctx.node_name!r}"
-    if attrs.get("use_sparse_mixer", 0):
-        raise NotImplementedError(f"{where}: use_sparse_mixer=1 is not supported")
     k = attrs.get("k", 1)
     xs = x.reshape(-1, x.shape[-1])  # [T, hidden]
     n_tok, n_exp = xs.shape[0], router.shape[-1]
-    probs = torch.softmax(router.reshape(n_tok, n_exp).float(), dim=-1)
-    top_w, top_e = torch.topk(probs, k, dim=-1)  # [T, k]
-    if attrs.get("normalize_routing_weights", 0):
-        top_w = top_w / top_w.sum(-1, keepdim=True)
+    if attrs.get("use_sparse_mixer", 0):
+        if k != 2 or n_exp < 2:
+            raise ValueError(f"{where}: use_sparse_mixer=1 routes k=2 of >= 2 experts, got k={k}, {n_exp} experts")
+        top_w, top_e = sparse_mixer(router.reshape(n_tok, n_exp))
+    else:
+        probs = torch.softmax(router.reshape(n_tok, n_exp).float(), dim=-1)
+        top_w, top_e = torch.topk(probs, k, dim=-1)  # [T, k]
+        if attrs.get("normalize_routing_weights", 0):
+            top_w = top_w / top_w.sum(-1, keepdim=True)
     rows = torch.arange(n_tok, device=x.device).repeat_interleave(k)  # [T*k] token of each route
     route_e, route_w = top_e.reshape(-1), top_w.reshape(-1)
     if n_tok * k > n_exp and n_tok <= DENSE_MAX_TOKENS and x.is_cuda:  # decode on CUDA: every expert, densely
