@@ -104,7 +104,7 @@ def router_logits(g: GraphBuilder, x: str, weight: torch.Tensor, bias: torch.Ten
     if not float32:
         return linear(g, x, weight, bias, f"{p}/router", f"{ip}.router")
     w = g.initializer(f"{ip}.router.MatMul.weight", weight.detach().float().t(), F32)
-    y = g.node("MatMul", [cast(g, x, F32, f"{p}/router/Cast"), w], f"{p}/router/MatMul", out_type=F32,
+    y = g.node("MatMul", [cast(g, x, F32, f"{p}/router/input/Cast"), w], f"{p}/router/MatMul", out_type=F32,
                out_shape=(g.shape_of(x)[0], weight.shape[0]))
     if bias is not None:
         y = g.node("Add", [y, g.initializer(f"{ip}.router.Add.bias", bias.detach().float(), F32)], f"{p}/router/Add",
