@@ -188,14 +188,17 @@ def fp16_node_boundary(hf, model_dir: Path):
     AttentionInterface.register("pagedkit_fp16_boundary", attention)
     AttentionMaskInterface.register("pagedkit_fp16_boundary", eager_mask)
     saved, hooks = {}, []
-    rope_fn = getattr(mod, "apply_rotary_pos_emb", None)
-    if rope_fn is not None:
-        def rope(q, k, cos, sin, *a, **kw):
-            return rope_fn(_r16(q), _r16(k), _r16(cos), _r16(sin), *a, **kw)
-        mod.apply_rotary_pos_emb = rope
     from export_utils import attention_attrs
 
     fused_qk = any("q_norm_weight" in a["inputs"] for a in attention_attrs(Path(model_dir) / "model.onnx"))
+    # a QK-norm fused into the node normalizes the rounded Q / K (rounded by the q_norm / k_norm hooks below) and
+    # rotates the result in float32: no rounding between the norm and RoPE
+    qk_in = (lambda t: t) if fused_qk else _r16
+    rope_fn = getattr(mod, "apply_rotary_pos_emb", None)
+    if rope_fn is not None:
+        def rope(q, k, cos, sin, *a, **kw):
+            return rope_fn(qk_in(q), qk_in(k), _r16(cos), _r16(sin), *a, **kw)
+        mod.apply_rotary_pos_emb = rope
     if fused_qk:
         for name, m in hf.named_modules():
             if name.endswith(("q_norm", "k_norm")):
