@@ -199,9 +199,15 @@ def fp16_node_boundary(hf, model_dir: Path):
         def rope(q, k, cos, sin, *a, **kw):
             return rope_fn(qk_in(q), qk_in(k), _r16(cos), _r16(sin), *a, **kw)
         mod.apply_rotary_pos_emb = rope
+    cis_fn = getattr(mod, "apply_rotary_emb", None)  # Llama 4: complex freqs_cis = cos + i sin
+    if cis_fn is not None:
+        def rope_cis(q, k, freqs_cis, *a, **kw):
+            return cis_fn(_r16(q), _r16(k), torch.complex(_r16(freqs_cis.real), _r16(freqs_cis.imag)), *a, **kw)
+        mod.apply_rotary_emb = rope_cis
     if fused_qk:
         for name, m in hf.named_modules():
-            if name.endswith(("q_norm", "k_norm")):
+            # a weightless norm (Llama 4's qk_norm, after RoPE) reads Q / K rounded before RoPE already
+            if name.endswith(("q_norm", "k_norm")) and getattr(m, "weight", None) is not None:
                 saved[name] = m.weight.detach().clone()
                 with torch.no_grad():
                     m.weight.copy_(_r16(m.weight))
@@ -214,6 +220,8 @@ def fp16_node_boundary(hf, model_dir: Path):
         hf.set_attn_implementation(previous)
         if rope_fn is not None:
             mod.apply_rotary_pos_emb = rope_fn
+        if cis_fn is not None:
+            mod.apply_rotary_emb = cis_fn
         for h in hooks:
             h.remove()
         modules = dict(hf.named_modules())

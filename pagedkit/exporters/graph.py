@@ -74,6 +74,8 @@ class GraphBuilder:
         key = (elem_type, arr.shape, tuple(arr.reshape(-1).tolist()))
         if key not in self._consts:
             name = f"/model/constants/{onnx.TensorProto.DataType.Name(elem_type)}/{arr.reshape(-1).tolist()}"
+            if name in self.vi:  # the same values in another shape (a scalar 0 and [0])
+                name += f"/shape{list(arr.shape)}"
             self._consts[key] = self.initializer(name, torch.as_tensor(arr), elem_type)
         return self._consts[key]
 

@@ -14,6 +14,8 @@
 - `token_positions` / `apply_rope`: each token's position ([T] int64, from `query_positions` or derived from the
   sequence lengths) and RoPE applied in the graph, for a family that must normalize *after* RoPE (HunYuan) or
   scale queries per position (Llama 4): the attention node then runs with do_rotary=0.
+- `chunk_bias`: Llama 4's chunked attention (a query at position p sees keys [floor(p / C) * C, p]) as the
+  node's attention_bias, computed from the token positions once per graph.
 """
 
 from __future__ import annotations
@@ -199,3 +201,39 @@ def apply_rope(g: GraphBuilder, x: str, heads: int, head_dim: int, rope: tuple[s
     y = g.node("Reshape", [y, g.const([-1, heads * head_dim], I64)], f"{prefix}/out/Reshape_1", out_type=f32,
                out_shape=(rows, heads * head_dim))
     return g.node("Cast", [y], f"{prefix}/out/Cast", to=t, out_type=t, out_shape=shape)
+
+
+def chunk_bias(g: GraphBuilder, io: GraphInputs, chunk: int, mask: float) -> str:
+    """attention_bias [B, 1, Qc, Kc] (the attention type) of chunked attention, made once: 0 where key position
+    k >= floor(pos / chunk) * chunk of the query at (b, j) (the node's causal mask bounds k <= pos), `mask`
+    elsewhere; Qc = the longest new-token count, Kc = the longest past + new of the step."""
+    p, t = "/model/chunk_bias", g.attn_type
+    out = f"{p}/output_0"
+    if out in g.vi:
+        return out
+    seq, qk = ("batch_size",), ("batch_size", "q_capacity")
+    pos = token_positions(g, io)  # [T] int64
+    start = g.node("Mul", [g.node("Div", [pos, g.const(chunk, I64)], f"{p}/Div", out_type=I64, out_shape=("num_tokens",)),
+                           g.const(chunk, I64)], f"{p}/Mul", out_type=I64, out_shape=("num_tokens",))  # chunk start [T]
+    csl = g.node("Cast", [io.cumulative_sequence_lengths], f"{p}/Cast", to=I64, out_type=I64, out_shape=("batch_size + 1",))
+    lo = g.node("Slice", [csl, g.const([0], I64), g.const([-1], I64)], f"{p}/Slice", out_type=I64, out_shape=seq)
+    hi = g.node("Slice", [csl, g.const([1], I64), g.const([2**62], I64)], f"{p}/Slice_1", out_type=I64, out_shape=seq)
+    n = g.node("Sub", [hi, lo], f"{p}/Sub", out_type=I64, out_shape=seq)
+    past = g.node("Cast", [io.past_sequence_lengths], f"{p}/Cast_1", to=I64, out_type=I64, out_shape=seq)
+    total = g.node("Add", [n, past], f"{p}/Add", out_type=I64, out_shape=seq)
+    qc, kc = (g.node("ReduceMax", [v], f"{p}/ReduceMax_{j}", keepdims=0, out_type=I64, out_shape=())
+              for j, v in enumerate((n, total)))
+    j = g.node("Range", [g.const(0, I64), qc, g.const(1, I64)], f"{p}/Range", out_type=I64, out_shape=("q_capacity",))
+    lo = g.node("Unsqueeze", [lo, g.const([1], I64)], f"{p}/Unsqueeze", out_type=I64, out_shape=("batch_size", 1))
+    row = g.node("Add", [lo, j], f"{p}/Add_1", out_type=I64, out_shape=qk)  # token of (b, j); j >= n_b: never read
+    last = g.node("Sub", [g.node("Shape", [pos], f"{p}/Shape", out_type=I64, out_shape=(1,)), g.const([1], I64)],
+                  f"{p}/Sub_1", out_type=I64, out_shape=(1,))
+    row = g.node("Min", [row, last], f"{p}/Min", out_type=I64, out_shape=qk)
+    first = g.node("Gather", [start, row], f"{p}/Gather", out_type=I64, out_shape=qk)
+    first = g.node("Unsqueeze", [first, g.const([2], I64)], f"{p}/Unsqueeze_1", out_type=I64, out_shape=qk + (1,))
+    k = g.node("Range", [g.const(0, I64), kc, g.const(1, I64)], f"{p}/Range_1", out_type=I64, out_shape=("kv_capacity",))
+    inside = g.node("GreaterOrEqual", [k, first], f"{p}/GreaterOrEqual", out_type=BOOL, out_shape=qk + ("kv_capacity",))
+    bias = g.node("Where", [inside, g.const(0.0, t), g.const(float(mask), t)], f"{p}/Where", out_type=t,
+                  out_shape=qk + ("kv_capacity",))
+    return g.node("Unsqueeze", [bias, g.const([1], I64)], p, outputs=[out], out_type=t,
+                  out_shape=("batch_size", 1, "q_capacity", "kv_capacity"))

@@ -220,6 +220,11 @@ class DecoderFamily:
     def attention_softcap(self, config) -> float:
         return 0.0
 
+    def attention_bias(self, ctx: "ExportContext", i: int) -> str | None:
+        """A tensor fed to layer i's node as attention_bias (T, [B or 1, H or 1, q_capacity, kv_capacity], added
+        after scale: Llama 4's chunk mask), or None."""
+        return None
+
     def attention_scale(self, attn, config) -> float:
         return float(attn.scaling)
 
@@ -349,6 +354,9 @@ class DecoderFamily:
         sink = self.head_sink(attn)
         if sink is not None:
             extra["head_sink"] = g.initializer(f"{ip}.sinks", sink.detach(), g.attn_type)
+        bias = self.attention_bias(ctx, i)
+        if bias is not None:
+            extra["attention_bias"] = bias
         caches = self.cache_io(ctx, l, extra, attrs)
         out = paged_attention(g, layer=i, io=ctx.io, query=query, key=key, value=value, caches=caches,
                               windowed_table=l.windowed_table, rope=ctx.rope[l.rope] if node_rope else None,
