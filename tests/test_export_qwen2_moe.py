@@ -82,4 +82,5 @@ def test_qwen2_moe_dense_rule_has_teeth(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_qwen2_moe_builtin(tmp_path):
-    print("qwen1.5-moe-a2.7b (4 layers, 4 experts)", check_builtin("qwen1.5-moe-a2.7b", tmp_path, num_experts=4))
+    print("qwen1.5-moe-a2.7b (4 layers, 8 experts, top-4)",
+          check_builtin("qwen1.5-moe-a2.7b", tmp_path, num_experts=8))

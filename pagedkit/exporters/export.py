@@ -198,6 +198,10 @@ def _export(holder: list, output_dir, opts, *, weights, source, tokenizer_dir, w
                       and node.op_type in ("Gather", "GatherBlockQuantized")), "?")
         notes.append(f"int4 weights: {n} MatMul nodes -> MatMulNBits (block {INT4_BLOCK_SIZE}, symmetric, "
                      f"accuracy_level {int4_accuracy_level}); lm_head {head}, embedding {embed}")
+        moe = [node.op_type for node in proto.graph.node if node.op_type in ("MoE", "QMoE")]
+        if moe:
+            notes.append(f"int4 experts: {moe.count('QMoE')} MoE nodes -> QMoE (block {INT4_BLOCK_SIZE}), "
+                         f"{moe.count('MoE')} left float (sizes not whole blocks)")
     path = save_model(proto, out, spec.filename)
     del proto
     write_genai_config(out, spec)

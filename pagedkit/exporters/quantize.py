@@ -188,7 +188,8 @@ TIED_HEAD_WEIGHT = "lm_head.MatMul.weight"
 
 def quantize_weights_int4(model: onnx.ModelProto, block_size: int = INT4_BLOCK_SIZE,
                           accuracy_level: int = INT4_ACCURACY_LEVEL, lm_head: bool = True) -> onnx.ModelProto:
-    """MatMul weights -> com.microsoft MatMulNBits (4 bits, symmetric) with onnxruntime's quantizer.
+    """MatMul weights -> com.microsoft MatMulNBits (4 bits, symmetric) with onnxruntime's quantizer; MoE nodes'
+    expert weights -> com.microsoft QMoE (quantize_moe.py).
 
     lm_head: quantize the LM head too (onnxruntime-genai's int4 models do); with tied embeddings the
     embedding Gather becomes GatherBlockQuantized over the LM head's int4 weight and scales. False: the LM
@@ -208,6 +209,9 @@ def quantize_weights_int4(model: onnx.ModelProto, block_size: int = INT4_BLOCK_S
     model = q.model.model
     if tied is not None:
         _quantized_embedding(model, tied.output[0])
+    from .quantize_moe import quantize_moe_int4  # com.microsoft MoE experts -> QMoE (4 bits, same block size)
+
+    quantize_moe_int4(model, block_size)
     return model
 
 
