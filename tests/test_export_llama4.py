@@ -111,6 +111,67 @@ def test_llama4_chunked_prefill_query_positions(tmp_path):
     print("llama4 chunked prefill, query_positions", rep.worst_ratio)
 
 
+def test_llama4_multimodal_checkpoint_folder(tmp_path):
+    """A `llama4` (Llama4ForConditionalGeneration) checkpoint folder exports its text model: the loader's
+    AutoModelForCausalLM builds Llama4ForCausalLM from text_config and the language model's weights
+    (--num-layers cuts text_config); an in-memory multimodal model is refused (test_llama4_refusals)."""
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    from export_utils import TINY
+    from pagedkit.exporters.export import export
+    from pagedkit.exporters.families.base import ExportOptions
+    from pagedkit.exporters.weights import load_model
+
+    text = TINY | dict(intermediate_size_mlp=80, num_hidden_layers=2, num_local_experts=4, no_rope_layers=[1, 0])
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    torch.manual_seed(0)
+    mm = Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision)).eval()
+    mm.save_pretrained(tmp_path / "ckpt")
+    export(tmp_path / "ckpt", tmp_path / "out", ExportOptions(progress=False), num_layers=1)
+    hf = load_model(tmp_path / "ckpt", num_layers=1).model
+    assert type(hf).__name__ == "Llama4ForCausalLM" and hf.config.num_hidden_layers == 1
+    assert torch.equal(hf.model.layers[0].self_attn.q_proj.weight,
+                       mm.language_model.model.layers[0].self_attn.q_proj.weight)
+    check_parity(hf, tmp_path / "out", prompt_lens=(11, 20), steps=3, session=torch_session(tmp_path / "out"))
+
+
+def test_llama4_chunk_bias_triton_interpreter():
+    """The Triton PagedAttention variant (Triton's interpreter on the CPU) on a Llama 4 chunked node — packed QKV,
+    interleaved RoPE, all-ones QK-norm, the chunk bias (chunk 8: whole split-KV tiles at MASK) — equals the
+    reference kernel; the bias dropped does not."""
+    pytest.importorskip("triton")
+    from pagedkit.exporters.families.llama4 import MASK
+    from pagedkit.kernels.paged.reference import paged_attention as reference
+    from pagedkit.kernels.triton.paged import paged_attention as triton_paged
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, chunk = 4, 2, 16, 8
+    past, new = [9, 30], [5, 1]  # a chunked-prefill piece across a chunk edge, and a decode token
+    pos = torch.tensor([p + j for p, n in zip(past, new) for j in range(n)])
+    bias = torch.full((2, 1, max(new), max(p + n for p, n in zip(past, new))), MASK)
+    for b, (p, n) in enumerate(zip(past, new)):
+        for j in range(n):
+            bias[b, 0, j, (p + j) // chunk * chunk:] = 0.0
+    angles = torch.arange(64.0)[:, None] * 0.7 ** torch.arange(d // 2.0)[None]
+    x = dict(query=torch.randn(len(pos), (heads + 2 * kv_heads) * d, generator=gen),
+             key_cache=torch.randn(8, 16, kv_heads, d, generator=gen), value_cache=torch.randn(8, 16, kv_heads, d, generator=gen),
+             cumulative_sequence_length=torch.tensor([0, 5, 6], dtype=torch.int32),
+             past_seqlens=torch.tensor(past, dtype=torch.int32), block_table=torch.tensor([[3, -1], [0, 7]], dtype=torch.int32),
+             cos_cache=angles.cos(), sin_cache=angles.sin(), q_norm_weight=torch.ones(d), k_norm_weight=torch.ones(d),
+             attention_bias=bias, attention_metadata=torch.tensor([5, 31, 0], dtype=torch.int32))
+    attrs = dict(num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=1, qk_norm_epsilon=1e-5)
+
+    def run(fn, drop=()):
+        feeds = {k: v if k == "attention_metadata" else v.half() if v.is_floating_point() else v.clone()
+                 for k, v in x.items() if k not in drop}
+        return fn(feeds, outputs=["output"], **attrs)["output"].float()
+
+    want, got = run(reference), run(triton_paged)
+    assert (got - want).abs().max() <= 2e-3 * want.abs().max()
+    assert (run(triton_paged, drop=("attention_bias",)) - want).abs().max() > 0.1 * want.abs().max()
+
+
 def test_llama4_refusals():
     from pagedkit.exporters.families.llama4 import Llama4Family
 
@@ -162,6 +223,31 @@ def test_llama4_shared_expert_has_teeth(tmp_path, monkeypatch):
 
     check_teeth(CASE, tmp_path, monkeypatch, lambda m: m.setattr(
         _family(), "shared_expert", lambda g, x, mlp, act, layer: scale(g, x, 0.0, f"/model/layers.{layer}/no_shared")))
+
+
+def test_llama4_builtin_spec():
+    """The built-in Scout text config at 4 layers (weights on the meta device: no memory): default context 8192
+    (= attention_chunk_size, so no chunk bias), RoPE / NoPE pattern 1, 1, 1, 0 with the QK-norm on RoPE layers,
+    every layer MoE, interleaved rotary tables [8192, 64] of its llama3 scaling (factor 16)."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedkit.exporters.families.base import ExportOptions
+    from pagedkit.exporters.families.llama4 import Llama4Family
+    from pagedkit.exporters.weights import _config_from_dict, builtin_config, shrink_config
+
+    config = shrink_config(_config_from_dict(builtin_config("llama-4-scout-17b-16e-instruct"), "scout"), 4, 2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    family = Llama4Family()
+    spec = family.model_spec(model, ExportOptions())
+    assert spec.context_length == 8192 == config.attention_chunk_size
+    assert [l.rope for l in spec.layers] == ["cos_cache"] * 3 + [None]
+    assert [family.qk_norm(layer.self_attn) is not None for layer in model.model.layers] == [True] * 3 + [False]
+    assert all(hasattr(layer.feed_forward, "router") for layer in model.model.layers)
+    cos, sin = family.rope_tables(model, spec.context_length)["cos_cache"]
+    assert cos.shape == sin.shape == (8192, 64)
+    inv = type(model.model.rotary_emb)(config=config).inv_freq
+    assert torch.allclose(sin[1], torch.sin(inv), atol=1e-6) and inv[-1] < 500000.0 ** -(126 / 128) / 15
 
 
 @pytest.mark.slow

@@ -85,21 +85,23 @@ def _refuse_remote_code(cfg: dict, where: str) -> None:
 
 
 def shrink_config(config, num_layers: int | None = None, num_experts: int | None = None):
-    """A copy of `config` with fewer layers (layer_types cut to match) and/or fewer routed experts."""
+    """A copy of `config` with fewer layers (layer_types cut to match) and/or fewer routed experts (in its text
+    part for a multimodal config without num_hidden_layers of its own: Llama 4's `llama4`)."""
     config = copy.deepcopy(config)
+    text = config if hasattr(config, "num_hidden_layers") else config.get_text_config()
     if num_layers is not None:
-        if num_layers < 1 or num_layers > config.num_hidden_layers:
-            raise ValueError(f"--num-layers must be in [1, {config.num_hidden_layers}], got {num_layers}")
-        config.num_hidden_layers = num_layers
-        if getattr(config, "layer_types", None) is not None:
-            config.layer_types = list(config.layer_types[:num_layers])
+        if num_layers < 1 or num_layers > text.num_hidden_layers:
+            raise ValueError(f"--num-layers must be in [1, {text.num_hidden_layers}], got {num_layers}")
+        text.num_hidden_layers = num_layers
+        if getattr(text, "layer_types", None) is not None:
+            text.layer_types = list(text.layer_types[:num_layers])
     if num_experts is not None:
         for key, topk in _EXPERT_KEYS:
-            if getattr(config, key, None):
-                setattr(config, key, num_experts)
-                if getattr(config, topk, 0) > num_experts:
-                    setattr(config, topk, num_experts)
-                _shrink_groups(config, num_experts, topk)
+            if getattr(text, key, None):
+                setattr(text, key, num_experts)
+                if getattr(text, topk, 0) > num_experts:
+                    setattr(text, topk, num_experts)
+                _shrink_groups(text, num_experts, topk)
                 break
         else:
             raise ValueError("--num-experts: this model has no routed experts")
