@@ -76,7 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of optional pagedkit graph inputs: slot_mapping, query_positions")
     p.add_argument("--seed", type=int, default=0, help="seed of random weights (no local weights)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--list", action="store_true", help="list built-in names and supported model types, then exit")
+    p.add_argument("--via", choices=("genai",),
+                   help="genai: run onnxruntime-genai's model builder on the local checkpoint folder, then rewrite "
+                        "its GroupQueryAttention model to PagedAttention (architectures with no native family; "
+                        "--list shows which)")
+    p.add_argument("--list", action="store_true",
+                   help="list every supported model_type with its route(s) and features, and the built-in names")
     return p
 
 
@@ -129,18 +134,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"paged-export: error: --block-size: {block_size_error(args.block_size)}", file=sys.stderr)
         return 2
     if args.list:
-        from .registry import supported
-        from .weights import builtin_names
+        from .docs import listing
 
-        print("built-in models:", ", ".join(builtin_names()))
-        from .fetch import FETCHABLE
-
-        print("real weights (run `paged-fetch NAME` first):", ", ".join(sorted(FETCHABLE)))
-        for model_type, features in supported().items():
-            print(f"{model_type}: {'; '.join(features)}")
+        print(listing())
         return 0
     if not args.model or not args.output:
         build_parser().error("--model and --output are required")
+    if args.via:
+        from .via_genai import main_via_genai
+
+        return main_via_genai(args, kv_options(args))
     from .export import ExportError, export
     from .families.base import ExportOptions
     from .quantize import INT4_ACCURACY_LEVEL

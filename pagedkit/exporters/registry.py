@@ -46,8 +46,14 @@ def family_for(config_or_model_type) -> DecoderFamily:
     model_type = config_or_model_type if isinstance(config_or_model_type, str) else config_or_model_type.model_type
     cls = _families().get(model_type)
     if cls is None:
-        raise NotImplementedError(f"model_type {model_type!r} has no pagedkit exporter; supported: "
-                                  f"{', '.join(sorted(_families()))}")
+        from .via_genai import served_model_types
+
+        via = served_model_types()
+        what = ("use `paged-export --via genai`" if model_type in via else f"{model_type!r} is in neither")
+        raise NotImplementedError(f"model_type {model_type!r} has no native pagedkit exporter; native: "
+                                  f"{', '.join(sorted(_families()))}; `--via genai` (onnxruntime-genai's builder, "
+                                  f"then the paged rewrite): {', '.join(via)}; {what} "
+                                  "(`paged-export --list` shows both routes)")
     return cls()
 
 
