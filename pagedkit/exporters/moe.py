@@ -6,8 +6,9 @@ Routing the node expresses natively (`softmax_moe`): softmax over all experts' r
 renormalized (normalize_routing_weights) — Mixtral, Qwen2/3-MoE, OLMoE, Granite-MoE, GPT-OSS, DeepSeek-V2
 greedy — and PhiMoE's sparsemixer (use_sparse_mixer=1).
 
-Routing it cannot express (sigmoid scores with a correction bias and grouped top-k: DeepSeek-V3, GLM-4-MoE;
-routing weights that are not the softmax of the logits) is computed by the family in standard ops as the k
+Routing it cannot express (sigmoid scores with a correction bias and grouped top-k: DeepSeek-V3, GLM-4-MoE, in
+`sigmoid_group_route`; DeepSeek-V2's group-limited softmax, `softmax_group_route`; routing weights that are not
+the softmax of the logits) is computed by the family in standard ops as the k
 chosen experts `idx` [T, k] and their weights `w` [T, k] (float32); `routed_moe` then feeds the node router
 logits log(w) at the chosen experts and -inf elsewhere: softmax gives w / sum(w) on exactly those experts, and
 the node's output is multiplied by sum(w) afterwards (the experts' outputs are combined linearly), so the
@@ -190,11 +191,98 @@ def top_k(g: GraphBuilder, scores: str, k: int, p: str) -> tuple[str, str]:
     return outs[0], outs[1]
 
 
+# ---- DeepSeek-style routing in standard ops (float32), for `routed_moe` ------------------------------------
+
+def sigmoid_group_route(g: GraphBuilder, logits: str, bias: torch.Tensor, k: int, n_group: int, topk_group: int, *,
+                        norm: bool, scale: float, p: str, ip: str) -> tuple[str, str]:
+    """DeepSeek-V3 / GLM-4-MoE (noaux_tc) on router logits [T, E] float32: scores = sigmoid(logits); the choice
+    scores + e_score_correction_bias [E]; groups (n_group of E / n_group experts) ranked by the sum of their top-2
+    choice scores, the experts outside the topk_group best set to -inf; the top-k of the choice; weights = the
+    scores (not the choice) of the chosen experts, divided by their sum + 1e-20 when `norm`, times `scale`.
+    Returns (idx [T, k] int64, w [T, k] float32)."""
+    rows, n_exp = g.shape_of(logits)
+    te = (rows, n_exp)
+    scores = g.node("Sigmoid", [logits], f"{p}/gate/Sigmoid", out_type=F32, out_shape=te)
+    b = g.initializer(f"{ip}.gate.e_score_correction_bias", bias.detach().float(), F32)
+    choice = g.node("Add", [scores, b], f"{p}/gate/bias/Add", out_type=F32, out_shape=te)
+    choice = group_limit(g, choice, n_group, topk_group, top2=True, p=p)
+    return _chosen(g, scores, choice, k, norm=norm, scale=scale, p=p)
+
+
+def softmax_group_route(g: GraphBuilder, logits: str, k: int, n_group: int | None, topk_group: int | None, *,
+                        scale: float, p: str) -> tuple[str, str]:
+    """DeepSeek-V2 on router logits [T, E] float32: scores = softmax(logits); with n_group (group_limited_greedy)
+    groups ranked by their best score, the experts outside the topk_group best set to 0; top-k of the (masked)
+    scores, weights = those scores times `scale`, not renormalized. Returns (idx [T, k] int64, w [T, k] float32)."""
+    rows, n_exp = g.shape_of(logits)
+    scores = g.node("Softmax", [logits], f"{p}/gate/Softmax", axis=-1, out_type=F32, out_shape=(rows, n_exp))
+    if n_group is not None:
+        scores = group_limit(g, scores, n_group, topk_group, top2=False, p=p)
+    return _chosen(g, scores, scores, k, norm=False, scale=scale, p=p)
+
+
+def group_limit(g: GraphBuilder, choice: str, n_group: int, topk_group: int, *, top2: bool, p: str) -> str:
+    """choice [T, E] with the experts outside each token's topk_group best groups masked: top2 (V3) ranks a group
+    by the sum of its top-2 scores and masks with -inf, else (V2) by its max score, masking with 0."""
+    rows, n_exp = g.shape_of(choice)
+    if n_exp % n_group:
+        raise NotImplementedError(f"{n_exp} routed experts is not a multiple of n_group {n_group}")
+    per = n_exp // n_group
+    grouped = g.node("Reshape", [choice, g.const([-1, n_group, per], I64)], f"{p}/gate/group/Reshape", out_type=F32,
+                     out_shape=(rows, n_group, per))
+    tg = (rows, n_group)
+    if top2:
+        top, _ = _topk(g, grouped, 2, f"{p}/gate/group/TopK", (rows, n_group, 2))
+        gs = g.node("ReduceSum", [top, g.const([-1], I64)], f"{p}/gate/group/ReduceSum", keepdims=0, out_type=F32,
+                    out_shape=tg)
+    else:
+        gs = g.node("ReduceMax", [grouped, g.const([-1], I64)], f"{p}/gate/group/ReduceMax", keepdims=0,
+                    out_type=F32, out_shape=tg)
+    _, gidx = _topk(g, gs, topk_group, f"{p}/gate/group/TopK_1", (rows, topk_group))
+    onehot = g.node("OneHot", [gidx, g.const([n_group], I64), g.const([0.0, 1.0], F32)], f"{p}/gate/group/OneHot",
+                    axis=-1, out_type=F32, out_shape=(rows, topk_group, n_group))
+    keep = g.node("ReduceMax", [onehot, g.const([1], I64)], f"{p}/gate/group/ReduceMax_1", keepdims=0, out_type=F32,
+                  out_shape=tg)
+    keep = g.node("Unsqueeze", [keep, g.const([-1], I64)], f"{p}/gate/group/Unsqueeze", out_type=F32,
+                  out_shape=(rows, n_group, 1))
+    keep = g.node("Cast", [keep], f"{p}/gate/group/Cast", to=TensorProto.BOOL, out_type=TensorProto.BOOL,
+                  out_shape=(rows, n_group, 1))
+    fill = g.const(float("-inf") if top2 else 0.0, F32)
+    masked = g.node("Where", [keep, grouped, fill], f"{p}/gate/group/Where", out_type=F32,
+                    out_shape=(rows, n_group, per))
+    return g.node("Reshape", [masked, g.const([-1, n_exp], I64)], f"{p}/gate/group/Reshape_1", out_type=F32,
+                  out_shape=(rows, n_exp))
+
+
+def _chosen(g: GraphBuilder, scores: str, choice: str, k: int, *, norm: bool, scale: float, p: str
+            ) -> tuple[str, str]:
+    """(idx, w): the top-k of `choice` [T, E], weights gathered from `scores`, optionally renormalized, scaled."""
+    rows = g.shape_of(scores)[0]
+    tk = (rows, k)
+    _, idx = _topk(g, choice, k, f"{p}/gate/TopK", tk)
+    w = g.node("GatherElements", [scores, idx], f"{p}/gate/GatherElements", axis=1, out_type=F32, out_shape=tk)
+    if norm:
+        s = g.node("ReduceSum", [w, g.const([-1], I64)], f"{p}/gate/ReduceSum", keepdims=1, out_type=F32,
+                   out_shape=(rows, 1))
+        s = g.node("Add", [s, g.const(1e-20, F32)], f"{p}/gate/eps/Add", out_type=F32, out_shape=(rows, 1))
+        w = g.node("Div", [w, s], f"{p}/gate/Div", out_type=F32, out_shape=tk)
+    w = g.node("Mul", [w, g.const(float(scale), F32)], f"{p}/gate/scale/Mul", out_type=F32, out_shape=tk)
+    return idx, w
+
+
+def _topk(g: GraphBuilder, x: str, k: int, name: str, out_shape: tuple) -> tuple[str, str]:
+    """TopK along the last axis of x (any rank): (values, int64 indices) of shape `out_shape`."""
+    outs = [f"{name}/output_0", f"{name}/output_1"]
+    g.node("TopK", [x, g.const([k], I64)], name, outputs=outs, axis=-1, largest=1, sorted=1)
+    g.vi[outs[0]], g.vi[outs[1]] = (g.vi[x][0], out_shape), (I64, out_shape)
+    return outs[0], outs[1]
+
+
 def _scalar(value: float):
     import onnx
 
     return onnx.helper.make_tensor("value", F32, [1], [value])
 
 
-__all__ = ["Experts", "add", "input_scaled_moe", "moe_node", "routed_moe", "router_logits", "shared_expert",
-           "softmax_moe", "top_k"]
+__all__ = ["Experts", "add", "group_limit", "input_scaled_moe", "moe_node", "routed_moe", "router_logits",
+           "shared_expert", "sigmoid_group_route", "softmax_group_route", "softmax_moe", "top_k"]

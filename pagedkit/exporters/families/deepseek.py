@@ -39,7 +39,7 @@ import torch
 from onnx import TensorProto
 
 from ..graph import GraphBuilder, cast, linear, paged_attention, rms_norm, rotary_tables
-from ..moe import Experts, routed_moe, softmax_moe
+from ..moe import Experts, routed_moe, sigmoid_group_route, softmax_group_route, softmax_moe
 from .base import DecoderFamily, ExportContext, ExportOptions
 
 F32, I64 = TensorProto.FLOAT, TensorProto.INT64
@@ -192,64 +192,17 @@ class DeepseekFamily(DecoderFamily):
                       out_shape=(g.shape_of(x)[0], mlp.gate.weight.shape[0]))
 
     def route(self, ctx: ExportContext, mlp, logits: str, p: str, ip: str) -> tuple[str, str]:
-        """(idx [T, k] int64, w [T, k] float32): each token's experts and routing weights, as Hugging Face."""
-        g, config = ctx.g, ctx.config
-        rows, n_exp = g.shape_of(logits)
-        k = int(config.num_experts_per_tok)
-        v3 = config.model_type != "deepseek_v2"
-        te = (rows, n_exp)
-        if v3:
-            scores = g.node("Sigmoid", [logits], f"{p}/gate/Sigmoid", out_type=F32, out_shape=te)
-            bias = g.initializer(f"{ip}.gate.e_score_correction_bias", mlp.gate.e_score_correction_bias.detach(), F32)
-            choice = g.node("Add", [scores, bias], f"{p}/gate/bias/Add", out_type=F32, out_shape=te)
-        else:
-            scores = choice = g.node("Softmax", [logits], f"{p}/gate/Softmax", axis=-1, out_type=F32, out_shape=te)
-        if v3 or config.topk_method == "group_limited_greedy":
-            choice = self.group_limit(g, choice, int(config.n_group), int(config.topk_group), v3, p, rows, n_exp)
-            if not v3:  # V2: the masked scores are both the choice and the weights
-                scores = choice
-        tk = (rows, k)
-        _, idx = topk(g, choice, k, f"{p}/gate/TopK", tk)
-        w = g.node("GatherElements", [scores, idx], f"{p}/gate/GatherElements", axis=1, out_type=F32, out_shape=tk)
-        if v3 and config.norm_topk_prob:
-            s = g.node("ReduceSum", [w, g.const([-1], I64)], f"{p}/gate/ReduceSum", keepdims=1, out_type=F32,
-                       out_shape=(rows, 1))
-            s = g.node("Add", [s, g.const(1e-20, F32)], f"{p}/gate/eps/Add", out_type=F32, out_shape=(rows, 1))
-            w = g.node("Div", [w, s], f"{p}/gate/Div", out_type=F32, out_shape=tk)
-        w = g.node("Mul", [w, g.const(float(config.routed_scaling_factor), F32)], f"{p}/gate/scale/Mul",
-                   out_type=F32, out_shape=tk)
-        return idx, w
-
-    @staticmethod
-    def group_limit(g: GraphBuilder, choice: str, n_group: int, topk_group: int, v3: bool, p: str, rows,
-                    n_exp: int) -> str:
-        """choice [T, E] with the experts outside each token's topk_group best groups masked (V3: -inf,
-        groups ranked by the sum of their top-2 scores; V2: 0, groups ranked by their max score)."""
-        if n_exp % n_group:
-            raise NotImplementedError(f"n_routed_experts {n_exp} is not a multiple of n_group {n_group}")
-        per = n_exp // n_group
-        grouped = reshape(g, choice, [-1, n_group, per], (rows, n_group, per), f"{p}/gate/group/Reshape")
-        tg = (rows, n_group)
-        if v3:
-            top2, _ = topk(g, grouped, 2, f"{p}/gate/group/TopK", (rows, n_group, 2))
-            gs = g.node("ReduceSum", [top2, g.const([-1], I64)], f"{p}/gate/group/ReduceSum", keepdims=0,
-                        out_type=F32, out_shape=tg)
-        else:
-            gs = g.node("ReduceMax", [grouped, g.const([-1], I64)], f"{p}/gate/group/ReduceMax", keepdims=0,
-                        out_type=F32, out_shape=tg)
-        _, gidx = topk(g, gs, topk_group, f"{p}/gate/group/TopK_1", (rows, topk_group))
-        onehot = g.node("OneHot", [gidx, g.const([n_group], I64), g.const([0.0, 1.0], F32)], f"{p}/gate/group/OneHot",
-                        axis=-1, out_type=F32, out_shape=(rows, topk_group, n_group))
-        keep = g.node("ReduceMax", [onehot, g.const([1], I64)], f"{p}/gate/group/ReduceMax_1", keepdims=0,
-                      out_type=F32, out_shape=tg)
-        keep = g.node("Unsqueeze", [keep, g.const([-1], I64)], f"{p}/gate/group/Unsqueeze", out_type=F32,
-                      out_shape=(rows, n_group, 1))
-        keep = g.node("Cast", [keep], f"{p}/gate/group/Cast", to=TensorProto.BOOL, out_type=TensorProto.BOOL,
-                      out_shape=(rows, n_group, 1))
-        fill = g.const(float("-inf") if v3 else 0.0, F32)
-        masked = g.node("Where", [keep, grouped, fill], f"{p}/gate/group/Where", out_type=F32,
-                        out_shape=(rows, n_group, per))
-        return reshape(g, masked, [-1, n_exp], (rows, n_exp), f"{p}/gate/group/Reshape_1")
+        """(idx [T, k] int64, w [T, k] float32): each token's experts and routing weights, as Hugging Face
+        (moe.sigmoid_group_route for V3, moe.softmax_group_route for V2's group_limited_greedy)."""
+        config = ctx.config
+        k, scale = int(config.num_experts_per_tok), float(config.routed_scaling_factor)
+        if config.model_type != "deepseek_v2":
+            return sigmoid_group_route(ctx.g, logits, mlp.gate.e_score_correction_bias, k, int(config.n_group),
+                                       int(config.topk_group), norm=bool(config.norm_topk_prob), scale=scale, p=p,
+                                       ip=ip)
+        grouped = config.topk_method == "group_limited_greedy"
+        return softmax_group_route(ctx.g, logits, k, int(config.n_group) if grouped else None,
+                                   int(config.topk_group) if grouped else None, scale=scale, p=p)
 
 
 # ---- small graph pieces ---------------------------------------------------------------------------
@@ -267,14 +220,6 @@ def split(g: GraphBuilder, x: str, sizes: list[int], axis: int, name: str) -> li
     for o, n in zip(outs, sizes):
         g.vi[o] = (elem, tuple(shape[:ax]) + (n,) + tuple(shape[ax + 1:]))
     return outs
-
-
-def topk(g: GraphBuilder, x: str, k: int, name: str, out_shape: tuple) -> tuple[str, str]:
-    """TopK along the last axis: (values, int64 indices)."""
-    outs = [f"{name}/output_0", f"{name}/output_1"]
-    g.node("TopK", [x, g.const([k], I64)], name, outputs=outs, axis=-1, largest=1, sorted=1)
-    g.vi[outs[0]], g.vi[outs[1]] = (g.vi[x][0], out_shape), (I64, out_shape)
-    return outs[0], outs[1]
 
 
 def head_matmul(g: GraphBuilder, x: str, weight: str, width: int, prefix: str) -> str:
