@@ -6,6 +6,7 @@ on every layer when use_sliding_window) and the softmax-routed MoE of families/m
 
 from __future__ import annotations
 
+from .base import DecoderFamily
 from .mixtral import SoftmaxMoE
 from .qwen3 import Qwen3Family
 
@@ -13,6 +14,7 @@ from .qwen3 import Qwen3Family
 class Qwen3MoeFamily(SoftmaxMoE, Qwen3Family):
     name = "qwen3_moe"
     model_types = ("qwen3_moe",)
-    features = Qwen3Family.features + (
+    features = DecoderFamily.features + (
+        "QK-norm fused (q_norm_weight / k_norm_weight)", "sliding window on every layer (use_sliding_window)",
         "softmax top-k MoE in com.microsoft::MoE (renormalized per norm_topk_prob, float32 router)",
         "dense layers (mlp_only_layers, decoder_sparse_step)")
