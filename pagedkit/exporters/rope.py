@@ -141,6 +141,20 @@ def token_positions(g: GraphBuilder, io: GraphInputs) -> str:
     return g.node("Add", [t, base], "/model/positions", outputs=[name], out_type=I64, out_shape=("num_tokens",))
 
 
+def _table_rows(g: GraphBuilder, table: str, positions: str, rows, half: int) -> str:
+    """[T, 1, R / 2] float32: the rows of a cos / sin table [P, R / 2] at `positions`, gathered in the table's type
+    and then cast (only T rows converted, not the whole table), made once per (table, positions): every layer's Q
+    and K share them."""
+    p = "/model/rope/rows/" + "@".join(n.strip("/").replace("/", ".") for n in (table, positions))
+    out = f"{p}/Unsqueeze/output_0"
+    if out in g.vi:
+        return out
+    f32 = TensorProto.FLOAT
+    r = g.node("Gather", [table, positions], f"{p}/Gather", out_type=g.vi[table][0], out_shape=(rows, half))
+    r = g.node("Cast", [r], f"{p}/Cast", to=f32, out_type=f32, out_shape=(rows, half))
+    return g.node("Unsqueeze", [r, g.const([1], I64)], f"{p}/Unsqueeze", out_type=f32, out_shape=(rows, 1, half))
+
+
 def apply_rope(g: GraphBuilder, x: str, heads: int, head_dim: int, rope: tuple[str, str], positions: str,
                interleaved: bool, prefix: str) -> str:
     """RoPE of x [T, heads * head_dim] (the model's float type) at `positions` with cos / sin tables [P, R / 2]
@@ -151,11 +165,7 @@ def apply_rope(g: GraphBuilder, x: str, heads: int, head_dim: int, rope: tuple[s
     rows = shape[0]
     half = g.vi[rope[0]][1][1]
     rot = 2 * half
-    cos, sin = (g.node("Gather", [g.node("Cast", [tab], f"{prefix}/{n}/Cast", to=f32, out_type=f32,
-                                         out_shape=g.vi[tab][1]), positions], f"{prefix}/{n}/Gather",
-                       out_type=f32, out_shape=(rows, half)) for tab, n in zip(rope, ("cos", "sin")))
-    cos, sin = (g.node("Unsqueeze", [c, g.const([1], I64)], f"{prefix}/{n}/Unsqueeze", out_type=f32,
-                       out_shape=(rows, 1, half)) for c, n in ((cos, "cos"), (sin, "sin")))
+    cos, sin = (_table_rows(g, tab, positions, rows, half) for tab in rope)
     x3 = g.node("Reshape", [x, g.const([-1, heads, head_dim], I64)], f"{prefix}/Reshape", out_type=t,
                 out_shape=(rows, heads, head_dim))
     x3 = g.node("Cast", [x3], f"{prefix}/Cast", to=f32, out_type=f32, out_shape=(rows, heads, head_dim))
@@ -213,9 +223,10 @@ def chunk_bias(g: GraphBuilder, io: GraphInputs, chunk: int, mask: float) -> str
         return out
     seq, qk = ("batch_size",), ("batch_size", "q_capacity")
     pos = token_positions(g, io)  # [T] int64
-    start = g.node("Mul", [g.node("Div", [pos, g.const(chunk, I64)], f"{p}/Div", out_type=I64, out_shape=("num_tokens",)),
-                           g.const(chunk, I64)], f"{p}/Mul", out_type=I64, out_shape=("num_tokens",))  # chunk start [T]
-    csl = g.node("Cast", [io.cumulative_sequence_lengths], f"{p}/Cast", to=I64, out_type=I64, out_shape=("batch_size + 1",))
+    start = g.node("Div", [pos, g.const(chunk, I64)], f"{p}/Div", out_type=I64, out_shape=("num_tokens",))
+    start = g.node("Mul", [start, g.const(chunk, I64)], f"{p}/Mul", out_type=I64, out_shape=("num_tokens",))  # [T]
+    csl = g.node("Cast", [io.cumulative_sequence_lengths], f"{p}/Cast", to=I64, out_type=I64,
+                 out_shape=("batch_size + 1",))
     lo = g.node("Slice", [csl, g.const([0], I64), g.const([-1], I64)], f"{p}/Slice", out_type=I64, out_shape=seq)
     hi = g.node("Slice", [csl, g.const([1], I64), g.const([2**62], I64)], f"{p}/Slice_1", out_type=I64, out_shape=seq)
     n = g.node("Sub", [hi, lo], f"{p}/Sub", out_type=I64, out_shape=seq)
@@ -231,8 +242,10 @@ def chunk_bias(g: GraphBuilder, io: GraphInputs, chunk: int, mask: float) -> str
     row = g.node("Min", [row, last], f"{p}/Min", out_type=I64, out_shape=qk)
     first = g.node("Gather", [start, row], f"{p}/Gather", out_type=I64, out_shape=qk)
     first = g.node("Unsqueeze", [first, g.const([2], I64)], f"{p}/Unsqueeze_1", out_type=I64, out_shape=qk + (1,))
-    k = g.node("Range", [g.const(0, I64), kc, g.const(1, I64)], f"{p}/Range_1", out_type=I64, out_shape=("kv_capacity",))
-    inside = g.node("GreaterOrEqual", [k, first], f"{p}/GreaterOrEqual", out_type=BOOL, out_shape=qk + ("kv_capacity",))
+    k = g.node("Range", [g.const(0, I64), kc, g.const(1, I64)], f"{p}/Range_1", out_type=I64,
+               out_shape=("kv_capacity",))
+    inside = g.node("GreaterOrEqual", [k, first], f"{p}/GreaterOrEqual", out_type=BOOL,
+                    out_shape=qk + ("kv_capacity",))
     bias = g.node("Where", [inside, g.const(0.0, t), g.const(float(mask), t)], f"{p}/Where", out_type=t,
                   out_shape=qk + ("kv_capacity",))
     return g.node("Unsqueeze", [bias, g.const([1], I64)], p, outputs=[out], out_type=t,
