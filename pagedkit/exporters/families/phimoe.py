@@ -1,8 +1,10 @@
 """PhiMoE (Phi-3.5-MoE, model_type phimoe): Mixtral-shaped MoE with LayerNorm (weight and bias) for every norm
 (base `norm`: SkipLayerNormalization / LayerNormalization), biased Q / K / V / O projections and LM head,
 LongRoPE (base `rope_tables`: the rotary module's short / long tables, switched per step by the batch's longest
-sequence; transformers' PhimoeRotaryEmbedding scales by short_mscale / long_mscale), a sliding window on every
-layer from `config.sliding_window` (HF's mask; the attention module has no attribute), and sparsemixer routing.
+sequence; transformers' PhimoeRotaryEmbedding scales by short_mscale / long_mscale and, as of transformers 5.25,
+keeps the short factors past original_max_position_embeddings too: the tables follow that module), a sliding
+window on every layer from `config.sliding_window` (HF's mask; the attention module has no attribute), and
+sparsemixer routing.
 
 Hugging Face's `sparsemixer` in eval mode (2 experts whatever num_experts_per_tok says, jitter_eps =
 router_jitter_noise) on the router logits s [T, E] (float32 here: the router in float32 on the normed input):
