@@ -155,9 +155,11 @@ def test_llama4_chunk_bias_triton_interpreter():
             bias[b, 0, j, (p + j) // chunk * chunk:] = 0.0
     angles = torch.arange(64.0)[:, None] * 0.7 ** torch.arange(d // 2.0)[None]
     x = dict(query=torch.randn(len(pos), (heads + 2 * kv_heads) * d, generator=gen),
-             key_cache=torch.randn(8, 16, kv_heads, d, generator=gen), value_cache=torch.randn(8, 16, kv_heads, d, generator=gen),
+             key_cache=torch.randn(8, 16, kv_heads, d, generator=gen),
+             value_cache=torch.randn(8, 16, kv_heads, d, generator=gen),
              cumulative_sequence_length=torch.tensor([0, 5, 6], dtype=torch.int32),
-             past_seqlens=torch.tensor(past, dtype=torch.int32), block_table=torch.tensor([[3, -1], [0, 7]], dtype=torch.int32),
+             past_seqlens=torch.tensor(past, dtype=torch.int32),
+             block_table=torch.tensor([[3, -1], [0, 7]], dtype=torch.int32),
              cos_cache=angles.cos(), sin_cache=angles.sin(), q_norm_weight=torch.ones(d), k_norm_weight=torch.ones(d),
              attention_bias=bias, attention_metadata=torch.tensor([5, 31, 0], dtype=torch.int32))
     attrs = dict(num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=1, qk_norm_epsilon=1e-5)

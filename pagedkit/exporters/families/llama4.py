@@ -41,11 +41,12 @@ MASK = -30000.0  # finite (a kernel tile with no key in the chunk never computes
 class Llama4Family(DecoderFamily):
     name = "llama4"
     model_types = ("llama4_text", "llama4")
-    features = DecoderFamily.features[:1] + (
-        "interleaved RoPE (freqs_cis)", "weightless QK-norm after RoPE (fused, all-ones gains)",
-        "chunked attention: causal when context <= attention_chunk_size, else attention_bias from positions",
-        "NoPE layers with per-position query temperature", "dense / MoE layers (top-1, sigmoid on the expert "
-        "input, shared expert; com.microsoft::MoE)", "default context 8192")
+    features = ("RoPE (default, linear, llama3, YaRN) from the model's freqs_cis, interleaved pairs",
+                "weightless QK-norm after RoPE (fused, all-ones gains)",
+                "chunked attention: causal when context <= attention_chunk_size, else attention_bias from positions",
+                "NoPE layers with per-position query temperature", "dense / MoE layers (top-1, sigmoid on the "
+                "expert input, shared expert; com.microsoft::MoE)", "default context 8192",
+                "a llama4 (multimodal) checkpoint folder: its text model")
 
     def check(self, config) -> None:
         if config.model_type == "llama4":
