@@ -110,6 +110,19 @@ def test_int4_moe_graph(exports, dtype):
         assert f"model.{i}.mlp.experts.fc1.weight" not in inits
 
 
+def test_int4_moe_sizes_not_whole_blocks(tmp_path):
+    """QMoE needs the hidden and the expert inner size both multiples of the block: an inner size of 48 keeps the
+    experts float (the MoE node), said in the export's notes; the MatMuls are still int4."""
+    from export_utils import tiny_model
+
+    hf = tiny_model("MixtralConfig", seed=3, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)
+    res = _export(hf, tmp_path, "fp16", weight_format="int4")
+    assert_valid_export(tmp_path)
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "model.onnx")).graph.node]
+    assert ops.count("MoE") == 2 and "QMoE" not in ops and "MatMulNBits" in ops
+    assert "int4 experts: 0 MoE nodes -> QMoE (block 32), 2 left float (sizes not whole blocks)" in res.notes
+
+
 # ---- one node against the float export's ----------------------------------------------------------------------
 
 def _node_model(m: onnx.ModelProto, node: onnx.NodeProto, elem: int, hidden: int, experts: int) -> onnx.ModelProto:
