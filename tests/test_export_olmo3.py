@@ -62,3 +62,14 @@ def test_olmo3_rope_per_layer_type_has_teeth(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_olmo3_builtin(tmp_path):
     print("olmo-3-7b-instruct", check_builtin("olmo-3-7b-instruct", tmp_path, num_layers=4))
+
+
+def test_olmo3_refuses_dynamic_rope(tmp_path):
+    """A table that changes with the sequence length on one layer type is refused, naming the field."""
+    from export_utils import export_tiny, tiny_model
+
+    rope = dict(ROPE, full_attention=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))
+    hf = tiny_model("Olmo3Config", num_hidden_layers=2, sliding_window=8, rope_parameters=rope,
+                    layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(NotImplementedError, match="rope_parameters\\['full_attention'\\] rope_type 'dynamic'"):
+        export_tiny(hf, tmp_path)
