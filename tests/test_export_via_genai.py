@@ -132,6 +132,21 @@ def test_phi_fp16_parity(via_route, tmp_path):
 
 
 @pytest.mark.slow
+def test_num_layers(tmp_path, cache_root):
+    """--num-layers 1 is the builder's num_hidden_layers: the export equals HF cut to its first layer, and the
+    recorded source says so (paged-run --parity loads the checkpoint cut the same way)."""
+    from pagedkit.runtime.parity import load_hf
+
+    ckpt = checkpoint_of(PHI, cache_root)
+    via_genai.export_via_genai(ckpt, tmp_path, ExportOptions(dtype="fp32", progress=False), num_layers=1)
+    source = _source(tmp_path)
+    assert source["num_hidden_layers"] == 1
+    hf = load_hf(ckpt, source["num_hidden_layers"])
+    print("phi 1 layer", check_parity(hf, tmp_path, prompt_lens=PHI.prompt_lens, steps=PHI.steps,
+                                       tol=family_harness.FP32_TOL, session=torch_session(tmp_path)).worst_ratio)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_olmo_parity(via_route, tmp_path, dtype):
     print("olmo via genai", check_export(OLMO, tmp_path, dtype))
@@ -174,8 +189,8 @@ def test_other_served_architectures(via_route, tmp_path, name):
                                 dict(k_dtype="int4", v_dtype="int4", k_quant="PER_TOKEN", v_quant="PER_TOKEN",
                                      rotate=True),
                                 dict(k_dtype="float8e4m3fn", v_dtype="float8e4m3fn", k_quant="PER_CHANNEL",
-                                     v_quant="PER_TOKEN")], ids=["int8-per-tensor", "int4-per-token-rotated",
-                                                                 "fp8-per-channel-k"])
+                                     v_quant="PER_CHANNEL")], ids=["int8-per-tensor", "int4-per-token-rotated",
+                                                                   "fp8-per-channel"])
 def test_quantized_caches(via_route, tmp_path, kv):
     """--kv-cache / --kv-quant / --rotate-kv on the rewrite: the quantized oracle of the native route's tests
     (HF attending over the export's dequantized cache; the codes are HF's K / V quantized)."""

@@ -240,7 +240,9 @@ def export_via_genai(model: str | os.PathLike, output_dir: str | os.PathLike, op
     folder, cfg, arch = checkpoint(model)
     if num_layers is not None and not 1 <= num_layers <= int(cfg.get("num_hidden_layers", 0)):
         raise ValueError(f"--num-layers must be in [1, {cfg.get('num_hidden_layers')}], got {num_layers}")
-    with tempfile.TemporaryDirectory(prefix="pagedkit-genai-") as tmp:
+    out = Path(output_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".pagedkit-genai-", dir=out.parent) as tmp:  # beside the output: big
         built = run_builder(folder, Path(tmp) / "gqa", Path(tmp) / "cache", precision, num_layers, timeout,
                             progress=opts.progress)
         proto = onnx.load(str(built / "model.onnx"))
@@ -271,7 +273,6 @@ def export_via_genai(model: str | os.PathLike, output_dir: str | os.PathLike, op
              f"({len(report.changed)} attention nodes)"] + [f"builder fix: {f}" for f in fixes]
     proto, spec.calibration, note = apply_cache_options(proto, spec, opts, calibration, folder, percentile)
     notes += [note] if note else []
-    out = Path(output_dir)
     params = sum(math.prod(t.dims) for t in proto.graph.initializer)
     path = save_model(proto, out, spec.filename)
     del proto
