@@ -80,10 +80,11 @@ def cached_builds(monkeypatch, cache_root):
     """The builder runs once per (checkpoint, precision, num_layers) for the session; failures are not cached."""
     real = via_genai.run_builder
 
-    def run(folder, out, cache, precision, num_layers=None, timeout=None, progress=False):
-        key = (str(Path(folder).resolve()), precision, num_layers)
+    def run(folder, out, cache, precision, num_layers=None, timeout=None, progress=False, int4=None):
+        key = (str(Path(folder).resolve()), precision, num_layers, repr(int4))
         if key not in _BUILDS:
-            _BUILDS[key] = real(folder, cache_root / f"build-{len(_BUILDS)}", cache, precision, num_layers, timeout)
+            _BUILDS[key] = real(folder, cache_root / f"build-{len(_BUILDS)}", cache, precision, num_layers, timeout,
+                                int4=int4)
         shutil.copytree(_BUILDS[key], out)
         return Path(out)
 
@@ -205,6 +206,40 @@ def test_quantized_caches(via_route, tmp_path, kv):
     print(kv, check_quantized_parity(model_of(case)[0], out))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("tied,lm_head", [(False, True), (True, True), (True, False)])
+def test_int4_weights(tmp_path, cache_root, tied, lm_head):
+    """--weights int4 is the builder's -p int4 (accuracy_level 0 here): against HF over the decoded int4 weights
+    at the fp16 bound (the native route's int4 oracle); untied, the int4 tensors equal the native route's."""
+    from collections import Counter
+
+    import onnx
+    from onnx import numpy_helper
+
+    from export_quant_utils import int4_decoded_hf
+
+    case = FamilyCase("LlamaConfig", seed=16, overrides=dict(tie_word_embeddings=tied))
+    hf = model_of(case)[0]
+    via_genai.export_via_genai(checkpoint_of(case, cache_root), tmp_path / "via", ExportOptions(
+        dtype="fp32", progress=False), weights="int4", int4_lm_head=lm_head, int4_accuracy_level=0)
+    graph = onnx.load(str(tmp_path / "via" / "model.onnx")).graph
+    ops = Counter(n.op_type for n in graph.node)
+    assert ops["MatMulNBits"] == 10 + lm_head and ops["GatherBlockQuantized"] == int(tied and lm_head), ops
+    ref, done = int4_decoded_hf(hf, tmp_path / "via")
+    assert ("lm_head" in done) == lm_head
+    print("int4", tied, lm_head, check_parity(ref, tmp_path / "via", prompt_lens=case.prompt_lens, steps=case.steps,
+                                             session=torch_session(tmp_path / "via")).worst_ratio)
+    if not tied:
+        from pagedkit.exporters.export import export_hf_model
+
+        export_hf_model(hf, tmp_path / "native", ExportOptions(dtype="fp32", progress=False), weight_format="int4",
+                        int4_accuracy_level=0)
+        native = {t.name: numpy_helper.to_array(t) for t in
+                  onnx.load(str(tmp_path / "native" / "model.onnx")).graph.initializer if t.name.endswith("_Q4")}
+        via = {t.name: numpy_helper.to_array(t) for t in graph.initializer if t.name.endswith("_Q4")}
+        assert via.keys() == native.keys() and all((via[k] == native[k]).all() for k in via)
+
+
 # ---- refusals: one line, exit status 2 -------------------------------------------------------------------------
 
 def _cli(capsys, *args) -> tuple[int, str, str]:
@@ -244,7 +279,7 @@ def test_unserved_configuration_refused(tmp_path, capsys, config, overrides, nee
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("flags,needle", [(["--weights", "int4"], "--weights int4 with --via genai"),
+@pytest.mark.parametrize("flags,needle", [(["--num-experts", "2"], "--num-experts with --via genai"),
                                           (["--extra-inputs", "slot_mapping"], "--extra-inputs with --via genai"),
                                           (["--max-seq-len", "64"], "--max-seq-len with --via genai")])
 def test_flags_the_route_does_not_apply(tmp_path, capsys, cache_root, flags, needle):

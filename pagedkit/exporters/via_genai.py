@@ -6,7 +6,8 @@
    checked against the table below, then onnxruntime-genai's model builder runs on it offline
    (`python -m onnxruntime_genai.models.builder`, HF_HUB_OFFLINE=1) into a temporary folder, producing its
    GroupQueryAttention layout: `-e cpu -p fp32` for --dtype fp32 (the only float32 GQA layout it writes),
-   `-e cuda -p fp16|bf16` otherwise (building needs no GPU). --num-layers is its `num_hidden_layers`.
+   `-e cuda -p fp16|bf16` otherwise (building needs no GPU). --num-layers is its `num_hidden_layers`;
+   --weights int4 its `-p int4` (accuracy_level, a float LM head through nodes_to_exclude).
 2. pagedkit corrects what it knows the builder gets wrong or leaves non-standard (genai_fixups.py) and checks
    the builder's attention windows against the config's (`sliding_window` / `layer_types`).
 3. pagedkit's rewriter turns every GroupQueryAttention node into PagedAttention (rewriters/gqa_to_paged.py;
@@ -168,11 +169,18 @@ def hf_config(cfg: dict):
     return _config_from_dict(cfg, "config.json")
 
 
-def builder_args(precision: str, num_layers: int | None) -> list[str]:
-    """The builder's -e / -p / --extra_options for pagedkit's --dtype: GQA layouts only (fp32 is -e cpu's)."""
+def builder_args(precision: str, num_layers: int | None, int4: dict | None = None) -> list[str]:
+    """The builder's -e / -p / --extra_options for pagedkit's --dtype (GQA layouts only: float32 is -e cpu's)
+    and --weights int4 (-p int4: float32 activations on -e cpu, float16 / bfloat16 on -e cuda; int4 = {
+    "accuracy_level": 0..4, "lm_head": bool}: a float LM head keeps a tied table unshared and float)."""
     ep = "cpu" if precision == "fp32" else "cuda"
     extra = ["hf_token=false"] + ([f"num_hidden_layers={num_layers}"] if num_layers else [])
-    return ["-e", ep, "-p", precision, "--extra_options", *extra]
+    if int4 is None:
+        return ["-e", ep, "-p", precision, "--extra_options", *extra]
+    extra += [f"accuracy_level={int4['accuracy_level']}"] + ([] if int4["lm_head"] else [
+        "nodes_to_exclude=/lm_head/MatMul", "shared_embeddings=false"])
+    extra += ["use_cuda_bf16=true"] if precision == "bf16" else []
+    return ["-e", ep, "-p", "int4", "--extra_options", *extra]
 
 
 def builder_error(output: str) -> str:
@@ -183,10 +191,10 @@ def builder_error(output: str) -> str:
 
 
 def run_builder(folder: Path, out: Path, cache: Path, precision: str, num_layers: int | None = None,
-                timeout: float | None = None, progress: bool = False) -> Path:
+                timeout: float | None = None, progress: bool = False, int4: dict | None = None) -> Path:
     """Run the builder offline on `folder` into `out`; BuilderFailed (one line) when it fails."""
     cmd = [sys.executable, "-m", BUILDER_MODULE, "-i", str(folder), "-o", str(out), "-c", str(cache),
-           *builder_args(precision, num_layers)]
+           *builder_args(precision, num_layers, int4)]
     env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     if progress:
         print(f"running onnxruntime-genai's builder: {' '.join(cmd[1:])}", flush=True)  # stdout: stderr is for errors
@@ -222,8 +230,11 @@ def _dtypes(opts) -> tuple[str, str]:
 
 def export_via_genai(model: str | os.PathLike, output_dir: str | os.PathLike, opts=None, *,
                      num_layers: int | None = None, calibration: str | os.PathLike | None = None,
-                     percentile: float = 100.0, timeout: float | None = None, validate: bool = True):
-    """`paged-export --via genai` (module doc): returns export.ExportResult."""
+                     percentile: float = 100.0, weights: str = "fp16", int4_lm_head: bool = True,
+                     int4_accuracy_level: int | None = None, timeout: float | None = None, validate: bool = True):
+    """`paged-export --via genai` (module doc): returns export.ExportResult. weights "int4": the builder's own
+    int4 (MatMulNBits, symmetric, block 32; accuracy_level 4 unless given; the LM head too unless
+    int4_lm_head=False): the native route's --weights int4 writes the same tensors."""
     import onnx
 
     from ..interface.genai_config import GENAI_CONFIG, with_decoded_pagedkit
@@ -232,11 +243,18 @@ def export_via_genai(model: str | os.PathLike, output_dir: str | os.PathLike, op
     from .families.base import DTYPE_NAMES, ExportOptions
     from .genai_fixups import check_windows, fix_builder_model
     from .paged_caches import apply_cache_options, cache_layers
+    from .quantize import INT4_ACCURACY_LEVEL
     from .weights import copy_tokenizer_files
 
     opts = opts or ExportOptions()
     check_options(opts)
     precision, float_cache = _dtypes(opts)
+    if weights not in ("fp16", "int4"):
+        raise ValueError(f"weights: expected fp16 or int4, got {weights!r}")
+    level = INT4_ACCURACY_LEVEL if int4_accuracy_level is None else int4_accuracy_level
+    if level not in range(5):
+        raise ValueError(f"int4 accuracy_level: expected 0..4, got {level!r}")
+    int4 = {"accuracy_level": level, "lm_head": bool(int4_lm_head)} if weights == "int4" else None
     folder, cfg, arch = checkpoint(model)
     if num_layers is not None and not 1 <= num_layers <= int(cfg.get("num_hidden_layers", 0)):
         raise ValueError(f"--num-layers must be in [1, {cfg.get('num_hidden_layers')}], got {num_layers}")
@@ -244,7 +262,7 @@ def export_via_genai(model: str | os.PathLike, output_dir: str | os.PathLike, op
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".pagedkit-genai-", dir=out.parent) as tmp:  # beside the output: big
         built = run_builder(folder, Path(tmp) / "gqa", Path(tmp) / "cache", precision, num_layers, timeout,
-                            progress=opts.progress)
+                            progress=opts.progress, int4=int4)
         proto = onnx.load(str(built / "model.onnx"))
         source_config = json.loads((built / GENAI_CONFIG).read_text(encoding="utf-8"))
     fixes = fix_builder_model(proto, arch)
@@ -266,11 +284,13 @@ def export_via_genai(model: str | os.PathLike, output_dir: str | os.PathLike, op
         version = "?"
     spec.source = {"route": ROUTE, "model": str(model), "checkpoint": str(folder.resolve()),
                    "num_hidden_layers": num_layers or int(cfg.get("num_hidden_layers", len(layers))),
-                   "weights": "safetensors", "weight_format": "fp16", "architecture": arch,
-                   "builder": f"onnxruntime-genai {version} ({' '.join(builder_args(precision, num_layers))})",
+                   "weights": "safetensors", "weight_format": weights, "architecture": arch,
+                   "builder": f"onnxruntime-genai {version} ({' '.join(builder_args(precision, num_layers, int4))})",
                    "rewrite": "gqa -> paged", "fixes": fixes}
-    notes = [f"via onnxruntime-genai {version}'s builder ({arch}, -p {precision}), then the paged rewrite "
-             f"({len(report.changed)} attention nodes)"] + [f"builder fix: {f}" for f in fixes]
+    if int4:
+        spec.source |= {"int4_lm_head": int4["lm_head"], "int4_accuracy_level": level}
+    notes = [f"via onnxruntime-genai {version}'s builder ({arch}, -p {'int4' if int4 else precision}), then the "
+             f"paged rewrite ({len(report.changed)} attention nodes)"] + [f"builder fix: {f}" for f in fixes]
     proto, spec.calibration, note = apply_cache_options(proto, spec, opts, calibration, folder, percentile)
     notes += [note] if note else []
     params = sum(math.prod(t.dims) for t in proto.graph.initializer)
@@ -294,19 +314,21 @@ def main_via_genai(args, kv) -> int:
     from .export import ExportError
     from .families.base import ExportOptions
 
+    if args.weights != "int4" and (args.int4_lm_head is not None or args.int4_accuracy_level is not None):
+        raise ValueError("--int4-lm-head / --no-int4-lm-head / --int4-accuracy-level need --weights int4")
     refused = [flag for flag, given in (
-        ("--weights int4", args.weights != "fp16"), ("--int4-lm-head", args.int4_lm_head is not None),
-        ("--int4-accuracy-level", args.int4_accuracy_level is not None), ("--num-experts", args.num_experts),
-        ("--extra-inputs", args.extra_inputs.strip()), ("--max-seq-len", args.max_seq_len is not None),
-        ("--seed", args.seed != 0)) if given]
+        ("--num-experts", args.num_experts), ("--extra-inputs", args.extra_inputs.strip()),
+        ("--max-seq-len", args.max_seq_len is not None), ("--seed", args.seed != 0)) if given]
     if refused:
         raise ValueError(f"{', '.join(refused)} with --via genai: not applied by this route (the builder exports "
-                         "the checkpoint's float weights, its own graph inputs and context length); use the native "
-                         "route for these")
+                         "the checkpoint's weights, all its experts, its own graph inputs and context length); use "
+                         "the native route for these")
     opts = ExportOptions(dtype=args.dtype, block_size=args.block_size, kv=kv, progress=not args.quiet)
     try:
         result = export_via_genai(args.model, args.output, opts, num_layers=args.num_layers,
-                                  calibration=args.calibration, percentile=args.calibration_percentile)
+                                  calibration=args.calibration, percentile=args.calibration_percentile,
+                                  weights=args.weights, int4_lm_head=args.int4_lm_head is not False,
+                                  int4_accuracy_level=args.int4_accuracy_level)
     except ExportError as exc:
         print(f"paged-export: error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_FAILED
