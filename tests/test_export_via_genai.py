@@ -133,6 +133,17 @@ def test_phi_fp16_parity(via_route, tmp_path):
 
 
 @pytest.mark.slow
+def test_phi_bf16_parity(tmp_path, cache_root):
+    """--dtype bf16 (-e cuda -p bf16): against HF over the bf16-rounded weights at the native route's bf16 bound."""
+    from export_utils import BF16_TOL, assert_valid_export, bf16_weights
+
+    via_genai.export_via_genai(checkpoint_of(PHI, cache_root), tmp_path, ExportOptions(dtype="bf16", progress=False))
+    assert_valid_export(tmp_path)
+    print("phi bf16", check_parity(bf16_weights(model_of(PHI)[0]), tmp_path, prompt_lens=PHI.prompt_lens,
+                                   steps=PHI.steps, tol=BF16_TOL, session=torch_session(tmp_path)).worst_ratio)
+
+
+@pytest.mark.slow
 def test_num_layers(tmp_path, cache_root):
     """--num-layers 1 is the builder's num_hidden_layers: the export equals HF cut to its first layer, and the
     recorded source says so (paged-run --parity loads the checkpoint cut the same way)."""
