@@ -65,7 +65,8 @@ def _no_post_norm(which):
         from pagedkit.exporters.graph import Norm
 
         real = Norm.apply
-        m.setattr(Norm, "apply", lambda self, g, x, prefix, init: x if which in prefix else real(self, g, x, prefix, init))
+        m.setattr(Norm, "apply",
+                  lambda self, g, x, prefix, init: x if which in prefix else real(self, g, x, prefix, init))
     return patch
 
 

@@ -38,7 +38,8 @@ def glm4_moe(case: FamilyCase = CASE, gain: float = 0.1, bias=BIAS):
                 if hasattr(layer.mlp, "gate"):
                     layer.mlp.gate.weight.mul_(gain)
                     b = layer.mlp.gate.e_score_correction_bias  # a buffer: tiny_model leaves it at 0
-                    b.copy_(torch.tensor(bias) if isinstance(bias, list) else bias * torch.randn(b.shape, generator=gen))
+                    b.copy_(torch.tensor(bias) if isinstance(bias, list)
+                            else bias * torch.randn(b.shape, generator=gen))
         hf._routing_designed = True
     return hf
 

@@ -44,5 +44,6 @@ class GlmFamily(DecoderFamily):
         x = res.norm(self.norm(layer.post_attention_layernorm), None, f"{p}/post_attention_layernorm",
                      f"{ip}.post_attention_layernorm.weight")
         m = self.mlp(ctx, i, layer.mlp, x)
-        m = self.norm(layer.post_mlp_layernorm).apply(g, m, f"{p}/post_mlp_layernorm", f"{ip}.post_mlp_layernorm.weight")
+        m = self.norm(layer.post_mlp_layernorm).apply(g, m, f"{p}/post_mlp_layernorm",
+                                                      f"{ip}.post_mlp_layernorm.weight")
         res.add(m, f"{p}/mlp")

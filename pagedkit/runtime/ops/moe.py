@@ -6,8 +6,8 @@ sparsemixer in eval mode, as onnxruntime's CUDA kernel `sparse_mixer_top2` with 
 expert 1 = argmax s; mask_j = (m1 - s_j) > 2 eps max(|s_j|, m1); w1 = 1 / sum over unmasked j of
 exp(s_j - m1); expert 2 = argmax of s without expert 1, the same with m2 and expert 1 masked too; the two
 weights are not renormalized (normalize_routing_weights does not apply). onnxruntime's kernel takes 8 or 16
-experts; this one any number >= 2. (onnxruntime 1.32's CPU MoE ignores the attribute: softmax top-2.) Weights are [out, in] per expert:
-fc1 [E, fusion * I, hidden], fc2 [E, hidden, I], fc3 [E, I, hidden]. Activations:
+experts; this one any number >= 2. (onnxruntime 1.32's CPU MoE ignores the attribute: softmax top-2.)
+Weights are [out, in] per expert: fc1 [E, fusion * I, hidden], fc2 [E, hidden, I], fc3 [E, I, hidden]. Activations:
   relu, gelu (tanh approximation, as onnxruntime's CPU kernel), silu, identity, relu2,
   swiglu: G = min(g, limit), L = clamp(l, -limit, limit), G * sigmoid(alpha G) * (L + beta)
           (swiglu_limit_after_activation=1 clamps the activated gate instead),
