@@ -363,7 +363,7 @@ def test_float32_constant_of_a_node_is_converted_once():
     a, b = _to_attention_type(g, w, "unused"), _to_attention_type(g, w, "unused")
     assert a == b == "bias/FLOAT16" and g.vi[a][0] == F16
     assert sum(t.name == a for t in g.initializers) == 1 and not g.nodes
-    np.testing.assert_array_equal(onnx.numpy_helper.to_array(g.initializers[-1]),
+    np.testing.assert_array_equal(onnx.numpy_helper.to_array(g.initializers[-1].proto()),
                                   np.array([1.0, 2.5e-4, -3.0], np.float16))
     x = g.node("Relu", [w], "act", out_type=F32, out_shape=(3,))  # an activation: a Cast
     y = _to_attention_type(g, x, "act/Cast")

@@ -17,6 +17,7 @@ from ..interface import dtypes
 from ..interface.genai_config import ModelSpec, genai_config, with_decoded_pagedkit, write_genai_config
 from ..validators.contract import cache_format, cache_width
 from .families.base import FLOAT_TYPES, ExportContext, ExportOptions, KVOptions
+from .lazy import lazy_parameters
 from .quantize import INT4_ACCURACY_LEVEL, INT4_BLOCK_SIZE
 from .registry import family_for
 from .weights import copy_tokenizer_files, load_model
@@ -105,7 +106,7 @@ def build_model(hf_model: torch.nn.Module, opts: ExportOptions | None = None, *,
         from tqdm.auto import tqdm
 
         layers = tqdm(layers, desc="layers", unit="layer", file=sys.stderr)
-    with torch.no_grad():
+    with torch.no_grad(), lazy_parameters(hf_model):  # weight transforms recorded, evaluated when written
         family.build(ctx, layers)
     doc = f"pagedkit export of {hf_model.config.model_type} (family {family.name})"
     return ctx.g.model("pagedkit_" + family.name, "pagedkit", doc), ctx.spec

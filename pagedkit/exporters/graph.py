@@ -24,6 +24,7 @@ import torch
 
 from ..interface import dtypes
 from ..interface import names as N
+from .lazy import materialize
 
 ONNX_OPSET = 23  # RMSNormalization
 MS_DOMAIN = "com.microsoft"
@@ -32,8 +33,9 @@ Shape = tuple  # of int | str
 
 
 def tensor_proto(name: str, value: torch.Tensor | np.ndarray, elem_type: int) -> onnx.TensorProto:
-    """An initializer of `elem_type` from a torch tensor / numpy array (bf16 and fp8 included, raw bytes)."""
-    t = torch.as_tensor(value).detach().to("cpu")
+    """An initializer of `elem_type` from a torch tensor / numpy array / LazyTensor (evaluated here; bf16 and
+    fp8 included, raw bytes)."""
+    t = torch.as_tensor(materialize(value)).detach().to("cpu")
     t = t.to(dtypes.torch_dtype(elem_type)).contiguous()
     proto = onnx.TensorProto()
     proto.name = name
@@ -43,8 +45,21 @@ def tensor_proto(name: str, value: torch.Tensor | np.ndarray, elem_type: int) ->
     return proto
 
 
+@dataclass
+class Pending:
+    """An initializer not yet written: its value (a tensor, or a LazyTensor evaluated when written)."""
+
+    name: str
+    value: Any
+    elem_type: int
+
+    def proto(self) -> onnx.TensorProto:
+        return tensor_proto(self.name, self.value, self.elem_type)
+
+
 class GraphBuilder:
-    """Collects one ONNX graph. `vi` maps every tensor name to (elem_type, shape) where known."""
+    """Collects one ONNX graph. `vi` maps every tensor name to (elem_type, shape) where known. Initializers are
+    kept as `Pending` values (a family's weight transforms stay lazy, lazy.py) and written by `model()`."""
 
     def __init__(self, float_type: int, attn_type: int | None = None):
         self.float_type = float_type  # the activation / weight type of the graph (fp16 / bf16 / float32)
@@ -52,7 +67,7 @@ class GraphBuilder:
         # float32 graph the type its attention nodes run in (Casts around each node, `paged_attention`)
         self.attn_type = float_type if attn_type is None else attn_type
         self.nodes: list[onnx.NodeProto] = []
-        self.initializers: list[onnx.TensorProto] = []
+        self.initializers: list[Pending] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self.vi: dict[str, tuple[int, Shape]] = {}
@@ -63,9 +78,10 @@ class GraphBuilder:
         if name in self.vi:
             raise ValueError(f"tensor name {name!r} defined twice")
         elem_type = self.float_type if elem_type is None else elem_type
-        proto = tensor_proto(name, value, elem_type)
-        self.initializers.append(proto)
-        self.vi[name] = (elem_type, tuple(proto.dims))
+        if not isinstance(value, torch.Tensor):  # numpy arrays, lists: small constants
+            value = torch.as_tensor(np.asarray(value))
+        self.initializers.append(Pending(name, value.detach(), elem_type))
+        self.vi[name] = (elem_type, tuple(int(d) for d in value.shape))
         return name
 
     def const(self, values: Sequence[float | int] | float | int, elem_type: int) -> str:
@@ -110,7 +126,7 @@ class GraphBuilder:
         new = f"{name}/{onnx.TensorProto.DataType.Name(elem_type)}"
         if new not in self.vi:
             src = next(t for t in self.initializers if t.name == name)
-            self.initializer(new, torch.from_numpy(onnx.numpy_helper.to_array(src).astype(np.float32)), elem_type)
+            self.initializer(new, src.value, elem_type)  # converted to elem_type when written
         return new
 
     def is_initializer(self, name: str) -> bool:
@@ -120,8 +136,9 @@ class GraphBuilder:
         return self.vi[name][1]
 
     def model(self, name: str, producer: str, doc: str = "") -> onnx.ModelProto:
-        """The ModelProto. Initializers move into it one at a time (the builder's list is emptied), so a
-        large model is never held twice (onnx.helper.make_graph / make_model would copy every weight)."""
+        """The ModelProto. Initializers are evaluated and move into it one at a time (the builder's list is
+        emptied), so a large model is never held twice (onnx.helper.make_graph / make_model would copy every
+        weight)."""
         model = onnx.ModelProto()
         model.ir_version = 10
         model.producer_name = producer
@@ -134,7 +151,7 @@ class GraphBuilder:
         graph.output.extend(self.outputs)
         self.initializers.reverse()
         while self.initializers:
-            graph.initializer.append(self.initializers.pop())
+            graph.initializer.append(self.initializers.pop().proto())
         return model
 
 

@@ -404,7 +404,7 @@ class DecoderFamily:
         emb = self.decoder(model).embed_tokens
         vocab = config.vocab_size
         x = cast(g, x, g.float_type, "/lm_head/input/Cast")
-        if head.weight.data_ptr() == emb.weight.data_ptr():  # tied: reuse the embedding table [V, H]
+        if head.weight is emb.weight:  # tied (one parameter): reuse the embedding table [V, H]
             y = g.node("Gemm", [x, "model.embed_tokens.weight"], "/lm_head/Gemm", transB=1,
                        out_type=g.float_type, out_shape=(_rows(), vocab))
         else:
