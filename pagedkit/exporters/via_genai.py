@@ -255,6 +255,8 @@ def export_via_genai(model: str | os.PathLike, output_dir: str | os.PathLike, op
     if level not in range(5):
         raise ValueError(f"int4 accuracy_level: expected 0..4, got {level!r}")
     int4 = {"accuracy_level": level, "lm_head": bool(int4_lm_head)} if weights == "int4" else None
+    if not builder_architectures():
+        raise ValueError("--via genai runs onnxruntime-genai's model builder: pip install onnxruntime-genai")
     folder, cfg, arch = checkpoint(model)
     if num_layers is not None and not 1 <= num_layers <= int(cfg.get("num_hidden_layers", 0)):
         raise ValueError(f"--num-layers must be in [1, {cfg.get('num_hidden_layers')}], got {num_layers}")
