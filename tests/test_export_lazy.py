@@ -148,3 +148,17 @@ def test_checkpoint_missing_tensor_is_named(tmp_path):
     with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
         with checkpoint_parameters(meta, tmp_path):
             pass
+
+
+def test_docs_example_runs(tmp_path):
+    """The example in docs/export.md's "Lazy weights" section, on a tiny checkpoint."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "export.md").read_text()
+    section = text[text.index("## Lazy weights"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    tiny_model("Qwen3Config", seed=3).save_pretrained(tmp_path, max_shard_size="40KB")
+    scope: dict = {}
+    exec(compile(code.replace("./my-checkpoint", str(tmp_path)), "docs/export.md", "exec"), scope)
+    assert scope["spec"].model_type and len(scope["proto"].graph.initializer) > 10
