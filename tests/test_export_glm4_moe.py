@@ -165,8 +165,6 @@ def test_glm4_moe_feature_has_teeth(tmp_path, monkeypatch, feature):
 
 @pytest.mark.slow
 def test_glm4_moe_builtin(tmp_path):
-    """zai-org/GLM-4.5-Air at 2 layers (layer 0 dense, layer 1 MoE: first_k_dense_replace 1, every later layer is
-    the same MoE layer) and 8 of its 128 routed experts (top-8 of 8). 2 layers, not 4: the 151552 x 4096
-    embedding and LM head alone are 5 GB in float32; at 4 layers the test peaked above 13 GB and was killed by
-    the OOM killer on a 23 GB machine."""
-    print("glm-4.5-air", check_builtin("glm-4.5-air", tmp_path, num_layers=2, num_experts=8))
+    """zai-org/GLM-4.5-Air at 4 layers (layer 0 dense, then MoE: first_k_dense_replace 1) and 8 of its 128 routed
+    experts (top-8 of 8), random weights, vs HF eager (measured: worst 0.0021, peak 16.3 GB)."""
+    print("glm-4.5-air", check_builtin("glm-4.5-air", tmp_path, num_layers=4, num_experts=8))

@@ -48,6 +48,6 @@ def test_mixtral_window_has_teeth(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_mixtral_builtin(tmp_path):
-    """Mixtral's layers are all alike (no layer pattern to repeat): one layer at real dimensions, 3 of the 8
-    experts so that top-2 still chooses (each expert is 176M parameters: memory)."""
-    print("mixtral-8x7b (1 layer, 3 experts)", check_builtin("mixtral-8x7b", tmp_path, num_layers=1, num_experts=3))
+    """4 layers at real dimensions, 3 of the 8 experts so that top-2 still chooses (each expert is 176M
+    parameters: measured worst 0.0050, peak 16.2 GB)."""
+    print("mixtral-8x7b (4 layers, 3 experts)", check_builtin("mixtral-8x7b", tmp_path, num_layers=4, num_experts=3))
