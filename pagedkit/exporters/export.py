@@ -94,9 +94,11 @@ def check_options(opts: ExportOptions) -> None:
                          "attention node runs in its caches' float type (one T): give both sides one dtype")
 
 
-def build_model(hf_model: torch.nn.Module, opts: ExportOptions | None = None, *, progress: bool = False
-                ) -> tuple[onnx.ModelProto, ModelSpec]:
-    """The PagedAttention graph of an in-memory Hugging Face causal LM, and its ModelSpec."""
+def build_model(hf_model: torch.nn.Module, opts: ExportOptions | None = None, *, progress: bool = False,
+                external_data: Path | None = None) -> tuple[onnx.ModelProto, ModelSpec]:
+    """The PagedAttention graph of an in-memory Hugging Face causal LM, and its ModelSpec. external_data: a
+    file to stream the weights into, one initializer at a time as each is evaluated, when they exceed
+    EXTERNAL_DATA_BYTES (the proto then references it: save it beside the file with `save_model`)."""
     opts = opts or ExportOptions()
     check_options(opts)
     family = family_for(hf_model.config)
@@ -109,13 +111,19 @@ def build_model(hf_model: torch.nn.Module, opts: ExportOptions | None = None, *,
     with torch.no_grad(), lazy_parameters(hf_model):  # weight transforms recorded, evaluated when written
         family.build(ctx, layers)
     doc = f"pagedkit export of {hf_model.config.model_type} (family {family.name})"
-    return ctx.g.model("pagedkit_" + family.name, "pagedkit", doc), ctx.spec
+    stream = external_data if external_data is not None and ctx.g.nbytes() > EXTERNAL_DATA_BYTES else None
+    if stream is not None:
+        Path(stream).parent.mkdir(parents=True, exist_ok=True)
+    return ctx.g.model("pagedkit_" + family.name, "pagedkit", doc, external=stream), ctx.spec
 
 
 def save_model(proto: onnx.ModelProto, out_dir: Path, filename: str = "model.onnx") -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / filename
     data = out_dir / f"{filename}.data"
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
+        onnx.save_model(proto, path)  # weights already streamed to `data` (build_model's external_data)
+        return path
     if data.exists():
         data.unlink()
     size = sum(len(t.raw_data) for t in proto.graph.initializer)
@@ -184,7 +192,10 @@ def _export(holder: list, output_dir, opts, *, weights, source, tokenizer_dir, w
         calib["text"] = str(calibration) if calibration else "pagedkit built-in calibration text"
         notes.append("KV quantization SNR (dB) per layer: " + ", ".join(
             f"{i}: K {r.get('k_snr_db', '-')} / V {r.get('v_snr_db', '-')}" for i, r in calib["snr_db"].items()))
-    proto, spec = build_model(hf_model, opts, progress=opts.progress)
+    stream = out / f"{final_spec.filename}.data" if weight_format == "fp16" else None  # int4 rewrites the proto
+    if stream is not None and stream.exists():
+        stream.unlink()
+    proto, spec = build_model(hf_model, opts, progress=opts.progress, external_data=stream)
     params = sum(p.numel() for p in hf_model.parameters())
     del hf_model
     spec.calibration = calib

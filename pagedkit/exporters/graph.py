@@ -15,7 +15,9 @@ its output `/model/layers.{i}/attn/qkv_proj/MatMul/output_0`, initializer
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -135,10 +137,16 @@ class GraphBuilder:
     def shape_of(self, name: str) -> Shape:
         return self.vi[name][1]
 
-    def model(self, name: str, producer: str, doc: str = "") -> onnx.ModelProto:
+    def nbytes(self) -> int:
+        """Bytes of the pending initializers once written."""
+        return sum(math.prod(self.vi[p.name][1]) * dtypes.numpy_dtype(p.elem_type).itemsize for p in self.initializers)
+
+    def model(self, name: str, producer: str, doc: str = "", external: Path | None = None,
+              threshold: int = 1024) -> onnx.ModelProto:
         """The ModelProto. Initializers are evaluated and move into it one at a time (the builder's list is
         emptied), so a large model is never held twice (onnx.helper.make_graph / make_model would copy every
-        weight)."""
+        weight). With `external` (a file path), each initializer of >= threshold bytes is written there as it is
+        evaluated and the proto keeps only its location: the weights are never all in memory."""
         model = onnx.ModelProto()
         model.ir_version = 10
         model.producer_name = producer
@@ -150,8 +158,22 @@ class GraphBuilder:
         graph.input.extend(self.inputs)
         graph.output.extend(self.outputs)
         self.initializers.reverse()
-        while self.initializers:
-            graph.initializer.append(self.initializers.pop().proto())
+        sink = open(external, "wb") if external is not None else None
+        try:
+            while self.initializers:
+                t = self.initializers.pop().proto()
+                if sink is not None and len(t.raw_data) >= threshold:
+                    offset, size = sink.tell(), len(t.raw_data)
+                    sink.write(t.raw_data)
+                    t.ClearField("raw_data")
+                    t.data_location = onnx.TensorProto.EXTERNAL
+                    for k, v in (("location", Path(external).name), ("offset", str(offset)), ("length", str(size))):
+                        entry = t.external_data.add()
+                        entry.key, entry.value = k, v
+                graph.initializer.append(t)
+        finally:
+            if sink is not None:
+                sink.close()
         return model
 
 
