@@ -355,7 +355,8 @@ def test_fp32_int4_weights(llama, tmp_path):
 
 def test_float32_constant_of_a_node_is_converted_once():
     """A T-typed constant a family made in float32 reaches the node as one float16 copy, shared."""
-    from pagedkit.exporters.graph import GraphBuilder, _to_attention_type
+    from pagedkit.exporters.attention import _to_attention_type
+    from pagedkit.exporters.graph import GraphBuilder
 
     g = GraphBuilder(F32, F16)
     w = g.initializer("bias", torch.tensor([1.0, 2.5e-4, -3.0]))

@@ -5,7 +5,7 @@ tensor it makes (handed to the PagedAttention node builder, which validates the 
 contract). The helpers build the pieces every decoder has: linear layers (`[T, in] @ [in, out]`),
 RMSNorm (ONNX `RMSNormalization`, opset 23) and the residual stream with onnxruntime's fused
 `SkipSimplifiedLayerNormalization`, activations, the gated MLP, rotary cos/sin caches computed by the
-model's own Hugging Face rotary-embedding module, and the paged attention block.
+model's own Hugging Face rotary-embedding module (the attention node itself: attention.py).
 
 Tensor names follow onnxruntime-genai's builder: node `/model/layers.{i}/attn/qkv_proj/MatMul`,
 its output `/model/layers.{i}/attn/qkv_proj/MatMul/output_0`, initializer
@@ -25,7 +25,6 @@ import onnx
 import torch
 
 from ..interface import dtypes
-from ..interface import names as N
 from .lazy import materialize
 
 ONNX_OPSET = 23  # RMSNormalization
@@ -357,83 +356,3 @@ def rotary_tables(rotary_emb: torch.nn.Module, max_positions: int, layer_type: s
     if not torch.equal(cos[:, :half], cos[:, half:]):
         raise NotImplementedError("rotary embedding whose cos table is not [freqs, freqs] (rotate_half form)")
     return cos[:, :half].contiguous(), sin[:, :half].contiguous()
-
-
-# ---- attention ---------------------------------------------------------------------------------------
-
-@dataclass
-class GraphInputs:
-    """Names of the shared graph inputs the attention nodes read."""
-
-    cumulative_sequence_lengths: str = N.CUMULATIVE_SEQUENCE_LENGTHS
-    past_sequence_lengths: str = N.PAST_SEQUENCE_LENGTHS
-    block_table: str = N.BLOCK_TABLE
-    block_table_windowed: str = N.BLOCK_TABLE_WINDOWED
-    attention_metadata: str = N.ATTENTION_METADATA
-    slot_mapping: str | None = None
-    query_positions: str | None = None
-
-
-def paged_attention(g: GraphBuilder, *, layer: int, io: GraphInputs, query: str, key: str | None,
-                    value: str | None, caches: dict[str, str], windowed_table: bool, rope: tuple[str, str] | None,
-                    extra_inputs: dict[str, str], attrs: dict[str, Any], out_width: int) -> str:
-    """One com.microsoft PagedAttention node built (and validated) by the contract's node builder.
-
-    caches: contract names -> tensor names for key_cache / value_cache / k_scale_cache / v_scale_cache and
-    the matching *_out outputs. extra_inputs: head_sink, q_norm_weight, k_norm_weight, k_scale, v_scale.
-
-    The node runs in `g.attn_type` (its T). When the graph's float type differs (a float32 export: T is
-    float16 / bfloat16 only, contract-decisions §6), every T-typed input is brought to T first: activations
-    (query / packed QKV, key, value) through a Cast `{node}/{input}/Cast`, constants (cos/sin caches,
-    head_sink, norm weights, attention_bias) as initializers of T (families create them so; any other is
-    converted once, `GraphBuilder.retyped`); output 0 is Cast back to the graph's float type. Returns the
-    attention output in the graph's float type.
-    """
-    from ..validators.builders import make_paged_attention_node
-
-    name = f"/model/layers.{layer}/attn/PagedAttention"
-    t = g.attn_type
-    query, key, value = (_to_attention_type(g, x, f"{name}/{role}/Cast") for x, role in
-                         ((query, "query"), (key, "key"), (value, "value")))
-    t_inputs = _t_inputs()
-    extra_inputs = {k: _to_attention_type(g, v, f"{name}/{k}/Cast") if k in t_inputs else v
-                    for k, v in extra_inputs.items()}
-    if rope is not None:
-        rope = (_to_attention_type(g, rope[0], f"{name}/cos_cache/Cast"),
-                _to_attention_type(g, rope[1], f"{name}/sin_cache/Cast"))
-    inputs = {
-        "query": query, "key": key, "value": value,
-        "cumulative_sequence_length": io.cumulative_sequence_lengths,
-        "past_seqlens": io.past_sequence_lengths,
-        "block_table": io.block_table_windowed if windowed_table else io.block_table,
-        "attention_metadata": io.attention_metadata,
-        "slot_mapping": io.slot_mapping,
-        "query_positions": io.query_positions,
-        **{k: v for k, v in caches.items() if not k.endswith("_out")},
-        **extra_inputs,
-    }
-    if rope is not None:
-        inputs["cos_cache"], inputs["sin_cache"] = rope
-    out = f"{name}/output_0"
-    outputs = {"output": out, **{k: v for k, v in caches.items() if k.endswith("_out")}}
-    node = make_paged_attention_node(inputs, outputs, name=name, value_info=g.vi, **attrs)
-    g.add(node)
-    g.vi[out] = (t, (g.shape_of(query)[0], out_width))
-    return cast(g, out, g.float_type, f"{name}/output/Cast")
-
-
-def _t_inputs() -> frozenset[str]:
-    """PagedAttention's inputs of type T (query, key, value, cos/sin, head_sink, norm weights, attention_bias),
-    from the contract."""
-    from ..validators.contract import PAGED_ATTENTION
-
-    return frozenset(p.name for p in PAGED_ATTENTION.inputs if p.type_param == "T")
-
-
-def _to_attention_type(g: GraphBuilder, x: str | None, cast_name: str) -> str | None:
-    """x as the attention nodes' T: an initializer converted (once), an activation through a Cast."""
-    if not x or g.vi[x][0] == g.attn_type:
-        return x
-    if g.is_initializer(x):
-        return g.retyped(x, g.attn_type)
-    return cast(g, x, g.attn_type, cast_name)

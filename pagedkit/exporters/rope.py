@@ -25,7 +25,8 @@ from typing import NamedTuple
 import torch
 from onnx import TensorProto
 
-from .graph import GraphBuilder, GraphInputs, rotary_tables
+from .attention import GraphInputs
+from .graph import GraphBuilder, rotary_tables
 
 I64, BOOL = TensorProto.INT64, TensorProto.BOOL
 

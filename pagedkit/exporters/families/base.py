@@ -33,8 +33,8 @@ from ...interface import dtypes
 from ...interface import names as N
 from ...interface.genai_config import CacheSpec, LayerSpec, ModelSpec, genai_type_of
 from ...validators.contract import cache_format, cache_width
-from ..graph import (GraphBuilder, GraphInputs, Norm, Residual, cast, gated_mlp, linear, paged_attention, rotary_tables,
-                     scale)
+from ..attention import GraphInputs, cache_io, paged_attention
+from ..graph import GraphBuilder, Norm, Residual, cast, gated_mlp, linear, rotary_tables, scale
 from ..rope import LongRope, check_context, longrope_tables, original_max_positions, rope_type, select_tables
 
 FLOAT_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16, "fp32": TensorProto.FLOAT}
@@ -212,7 +212,17 @@ class DecoderFamily:
         return float(getattr(norm, "variance_epsilon", None) or getattr(norm, "eps"))
 
     def qk_norm(self, attn) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """Per-head QK RMSNorm fused into the node: (q gain [D], k gain [D], epsilon), or None."""
         return None
+
+    def module_qk_norm(self, attn) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """`qk_norm` from the attention module's per-head q_norm / k_norm (gains through `norm_weight`); the
+        node has one qk_norm_epsilon, so differing epsilons are refused."""
+        q, k = attn.q_norm, attn.k_norm
+        eq, ek = self.norm_eps(q), self.norm_eps(k)
+        if eq != ek:
+            raise NotImplementedError(f"q_norm eps {eq} != k_norm eps {ek}: the node has one qk_norm_epsilon")
+        return self.norm_weight(q), self.norm_weight(k), eq
 
     def head_sink(self, attn) -> torch.Tensor | None:
         return None
@@ -310,7 +320,12 @@ class DecoderFamily:
         res.add(self.attention(ctx, i, layer.self_attn, x), f"{p}/attn")
         x = res.norm(self.norm(layer.post_attention_layernorm), None, f"{p}/post_attention_layernorm",
                      f"model.layers.{i}.post_attention_layernorm.weight")
-        res.add(self.mlp(ctx, i, layer.mlp, x), f"{p}/mlp")
+        res.add(self.ffn(ctx, i, layer, x), f"{p}/mlp")
+
+    def ffn(self, ctx: ExportContext, i: int, layer, x: str) -> str:
+        """Layer i's feed-forward block [T, H] -> [T, H]: `mlp` of the layer's `mlp` module by default (a family
+        whose layers hold experts elsewhere overrides this)."""
+        return self.mlp(ctx, i, layer.mlp, x)
 
     def mlp(self, ctx: ExportContext, i: int, mlp, x: str) -> str:
         def wb(lin):
@@ -337,7 +352,7 @@ class DecoderFamily:
 
     def attention(self, ctx: ExportContext, i: int, attn, x: str) -> str:
         g, l, config = ctx.g, ctx.spec.layers[i], ctx.config
-        p, ip = f"/model/layers.{i}/attn", f"model.layers.{i}.attn"
+        ip = f"model.layers.{i}.attn"
         query, key, value = self.project_qkv(ctx, i, attn, x)
         extra: dict[str, str] = {}
         attrs: dict[str, Any] = dict(num_heads=l.num_heads, kv_num_heads=l.kv_num_heads,
@@ -369,34 +384,7 @@ class DecoderFamily:
 
     def cache_io(self, ctx: ExportContext, l: LayerSpec, extra: dict, attrs: dict) -> dict[str, str]:
         """Cache inputs/outputs of layer l's node and their quantization attributes / static scales."""
-        g, i = ctx.g, l.layer
-        caches = {"key_cache": N.past_name("key", i), "key_cache_out": N.present_name("key", i)}
-        g.output(N.present_name("key", i), *g.vi[N.past_name("key", i)])
-        sides = [("k", "key", l.k_cache)]
-        if l.v_cache is not None:
-            caches.update(value_cache=N.past_name("value", i), value_cache_out=N.present_name("value", i))
-            g.output(N.present_name("value", i), *g.vi[N.past_name("value", i)])
-            sides.append(("v", "value", l.v_cache))
-        static = ctx.opts.kv_scales.get(i, (None, None))
-        for j, (s, side, cache) in enumerate(sides):
-            past_scale, present_scale = N.past_name(f"{side}_scale", i), N.present_name(f"{side}_scale", i)
-            if cache.dtype == "int4":
-                attrs[f"{s}_cache_dtype"] = "int4"
-            if cache.quant != "NONE":
-                attrs[f"{s}_quant_type"] = cache.quant
-            if cache.quant == "PER_TOKEN":
-                caches[f"{s}_scale_cache"] = past_scale
-                caches[f"{s}_scale_cache_out"] = present_scale
-                g.output(present_scale, *g.vi[past_scale])
-            elif cache.quant in ("PER_TENSOR", "PER_CHANNEL"):
-                scale = static[j]
-                if scale is None:
-                    raise ValueError(f"layer {i}: {side} cache {cache.quant} needs calibrated scales "
-                                     "(run the export with calibration)")
-                extra[f"{s}_scale"] = g.initializer(f"model.layers.{i}.attn.{s}_scale", scale, TensorProto.FLOAT)
-            if cache.rotation:
-                attrs["qk_rotation" if s == "k" else "v_rotation"] = 1
-        return caches
+        return cache_io(ctx.g, l, ctx.opts.kv_scales.get(l.layer, (None, None)), extra, attrs)
 
     def lm_head(self, ctx: ExportContext, x: str) -> str:
         g, model, config = ctx.g, ctx.model, ctx.config

@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from onnx import TensorProto
 
-from ..graph import GraphBuilder, cast, linear, paged_attention, rms_norm, rotary_tables
+from ..attention import paged_attention
+from ..graph import GraphBuilder, cast, linear, rms_norm, rotary_tables
 from ..moe import Experts, routed_moe, sigmoid_group_route, softmax_group_route, softmax_moe
 from .base import DecoderFamily, ExportContext, ExportOptions
 

@@ -36,8 +36,4 @@ class Exaone4Family(PostNormFamily):
         return "cos_cache" if config.sliding_window is None or self._sliding(config, i) else None
 
     def qk_norm(self, attn):
-        q, k = attn.q_norm, attn.k_norm
-        eq, ek = self.norm_eps(q), self.norm_eps(k)
-        if eq != ek:
-            raise NotImplementedError(f"q_norm eps {eq} != k_norm eps {ek}: the node has one qk_norm_epsilon")
-        return self.norm_weight(q), self.norm_weight(k), eq
+        return self.module_qk_norm(attn)

@@ -22,10 +22,7 @@ class Gemma3Family(Gemma2Family):
         return float(self.decoder(ctx.model).embed_tokens.scalar_embed_scale)
 
     def qk_norm(self, attn):
-        q, k = attn.q_norm, attn.k_norm
-        if self.norm_eps(q) != self.norm_eps(k):
-            raise NotImplementedError("q_norm and k_norm epsilons differ: the node has one qk_norm_epsilon")
-        return self.norm_weight(q), self.norm_weight(k), self.norm_eps(q)
+        return self.module_qk_norm(attn)
 
     def rope_key(self, config, i: int) -> str:
         return LOCAL if config.layer_types[i] == "sliding_attention" else "cos_cache"

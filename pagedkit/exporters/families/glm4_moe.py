@@ -37,13 +37,7 @@ class Glm4MoeFamily(DecoderFamily):
                                       "which needs >= 2 experts per group")
 
     def qk_norm(self, attn):
-        if not attn.use_qk_norm:
-            return None
-        q, k = attn.q_norm, attn.k_norm
-        eq, ek = self.norm_eps(q), self.norm_eps(k)
-        if eq != ek:
-            raise NotImplementedError(f"q_norm eps {eq} != k_norm eps {ek}: the node has one qk_norm_epsilon")
-        return self.norm_weight(q), self.norm_weight(k), eq
+        return self.module_qk_norm(attn) if attn.use_qk_norm else None
 
     def mlp(self, ctx: ExportContext, i: int, mlp, x: str) -> str:
         if not hasattr(mlp, "experts"):  # layers < first_k_dense_replace: Glm4MoeMLP

@@ -5,7 +5,7 @@
 - attention_multiplier: the attention scale itself (replaces head_dim^-0.5: the node's `scale`);
 - logits_scaling: logits / s (a Mul by 1 / s after the LM head: `logits_multiplier`).
 Optional q/k/v/o biases (attention_bias) and MLP biases (mlp_bias) come from the modules.
-`ffn` is the layer's MLP block: Granite-MoE (granitemoe.py) replaces it with its experts."""
+The layer's feed-forward block is the base's `ffn` hook: Granite-MoE (granitemoe.py) replaces it with its experts."""
 
 from __future__ import annotations
 
@@ -31,10 +31,6 @@ class GraniteFamily(DecoderFamily):
 
     def logits_multiplier(self, config) -> float:
         return 1.0 / float(config.logits_scaling)
-
-    def ffn(self, ctx: ExportContext, i: int, layer, x: str) -> str:
-        """The layer's MLP block [T, H] -> [T, H]."""
-        return self.mlp(ctx, i, layer.mlp, x)
 
     def decoder_layer(self, ctx: ExportContext, i: int, layer, res) -> None:
         g, p, ip = ctx.g, f"/model/layers.{i}", f"model.layers.{i}"

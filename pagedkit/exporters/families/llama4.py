@@ -110,15 +110,9 @@ class Llama4Family(DecoderFamily):
         return chunk_bias(ctx.g, ctx.io, int(chunk), MASK)
 
     # ---- layers -------------------------------------------------------------------------------
-    def decoder_layer(self, ctx: ExportContext, i: int, layer, res) -> None:
-        p = f"/model/layers.{i}"
-        x = res.norm(self.norm(layer.input_layernorm), None, f"{p}/input_layernorm",
-                     f"model.layers.{i}.input_layernorm.weight")
-        res.add(self.attention(ctx, i, layer.self_attn, x), f"{p}/attn")
-        x = res.norm(self.norm(layer.post_attention_layernorm), None, f"{p}/post_attention_layernorm",
-                     f"model.layers.{i}.post_attention_layernorm.weight")
+    def ffn(self, ctx: ExportContext, i: int, layer, x: str) -> str:
         ff = layer.feed_forward
-        res.add(self.moe(ctx, i, ff, x) if hasattr(ff, "router") else self.mlp(ctx, i, ff, x), f"{p}/mlp")
+        return self.moe(ctx, i, ff, x) if hasattr(ff, "router") else self.mlp(ctx, i, ff, x)
 
     def moe(self, ctx: ExportContext, i: int, ff, x: str) -> str:
         """shared_expert(x) + expert_e(x * sigmoid(l_e)), e = argmax of the router logits l [T, E]."""

@@ -13,8 +13,4 @@ class Qwen3Family(DecoderFamily):
                                          "sliding layers from layer_types")
 
     def qk_norm(self, attn):
-        q, k = attn.q_norm, attn.k_norm
-        eq, ek = self.norm_eps(q), self.norm_eps(k)
-        if eq != ek:
-            raise NotImplementedError(f"q_norm eps {eq} != k_norm eps {ek}: the node has one qk_norm_epsilon")
-        return self.norm_weight(q), self.norm_weight(k), eq
+        return self.module_qk_norm(attn)
