@@ -138,8 +138,12 @@ def check_builtin(name: str, tmp_path: Path, *, num_layers: int = 4, num_experts
     gc.collect()
     assert_valid_export(out)
     stub = SimpleNamespace(config=config)  # every reference is memoized: HF is not run again
-    return check_parity(stub, out, prompt_lens=prompt_lens, steps=steps, seed=seed, reference=memo,
-                        session=torch_session(out)).worst_ratio
+    worst = check_parity(stub, out, prompt_lens=prompt_lens, steps=steps, seed=seed, reference=memo,
+                         session=torch_session(out)).worst_ratio
+    import shutil
+
+    shutil.rmtree(out)  # gigabytes each: a slow run over every built-in would fill the disk
+    return worst
 
 
 def check_decomposed(case: FamilyCase, tmp_path: Path) -> float:
