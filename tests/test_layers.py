@@ -175,7 +175,7 @@ def test_import_resolution_sees_relative_and_function_level_imports():
     """The walker itself: a relative import, a `from . import submodule` and a function-level import."""
     got = {t for t, _ in imports_of("pagedkit.kernels.paged.cache")}
     assert "pagedkit.kernels.quant" in got  # from .. import quant
-    got = {t for t, _ in imports_of("pagedkit.exporters.graph")}
+    got = {t for t, _ in imports_of("pagedkit.exporters.attention")}
     assert "pagedkit.validators.builders" in got  # inside paged_attention()
 
 
