@@ -11,7 +11,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pagedkit.runtime.bench import report  # noqa: E402  (the commit and settings facts paged-bench records too)
+from pagedkit.apps.bench import report  # noqa: E402  (the commit and settings facts paged-bench records too)
 
 
 def versions(modules=("triton", "onnxruntime", "onnx", "pagedkit")) -> dict:

@@ -76,7 +76,7 @@ def unavailable() -> str | None:
         return "torch is not installed"
     if not torch.cuda.is_available():
         return "no CUDA device (torch.cuda.is_available() is False)"
-    from pagedkit.runtime.bench import ort_arm
+    from pagedkit.apps.bench import ort_arm
 
     return ort_arm.unavailable("cuda")
 
@@ -95,7 +95,7 @@ def make_model(config_dir: Path, model_dir: Path, seed: int, **overrides) -> Non
 
 def load_models(model_dir: Path, device: str, batch: int, prompt_len: int, steps: int):
     """(graph model, eager model, eager mode): two PagedModels with identical pools."""
-    from pagedkit.runtime.engine import Engine
+    from pagedkit.engine import Engine
     from pagedkit.runtime.generate import read_config
 
     bs = read_config(model_dir).block_size or 16
@@ -160,7 +160,7 @@ def teacher_forced(mgr, plan_fn, run_fn, prompts, forced, on_decode=None):
 
 def ort_arm_run(pm, model_dir: Path, prompts, forced):
     """The ORT arm over its own KVCacheManager (a copy of pm that shares its names, not its caches)."""
-    from pagedkit.runtime.bench import ort_arm
+    from pagedkit.apps.bench import ort_arm
     from pagedkit.runtime.kv.cache import KVCacheManager
 
     side = copy.copy(pm)

@@ -26,9 +26,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pagedkit.runtime.bench import engine_arm  # noqa: E402
-from pagedkit.runtime.engine import Engine, SamplingParams  # noqa: E402
-from pagedkit.runtime.engine import overlap as ov  # noqa: E402
+from pagedkit.apps.bench import engine_arm  # noqa: E402
+from pagedkit.engine import Engine, SamplingParams  # noqa: E402
+from pagedkit.engine import overlap as ov  # noqa: E402
 
 WAITS: list[float] = []
 _tokens = ov.Inflight.tokens

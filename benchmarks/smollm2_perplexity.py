@@ -140,7 +140,7 @@ _DECODE_RE = re.compile(r"prefill (\d+) tokens in ([\d.]+) s, decode (\d+) token
 
 def decode_speed(model_dir: Path, new_tokens: int, threads: int | None) -> dict:
     """Run `paged-run` (greedy, eos ignored) and parse its summary line."""
-    cmd = _tool("paged-run", "pagedkit.runtime.cli") + [str(model_dir), "--prompt", DECODE_PROMPT,
+    cmd = _tool("paged-run", "pagedkit.apps.run.cli") + [str(model_dir), "--prompt", DECODE_PROMPT,
                                                          "--max-new-tokens", str(new_tokens), "--ignore-eos"]
     load = os.getloadavg()[0]
     res = subprocess.run(cmd, capture_output=True, text=True, env=_env(threads))

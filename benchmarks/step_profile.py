@@ -131,7 +131,7 @@ def profile_row(model_dir: Path, batch: int, context: int, top: int, seed: int =
                 sweep: list[dict] | None = None) -> dict:
     import torch
 
-    from pagedkit.runtime.engine import Engine, SamplingParams
+    from pagedkit.engine import Engine, SamplingParams
 
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -233,7 +233,7 @@ def result_record(argv: list[str], device: str, rows: list[dict]) -> dict:
 
     import torch
 
-    from pagedkit.runtime.bench import report
+    from pagedkit.apps.bench import report
 
     return {"command": "python benchmarks/step_profile.py " + " ".join(argv), "device": device,
             "device_name": report.device_name(device),

@@ -4,7 +4,7 @@
     paged-fetch smollm2-135m && paged-export --model smollm2-135m --output smollm2-fp16
     python examples/serve_exported_model.py smollm2-fp16 --prompts 8 --max-tokens 32
 
-It starts `paged-serve`'s app (continuous batching on pagedkit.runtime.engine.Engine) on a free local port,
+It starts `paged-serve`'s app (continuous batching on pagedkit.engine.Engine) on a free local port,
 posts `--prompts` chat completions at once from as many threads, prints the start of each answer and the
 throughput (completion tokens over the wall time of the whole batch), and stops the server. CPU unless
 `--device cuda`.
@@ -27,9 +27,9 @@ def serve_and_ask(model_dir: Path, prompts: int = 8, max_tokens: int = 32, devic
     import httpx
     import uvicorn
 
-    from pagedkit.runtime.engine import Engine
-    from pagedkit.runtime.serve import create_app
-    from pagedkit.runtime.serve.tokenizer import load_tokenizer
+    from pagedkit.engine import Engine
+    from pagedkit.apps.serve import create_app
+    from pagedkit.apps.serve.tokenizer import load_tokenizer
 
     engine = Engine(model_dir, device=device, max_batch_size=max_batch_size, max_num_tokens=512)
     app = create_app(engine, load_tokenizer(model_dir), "model")

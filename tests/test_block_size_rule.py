@@ -78,7 +78,7 @@ def test_python_export_api_refuses_before_loading(bs, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("bs", (0, -16, 8, 24))
 def test_paged_run_refuses_block_size(bs, capsys):
-    from pagedkit.runtime.cli import main
+    from pagedkit.apps.run.cli import main
 
     assert main([str(TINY_PAGED), "--prompt-ids", "1,2", f"--block-size={bs}"]) == 2
     cap = capsys.readouterr()

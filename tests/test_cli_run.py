@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from pagedkit import InferenceSession
-from pagedkit.runtime.cli import main
+from pagedkit.apps.run.cli import main
 from pagedkit.runtime.generate import Generator
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +89,7 @@ def test_prompt_text_needs_the_tokenizer(capsys):
 
 
 def test_module_entry_point():
-    proc = subprocess.run([sys.executable, "-m", "pagedkit.runtime.cli", "--help"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "pagedkit.apps.run.cli", "--help"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and "--parity" in proc.stdout and "paged-run" in proc.stdout
 

@@ -48,7 +48,7 @@ def test_triton_write_skips_dedup_under_the_promise(monkeypatch, name):
 
 def test_engine_and_generator_runs_promise_distinct_slots(tiny_llama, monkeypatch):
     from pagedkit.runtime import session as session_mod
-    from pagedkit.runtime.engine import Engine, SamplingParams
+    from pagedkit.engine import Engine, SamplingParams
     from pagedkit.runtime.generate import Generator
 
     seen = []

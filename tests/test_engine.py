@@ -1,4 +1,4 @@
-"""The continuous-batching engine (pagedkit/runtime/engine) on the CPU against an independent oracle: the
+"""The continuous-batching engine (pagedkit/engine) on the CPU against an independent oracle: the
 single-sequence Generator running each request alone on the same tiny random Llama export.
 
 Greedy tokens must agree; a disagreement is accepted only at a near-tie of the oracle's logits (top-1 /
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedkit.runtime.engine import Engine, RequestOutput, SamplingParams, sample_token
-from pagedkit.runtime.engine import engine as engine_mod
+from pagedkit.engine import Engine, RequestOutput, SamplingParams, sample_token
+from pagedkit.engine import engine as engine_mod
 from pagedkit.runtime.generate import Generator
 
 NEAR_TIE = 2e-2

@@ -1,4 +1,4 @@
-"""The onnxruntime-genai-style wrapper over the engine (pagedkit/runtime/engine/genai.py), and the runnable
+"""The onnxruntime-genai-style wrapper over the engine (pagedkit/engine/genai.py), and the runnable
 example of docs/engine.md."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedkit.runtime.engine import SamplingParams
-from pagedkit.runtime.engine.genai import Generator, GeneratorParams, Model
+from pagedkit.engine import SamplingParams
+from pagedkit.engine.genai import Generator, GeneratorParams, Model
 import test_engine
 from test_engine import assert_pool_free, assert_same_greedy, prompts_of
 

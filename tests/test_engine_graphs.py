@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from pagedkit.runtime.engine import Engine, SamplingParams
-from pagedkit.runtime.engine.graphs import KV_BUCKET_MIN, batch_buckets, kv_bucket
+from pagedkit.engine import Engine, SamplingParams
+from pagedkit.engine.graphs import KV_BUCKET_MIN, batch_buckets, kv_bucket
 
 TOL = 1e-3  # max |diff| <= TOL x max |ref|: the same kernels, only the GEMMs' row count differs
 

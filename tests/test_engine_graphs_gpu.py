@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from pagedkit.runtime.engine import Engine, SamplingParams
+from pagedkit.engine import Engine, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkit.runtime.engine import Engine, SamplingParams
-from pagedkit.runtime.engine import engine as engine_mod
+from pagedkit.engine import Engine, SamplingParams
+from pagedkit.engine import engine as engine_mod
 from pagedkit.runtime.kv.cache import KVCacheManager
 
 from pagedkit.runtime.generate import Generator

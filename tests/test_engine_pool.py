@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from pagedkit.runtime.engine import Engine
-from pagedkit.runtime.engine.model import GPU_MEMORY_FRACTION, block_bytes, pool_blocks
+from pagedkit.engine import Engine
+from pagedkit.engine.model import GPU_MEMORY_FRACTION, block_bytes, pool_blocks
 
 
 def _geometry(model_dir):

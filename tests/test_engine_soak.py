@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import test_engine
-from pagedkit.runtime.engine import Engine, SamplingParams
+from pagedkit.engine import Engine, SamplingParams
 from test_engine import ENGINE_NEAR_TIES, assert_pool_free, assert_same_greedy, check_stream
 
 oracle = test_engine.oracle  # the session fixture: Generator(tiny_llama) on the CPU (conftest.py)

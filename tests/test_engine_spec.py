@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from pagedkit.runtime.engine import Engine, SamplingParams, ngram_draft
-from pagedkit.runtime.engine import engine as engine_mod
+from pagedkit.engine import Engine, SamplingParams, ngram_draft
+from pagedkit.engine import engine as engine_mod
 from pagedkit.runtime.kv.cache import KVCacheManager
 import test_engine
 from test_engine import assert_pool_free, assert_same_greedy, check_stream, greedy_alone, prompts_of

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import test_engine
-from pagedkit.runtime.engine import Engine, SamplingParams
+from pagedkit.engine import Engine, SamplingParams
 from test_engine import assert_pool_free, check_stream, greedy_alone
 
 oracle = test_engine.oracle  # the session fixture (tiny_llama: conftest.py)

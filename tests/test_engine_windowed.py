@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedkit.runtime.engine import Engine, SamplingParams
+from pagedkit.engine import Engine, SamplingParams
 from pagedkit.runtime.generate import Generator
 from test_engine import assert_pool_free, assert_same_greedy, check_stream, prompts_of, run_all
 

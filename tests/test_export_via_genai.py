@@ -379,7 +379,7 @@ def test_doc_example_runs(tmp_path, capsys):
     """docs/export.md's --via genai example, as written (paths moved under tmp_path): the python block builds
     the checkpoint, the shell block exports it and runs paged-run --parity."""
     from pagedkit.exporters.cli import main as export_main
-    from pagedkit.runtime.cli import main as run_main
+    from pagedkit.apps.run.cli import main as run_main
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "export.md").read_text(encoding="utf-8")
     section = text.split("## Second route: `--via genai`", 1)[1].split("\n## ", 1)[0]

@@ -93,7 +93,7 @@ def test_export_of_an_unfetched_model_says_to_fetch_it(offline, tmp_path, capsys
 
 def test_parity_without_a_recorded_source_is_one_line(tmp_path, capsys):
     """examples/tiny-paged records no source checkpoint: `--parity` without a path says so."""
-    from pagedkit.runtime.cli import main
+    from pagedkit.apps.run.cli import main
 
     assert main([str(ROOT / "examples" / "tiny-paged"), "--prompt-ids", "1,7,9", "--max-new-tokens", "2",
                  "--parity"]) == 2
@@ -138,7 +138,7 @@ def test_parity_refuses_a_recorded_source_outside_folder_and_cache(tmp_path, mon
     pagedkit's model cache it is refused in one line and never opened."""
     import sys
 
-    from pagedkit.runtime.cli import main
+    from pagedkit.apps.run.cli import main
 
     monkeypatch.setenv("PAGEDKIT_CACHE", str(tmp_path / "cache"))
     secret = tmp_path / "secret"

@@ -267,7 +267,7 @@ def test_engine_tokens_through_the_fused_write_equal_the_reference_engine(tiny_l
     tokens as the engine on the loop reference, except at near-ties of the reference's logits; the decode steps
     went through the fused route."""
     from pagedkit.kernels import dispatch
-    from pagedkit.runtime.engine import Engine, SamplingParams
+    from pagedkit.engine import Engine, SamplingParams
 
     monkeypatch.setenv("PAGEDKIT_CPU_BACKEND", "torch")  # pagedkit's own ops, attention through dispatch
     prompts = [[5, 9, 17, 33, 2 + i] * (2 + i) for i in range(3)]

@@ -1,10 +1,13 @@
-"""The layering of pagedkit (ARCHITECTURE.md): imports only go downward,
+"""The layering of pagedkit (ARCHITECTURE.md, README's Layers): imports only go downward,
 
-    interface (0) <- validators (1) <- kernels (2) <- runtime (3) <- exporters (4) / rewriters (4)
+    interface (0) <- validators (1) <- kernels (2) <- runtime (3) <- engine (4) / exporters (4) / rewriters (4)
+                                                                  <- apps (5: serve/, bench/, run/)
 
 checked on the source: every `import` / `from ... import` of every module, function-level imports
 included, relative imports resolved. Also: no cycle between subpackages, pagedkit.interface imports
 nothing else of pagedkit, and importing pagedkit.interface / pagedkit.validators never imports torch.
+The one exception, listed below (ALIASES): the deprecated old paths of what moved out of runtime/, which
+pagedkit/runtime/moved.py resolves lazily; they are checked to work, to warn once and to stay lazy.
 """
 
 from __future__ import annotations
@@ -17,11 +20,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "pagedkit"
-LAYERS = {"interface": 0, "validators": 1, "kernels": 2, "runtime": 3, "exporters": 4, "rewriters": 4}
+LAYERS = {"interface": 0, "validators": 1, "kernels": 2, "runtime": 3, "engine": 4, "exporters": 4, "rewriters": 4,
+          "apps": 5}
 # Upward imports that exist today and are to be removed (each names who imports what, and why it is not fixed
 # here). The tests fail on any other upward import, and on an entry here that no longer exists (so that a fix
 # also shrinks this list).
 KNOWN_UPWARD: dict[tuple[str, str], str] = {}
+# The only upward references allowed: the deprecated aliases of the paths that moved out of runtime/ (issue 35),
+# old name -> new name, a table of strings in ALIAS_MODULE (its `MOVED`) resolved by an import hook on the first
+# import of an old name, never at `import pagedkit.runtime`. The walker reads the table as references of
+# ALIAS_MODULE to the new modules; the tests fail on any other upward reference and on a table that differs
+# from this list.
+ALIAS_MODULE = "pagedkit.runtime.moved"
+ALIASES = {
+    "pagedkit.runtime.engine": "pagedkit.engine",
+    "pagedkit.runtime.serve": "pagedkit.apps.serve",
+    "pagedkit.runtime.bench": "pagedkit.apps.bench",
+    "pagedkit.runtime.cli": "pagedkit.apps.run.cli",
+}
 # Modules directly in pagedkit/ are outside the layers:
 # - pagedkit/__init__.py is the lazy public facade (pagedkit.InferenceSession imports the runtime on first
 #   use); an import of the bare package `pagedkit` from a layer is an import of that facade and is skipped;
@@ -75,6 +91,31 @@ def imports_of(module: str, source: str | None = None) -> list[tuple[str, int]]:
     return out
 
 
+def alias_table(source: str | None = None) -> dict[str, tuple[str, int]]:
+    """ALIAS_MODULE's `MOVED = {old: new, ...}` as {old: (new, line)} (its file, or `source` as its text)."""
+    path = MODULES[ALIAS_MODULE]
+    tree = ast.parse(path.read_text(encoding="utf-8") if source is None else source, str(path))
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(
+            node, ast.Assign) and len(node.targets) == 1 else None)
+        if isinstance(target, ast.Name) and target.id == "MOVED" and isinstance(node.value, ast.Dict):
+            return {ast.literal_eval(k): (ast.literal_eval(v), k.lineno) for k, v in zip(node.value.keys,
+                                                                                      node.value.values)}
+    raise AssertionError(f"{path}: no MOVED = {{old: new}} table")
+
+
+def references_of(module: str) -> list[tuple[str, int]]:
+    """imports_of(module), plus the alias table's new modules for ALIAS_MODULE."""
+    refs = imports_of(module)
+    if module == ALIAS_MODULE:
+        refs += [(new, line) for new, line in alias_table().values()]
+    return refs
+
+
+def _allowed(module: str, target: str) -> bool:
+    return (module, target) in KNOWN_UPWARD or (module == ALIAS_MODULE and target in ALIASES.values())
+
+
 def layer_of(module: str) -> int | None:
     parts = module.split(".")
     return LAYERS.get(parts[1]) if len(parts) > 1 else None
@@ -98,9 +139,9 @@ def test_imports_only_go_downward():
         src = layer_of(module)
         if src is None:
             continue
-        for target, line in imports_of(module):
+        for target, line in references_of(module):
             dst = layer_of(target)
-            if dst is not None and dst > src and (module, target) not in KNOWN_UPWARD:
+            if dst is not None and dst > src and not _allowed(module, target):
                 bad.append(f"{MODULES[module].relative_to(ROOT.parent)}:{line}: {module} (layer {src}) imports "
                            f"{target} (layer {dst})")
     assert not bad, "upward imports:\n" + "\n".join(bad)
@@ -149,9 +190,9 @@ def test_no_cycle_between_subpackages():
     where: dict[tuple[str, str], str] = {}
     for module in MODULES:
         a = _subpackage(module)
-        for target, line in imports_of(module):
+        for target, line in references_of(module):
             b = _subpackage(target)
-            if a and b and a != b and (module, target) not in KNOWN_UPWARD:
+            if a and b and a != b and not _allowed(module, target):
                 edges.setdefault(a, set()).add(b)
                 where.setdefault((a, b), f"{module}:{line} -> {target}")
     cycles = _cycles(edges)
@@ -194,3 +235,107 @@ def test_ground_floor_does_not_import_torch(packages):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=ROOT.parent)
     assert out.stdout.strip() == "[]", f"{packages} imported torch: {out.stdout.strip()[:200]}"
+
+
+# ---- the layout of issue 35: engine/ above runtime/, the apps above the engine ------------------------------
+
+def test_every_layer_is_a_folder():
+    missing = [name for name in LAYERS if not (ROOT / name / "__init__.py").is_file()]
+    assert not missing, f"LAYERS names packages that do not exist: {missing}"
+
+
+def test_walker_covers_the_engine_and_the_apps():
+    assert layer_of("pagedkit.engine.model") == 4 and layer_of("pagedkit.apps.serve.app") == 5
+    got = {t for t, _ in imports_of("pagedkit.engine.model")}
+    assert "pagedkit.runtime.session" in got  # from ..runtime.session import ...
+    got = {t for t, _ in imports_of("pagedkit.apps.bench.cli")}
+    assert {"pagedkit.engine", "pagedkit.runtime.generate"} <= got  # function-level, three dots up
+    assert any(m.startswith("pagedkit.apps.run.") for m in MODULES) and "pagedkit.apps.serve.cli" in MODULES
+
+
+@pytest.mark.parametrize("module, src, want", [
+    ("pagedkit.runtime.generate", "from ..engine import Engine\n", ("pagedkit.engine", 1, 4)),
+    ("pagedkit.engine.model", "def f():\n    from ..apps.serve import create_app\n", ("pagedkit.apps.serve", 2, 5)),
+])
+def test_an_upward_import_of_the_new_layers_is_seen(module, src, want):
+    (target, line), = imports_of(module, src)
+    assert (target, line, layer_of(target)) == want
+    assert not _allowed(module, target)
+
+
+def test_the_aliases_are_the_only_upward_references():
+    """ALIASES is exactly the alias module's table: each old name is gone from the tree (only the alias
+    resolves it), each new name exists and lies above the runtime; an entry added to the table and not here is
+    an upward reference the tests refuse."""
+    table = alias_table()
+    assert {old: new for old, (new, _) in table.items()} == ALIASES
+    for old, new in ALIASES.items():
+        assert old not in MODULES, f"{old} is still a module of its own: the alias would not be the only path"
+        assert new in MODULES and layer_of(new) > layer_of(ALIAS_MODULE), (old, new)
+    src = MODULES[ALIAS_MODULE].read_text(encoding="utf-8").replace(
+        '"pagedkit.runtime.cli": "pagedkit.apps.run.cli",',
+        '"pagedkit.runtime.cli": "pagedkit.apps.run.cli",\n    "pagedkit.runtime.x": "pagedkit.apps.x",')
+    assert alias_table(src)["pagedkit.runtime.x"][0] == "pagedkit.apps.x"
+    assert not _allowed(ALIAS_MODULE, "pagedkit.apps.x")
+
+
+_ALIAS_SCRIPT = r"""
+import importlib, json, os, sys, tempfile, warnings
+import pagedkit.runtime
+report = {"eager": sorted(m for m in sys.modules if m.split(".")[:2] in (["pagedkit", "engine"], ["pagedkit", "apps"]))}
+# a leftover folder of an old package (what a checkout keeps after the move: __pycache__/) must not shadow an alias
+stale = tempfile.mkdtemp()
+for name in ("engine", "serve", "bench"):
+    os.makedirs(os.path.join(stale, name, "__pycache__"))
+pagedkit.runtime.__path__.append(stale)
+for old, (new, subs) in json.loads(sys.argv[1]).items():
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        same = [importlib.import_module(old) is importlib.import_module(new)]
+        same += [importlib.import_module(old + s) is importlib.import_module(new + s) for s in subs]
+        parent, _, leaf = old.rpartition(".")
+        same.append(getattr(importlib.import_module(parent), leaf) is importlib.import_module(new))
+        exec(f"from {parent} import {leaf} as again\nsame.append(again is importlib.import_module(new))")
+        same += [importlib.import_module(new + s).__spec__.name == new + s for s in ["", *subs]]  # its own spec
+    report[old] = {"same": same, "warnings": [[str(x.message), x.category.__name__, x.filename] for x in w]}
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def alias_report():
+    """One fresh interpreter imports every old name (each package's submodules included) next to its new one."""
+    import json
+
+    aliases = {old: [new, sorted(m[len(new):] for m in MODULES if m.startswith(new + "."))]
+               for old, new in ALIASES.items()}
+    out = subprocess.run([sys.executable, "-c", _ALIAS_SCRIPT, json.dumps(aliases)], capture_output=True,
+                         text=True, cwd=ROOT.parent, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_importing_the_runtime_imports_nothing_above_it(alias_report):
+    assert alias_report["eager"] == [], f"import pagedkit.runtime imported {alias_report['eager']}"
+
+
+@pytest.mark.parametrize("old", sorted(ALIASES))
+def test_an_old_path_is_the_new_module_and_warns_once(alias_report, old):
+    got = alias_report[old]
+    assert got["same"] and all(got["same"]), f"{old}: not the very modules of {ALIASES[old]}: {got['same']}"
+    assert len(got["warnings"]) == 1, got["warnings"]  # once, however many submodules and imports followed
+    (message, category, filename), = got["warnings"]
+    assert category == "DeprecationWarning" and ALIASES[old] in message and old in message, message
+    assert filename == "<string>", f"the warning points at {filename}, not at the importing line"
+
+
+@pytest.mark.parametrize("old, prog", [("pagedkit.runtime.cli", "paged-run"),
+                                       ("pagedkit.runtime.serve.cli", "paged-serve")])
+def test_python_dash_m_on_an_old_path(old, prog):
+    """`python -m OLD` (what docs and scripts used) runs the new module as __main__, with one warning."""
+    out = subprocess.run([sys.executable, "-W", "always::DeprecationWarning", "-m", old, "--help"],
+                         capture_output=True, text=True, cwd=ROOT.parent, timeout=300)
+    assert out.returncode == 0 and out.stdout.startswith(f"usage: {prog}"), (out.stdout[:300], out.stderr[-2000:])
+    root = next(o for o in ALIASES if old == o or old.startswith(o + "."))
+    warned = [line for line in out.stderr.splitlines() if "DeprecationWarning" in line]
+    assert len(warned) == 1 and f"moved to {ALIASES[root]}" in warned[0], out.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""paged-bench (pagedkit/runtime/bench) on the CPU over a tiny random Llama export: the JSON it writes,
+"""paged-bench (pagedkit/apps/bench) on the CPU over a tiny random Llama export: the JSON it writes,
 the floor arithmetic against an independent count, skipped rows and arms, the plot, bad arguments; and
 the ORT arm's loop (plans, in-place caches, greedy tokens, parity) driven by a stand-in runner that runs
 pagedkit's own session, since onnxruntime's PagedAttention is CUDA-only (the real OrtRunner is not run
@@ -14,7 +14,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from pagedkit.runtime.bench import cli, ort_arm
+from pagedkit.apps.bench import cli, ort_arm
 
 ARGS = ["--device", "cpu", "--batches", "1", "2", "--contexts", "32", "64", "--decode-steps", "4", "--no-progress"]
 
@@ -160,7 +160,7 @@ def test_ort_arm_loop_with_stand_in_runner(tiny_llama, tmp_path, monkeypatch):
         return made[-1]
 
     engine_model = []  # the PagedModel of the Engine the CLI builds (cli imports Engine at run time)
-    from pagedkit.runtime import engine as engine_pkg
+    from pagedkit import engine as engine_pkg
 
     orig = engine_pkg.Engine
 
@@ -195,7 +195,7 @@ def test_parity_reports_mismatch():
 
 
 def test_kv_bytes_quantized_and_latent():
-    from pagedkit.runtime.bench import floor
+    from pagedkit.apps.bench import floor
     from pagedkit.runtime.kv.config import LayerCacheSpec
 
     assert floor.layer_kv_bytes_per_token(LayerCacheSpec(0, 8, 128, "float16")) == 8 * 2 * 128 * 2
@@ -227,7 +227,7 @@ def test_ort_refusal_skips_the_arm(tiny_llama, tmp_path, monkeypatch, capsys):
 def test_chunked_prefill_rows_leave_headroom_for_the_early_requests():
     """With a chunked prefill, the first requests decode while later ones prefill: their prompts are shortened by
     the prefill's steps so every timed step still decodes all B sequences within the context."""
-    from pagedkit.runtime.bench.engine_arm import Row, with_headroom
+    from pagedkit.apps.bench.engine_arm import Row, with_headroom
 
     assert with_headroom(Row(1, 4096, 32), 16384) == Row(1, 4096, 32)  # one prefill step: nothing to leave
     r = with_headroom(Row(32, 4096, 32), 16384)
@@ -256,7 +256,7 @@ class PagedkitAsOrtGraph(PagedkitAsOrt):
 
 def test_ort_arm_graph_mode_binds_fixed_buffers_per_key(tiny_llama, tmp_path, monkeypatch):
     made = []
-    from pagedkit.runtime import engine as engine_pkg
+    from pagedkit import engine as engine_pkg
 
     orig, engine_model = engine_pkg.Engine, []
 
@@ -283,7 +283,7 @@ def test_ort_arm_graph_mode_binds_fixed_buffers_per_key(tiny_llama, tmp_path, mo
 
 def test_teeth_graph_buffers_made_per_row_are_caught(tiny_llama, tmp_path, monkeypatch):
     """Buffers kept per row instead of per runner would move under a captured graph: the row fails, named."""
-    from pagedkit.runtime import engine as engine_pkg
+    from pagedkit import engine as engine_pkg
 
     orig, engine_model = engine_pkg.Engine, []
 
@@ -306,8 +306,8 @@ def test_teeth_graph_buffers_made_per_row_are_caught(tiny_llama, tmp_path, monke
 def test_engine_arm_with_overlap_times_full_decode_steps(tiny_llama):
     """With overlap (one step of lookahead), the row's prompts leave one more step of headroom, every timed
     step() returns the B tokens of a step, and the tokens equal the synchronous engine's."""
-    from pagedkit.runtime.bench.engine_arm import Row, prompts_for, run_row, with_headroom
-    from pagedkit.runtime.engine import Engine
+    from pagedkit.apps.bench.engine_arm import Row, prompts_for, run_row, with_headroom
+    from pagedkit.engine import Engine
 
     row = with_headroom(Row(3, 64, 8), 4096, lookahead=1)
     assert row.headroom == 1 and row.prompt_tokens == 64 - 8 - 1
@@ -332,8 +332,8 @@ def test_repeats_interleave_the_arms_and_combine(tiny_llama, tmp_path, monkeypat
     reports its run time alone (run_ms, at most its step)."""
     order = []
     monkeypatch.setattr(ort_arm, "unavailable", lambda device: None)
-    from pagedkit.runtime import engine as engine_pkg
-    from pagedkit.runtime.bench import engine_arm
+    from pagedkit import engine as engine_pkg
+    from pagedkit.apps.bench import engine_arm
 
     models = []
     orig_engine = engine_pkg.Engine

@@ -156,7 +156,7 @@ def test_threads_from_session_options(monkeypatch):
 def test_paged_run_threads(capsys):
     from pathlib import Path
 
-    from pagedkit.runtime.cli import main
+    from pagedkit.apps.run.cli import main
 
     tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny-paged"
     before = torch.get_num_threads()

@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 
-from pagedkit.runtime.serve import create_app
-from pagedkit.runtime.serve.textstream import TextStream
-from pagedkit.runtime.serve.tokenizer import ServeTokenizer, load_tokenizer
+from pagedkit.apps.serve import create_app
+from pagedkit.apps.serve.textstream import TextStream
+from pagedkit.apps.serve.tokenizer import ServeTokenizer, load_tokenizer
 from test_serve_helpers import (FakeEngine, ServerThread, completion_text, fake_continuation, sse_events,
                                 write_tokenizer)
 
@@ -282,7 +282,7 @@ def test_textstream_waits_for_complete_characters():
 # -- the paged-serve command's errors: one line on stderr, exit status 2 ----------------------------------------
 
 def _one_line_error(capsys, argv, *words):
-    from pagedkit.runtime.serve.cli import main
+    from pagedkit.apps.serve.cli import main
 
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -302,7 +302,7 @@ def test_cli_bad_arguments(capsys, tmp_path, tok_dir):
     _one_line_error(capsys, [str(tok_dir), "--max-batch-size", "0"], "--max-batch-size", ">= 1")
     _one_line_error(capsys, [str(tok_dir)], "genai_config.json")  # a tokenizer but no model: the engine's error
     with pytest.raises(SystemExit) as exc:  # argparse's own usage error
-        from pagedkit.runtime.serve.cli import main
+        from pagedkit.apps.serve.cli import main
 
         main([str(tok_dir), "--port", "x"])
     assert exc.value.code == 2

@@ -1,4 +1,4 @@
-"""paged-serve over the REAL engine (pagedkit.runtime.engine.Engine) on a tiny exported Llama (vocab 144)
+"""paged-serve over the REAL engine (pagedkit.engine.Engine) on a tiny exported Llama (vocab 144)
 with a word-level tokenizer in its folder: a real uvicorn server called with httpx. The streamed text equals
 the non-streamed text of the same greedy request; concurrent requests (continuous batching) each equal the
 same request run alone; stop strings; seeded sampling; and `paged-serve MODEL_DIR` as a subprocess."""
@@ -10,9 +10,9 @@ import asyncio
 import httpx
 import pytest
 
-from pagedkit.runtime.engine import Engine
-from pagedkit.runtime.serve import create_app
-from pagedkit.runtime.serve.tokenizer import load_tokenizer
+from pagedkit.engine import Engine
+from pagedkit.apps.serve import create_app
+from pagedkit.apps.serve.tokenizer import load_tokenizer
 from test_serve_helpers import ServeCommand, ServerThread, completion_text, sse_events, tiny_served_model
 
 

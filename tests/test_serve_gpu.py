@@ -15,9 +15,9 @@ import torch
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from pagedkit.runtime.engine import Engine  # noqa: E402
-from pagedkit.runtime.serve import create_app  # noqa: E402
-from pagedkit.runtime.serve.tokenizer import load_tokenizer  # noqa: E402
+from pagedkit.engine import Engine  # noqa: E402
+from pagedkit.apps.serve import create_app  # noqa: E402
+from pagedkit.apps.serve.tokenizer import load_tokenizer  # noqa: E402
 from test_serve_helpers import ServeCommand, ServerThread, completion_text, tiny_served_model  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

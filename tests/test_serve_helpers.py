@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from pagedkit.runtime.engine.params import RequestOutput, SamplingParams
+from pagedkit.engine.params import RequestOutput, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB_SIZE = 144  # tests/export_utils.py TINY: vocab 144, bos 1, eos 2, pad 0
@@ -56,7 +56,7 @@ def write_tokenizer(folder: Path, chat_template: str | None = CHAT_TEMPLATE) -> 
     return folder
 
 
-# -- a fake engine (the interface of pagedkit.runtime.engine.Engine; its SamplingParams / RequestOutput) ---
+# -- a fake engine (the interface of pagedkit.engine.Engine; its SamplingParams / RequestOutput) ---
 
 def fake_continuation(prompt: list[int], n: int, eos: int | None = None, eos_at: int | None = None) -> list[int]:
     """The fake engine's tokens for a prompt: each a function of the sequence so far (batching-independent)."""
@@ -156,14 +156,14 @@ class ServerThread:
 
 class ServeCommand:
     """`with ServeCommand(model_dir, *options) as base_url:` `paged-serve MODEL_DIR --port <free> *options` as a
-    subprocess (python -m pagedkit.runtime.serve.cli), once its /health answers (within `timeout` s); stopped on
+    subprocess (python -m pagedkit.apps.serve.cli), once its /health answers (within `timeout` s); stopped on
     exit."""
 
     def __init__(self, model_dir: Path, *options: str, timeout: float = 60):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.argv = [sys.executable, "-m", "pagedkit.runtime.serve.cli", str(model_dir), "--port", str(self.port),
+        self.argv = [sys.executable, "-m", "pagedkit.apps.serve.cli", str(model_dir), "--port", str(self.port),
                      *options]
         self.timeout = timeout
 

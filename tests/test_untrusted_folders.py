@@ -35,7 +35,7 @@ from onnx import TensorProto, helper
 
 import pagedkit
 EXIT_INTERNAL = 3  # pagedkit/cli_errors.py: an internal error (a bug)
-from pagedkit.runtime.cli import main as run_main
+from pagedkit.apps.run.cli import main as run_main
 from pagedkit.validators.cli import main as validate_main
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-paged"
@@ -747,7 +747,7 @@ def _subprocess(root: Root, module: str, argv: list[str], block: str = "") -> su
 def test_subprocess_validate_and_run(root, case_name):
     folder = _build(root, next(c for c in CASES if c.name == case_name))
     for module, prog, extra in (("pagedkit.validators.cli", "paged-validate", []),
-                                ("pagedkit.runtime.cli", "paged-run", ["--prompt-ids", "1,2"])):
+                                ("pagedkit.apps.run.cli", "paged-run", ["--prompt-ids", "1,2"])):
         proc = _subprocess(root, module, [str(folder), *extra])
         assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
         line = _one_line(proc.stderr, prog)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv.cache import KVCacheExhausted
-from ..kv.staging import PinnedRing
+from ..runtime.kv.cache import KVCacheExhausted
+from ..runtime.kv.staging import PinnedRing
 from .sampling import greedy_rows
 
 PLACEHOLDER = 0  # the id a step is planned with before its real id is known (set before commit)

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     tokenizer = load_tokenizer(model_dir)  # before the engine: a folder without tokenizer fails fast
-    from ..engine import Engine
+    from ...engine import Engine
 
     engine = Engine(model_dir, device=args.device, max_batch_size=args.max_batch_size,
                     max_num_tokens=args.max_num_tokens, num_blocks=args.num_blocks)

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {problem}", file=sys.stderr)
         return 2
     from ...interface.paths import inside_folder
-    from ..generate import read_config
+    from ...runtime.generate import read_config
 
     cfg = read_config(model_dir)
     model_path = Path(inside_folder(model_dir, cfg.filename, "model.decoder.filename",
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
-    from ..engine import Engine
+    from ...engine import Engine
 
     budget = args.max_num_tokens or min(DEFAULT_MAX_NUM_TOKENS, max([r.batch * r.prompt_tokens for r in rows] or [1]))
     overlap = device == "cuda" and not args.no_cuda_graphs and not args.no_overlap  # needs the engine's graphs
@@ -286,7 +286,7 @@ def _block_size(model_dir, cfg) -> int:
     import onnx
 
     from ...interface import names as N
-    from ..generate import resolve_block_size
+    from ...runtime.generate import resolve_block_size
 
     model = onnx.load(str(model_dir / cfg.filename), load_external_data=False)
     key0 = cfg.name(N.past_names_key("key"), 0)

@@ -1,4 +1,4 @@
-"""The pagedkit arm: one (batch, context) row through `pagedkit.runtime.engine.Engine`.
+"""The pagedkit arm: one (batch, context) row through `pagedkit.engine.Engine`.
 
 B requests of random prompts of `context - decode_steps` tokens are submitted at once (greedy,
 ignore_eos, prefix caching off). TTFT: from submitting to the step after which every request has its
@@ -21,7 +21,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from ..engine import Engine, SamplingParams
+from ...engine import Engine, SamplingParams
 
 
 @dataclass(frozen=True)

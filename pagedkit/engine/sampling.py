@@ -44,10 +44,10 @@ def greedy_rows(logits: torch.Tensor) -> torch.Tensor:
     (kernels/triton/argmax.py: torch's one-kernel reduction took 36 us of an H200 decode step at V = 128256),
     elsewhere torch.argmax; the same indices (ties to the lowest)."""
     if logits.is_cuda:
-        from ...kernels.triton import common
+        from ..kernels.triton import common
 
         if common.HAVE_TRITON:
-            from ...kernels.triton.argmax import argmax_rows
+            from ..kernels.triton.argmax import argmax_rows
 
             return argmax_rows(logits)
     return logits.argmax(-1)

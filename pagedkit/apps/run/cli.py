@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..cli_errors import cli_main, one_line, report as report_error
+from ...cli_errors import cli_main, one_line, report as report_error
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -68,7 +68,7 @@ def _tokenizer(model_dir: Path):
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         return None
-    from ..interface.paths import inside_folder
+    from ...interface.paths import inside_folder
     from tokenizers import Tokenizer
 
     inside_folder(model_dir, "tokenizer.json")  # UnsafePathError: a symlink leading out of the folder
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print("paged-run: --max-new-tokens should be >= 1", file=sys.stderr)
         return 2
     if args.block_size is not None:
-        from ..validators.contract import block_size_error
+        from ...validators.contract import block_size_error
 
         if block_size_error(args.block_size):
             print(f"paged-run: --block-size: {block_size_error(args.block_size)}", file=sys.stderr)
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt = tok.encode(args.prompt).ids
         else:
             prompt = args.prompt_ids
-        from .generate import TOLERANCES, Generator
+        from ...runtime.generate import TOLERANCES, Generator
 
         t0 = time.perf_counter()
         # caches sized for this run (prompt + new tokens), not for the config's context_length
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
           f"decode {len(steps) - 1} tokens in {decode:.3f} s ({rate})")
     if args.parity is None:
         return 0
-    from .parity import hf_logits, load_hf, parity, recorded_source
+    from ...runtime.parity import hf_logits, load_hf, parity, recorded_source
 
     tol = args.tol if args.tol is not None else TOLERANCES[gen.dtype]
     try:

@@ -24,14 +24,14 @@ from typing import Sequence
 
 import torch
 
-from ...interface import names as N
-from ...interface.paths import inside_folder
-from ...validators.contract import block_size_error
-from ..generate import DecoderConfig, layer_cache_spec, read_config, resolve_block_size, step_feeds
-from ..kv.cache import KVCacheManager
-from ..kv.config import GroupConfig, KVCacheConfig
-from ..kv.plan import StepPlan
-from ..session import InferenceSession, _cpu_backend
+from ..interface import names as N
+from ..interface.paths import inside_folder
+from ..validators.contract import block_size_error
+from ..runtime.generate import DecoderConfig, layer_cache_spec, read_config, resolve_block_size, step_feeds
+from ..runtime.kv.cache import KVCacheManager
+from ..runtime.kv.config import GroupConfig, KVCacheConfig
+from ..runtime.kv.plan import StepPlan
+from ..runtime.session import InferenceSession, _cpu_backend
 from .graphs import DecodeGraphs
 
 

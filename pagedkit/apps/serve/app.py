@@ -129,12 +129,12 @@ async def _submit_checked(srv: _Server, prompt_ids, s, max_tokens):
 
 
 def create_app(engine, tokenizer, model_name: str, *, sampling_params_cls=None) -> Starlette:
-    """The Starlette app serving `engine` (pagedkit.runtime.engine.Engine or one with its interface).
+    """The Starlette app serving `engine` (pagedkit.engine.Engine or one with its interface).
 
     tokenizer: a transformers PreTrainedTokenizerFast (see tokenizer.load_tokenizer) or a ServeTokenizer.
     sampling_params_cls: the SamplingParams class handed to engine.add_request (default: the engine's)."""
     if sampling_params_cls is None:
-        from ..engine import SamplingParams as sampling_params_cls
+        from ...engine import SamplingParams as sampling_params_cls
     srv = _Server(engine, tokenizer, model_name, sampling_params_cls)
 
     async def health(request: Request) -> Response:

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 
 from ...interface import dtypes
-from ..engine.model import block_bytes
+from ...engine.model import block_bytes
 
 DEFAULT_BANDWIDTH = 4.4e12  # bytes / s
 

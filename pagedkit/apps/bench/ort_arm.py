@@ -29,7 +29,7 @@ import torch
 
 from ...interface import dtypes
 from ...interface import names as N
-from ..engine.graphs import kv_bucket
+from ...engine.graphs import kv_bucket
 from .engine_arm import Row, _sync
 
 

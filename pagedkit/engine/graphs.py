@@ -30,7 +30,7 @@ import logging
 
 import torch
 
-from ..kv.staging import PinnedRing
+from ..runtime.kv.staging import PinnedRing
 
 log = logging.getLogger("pagedkit.engine")
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from ..kv.cache import KVCacheExhausted
+from ..runtime.kv.cache import KVCacheExhausted
 from .model import PagedModel
 from .overlap import HostRing, Inflight, advance, greedy_decode
 from .params import RequestOutput, SamplingParams
