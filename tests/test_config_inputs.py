@@ -207,6 +207,19 @@ def test_huge_and_odd_values_stay_one_short_line():
         "model.decoder.inputs.past_key_names", "model.vocab_size", "model.eos_token_id"]
 
 
+def test_rewrite_refuses_a_bad_source_config(tmp_path):
+    from pagedkit.rewriters.cli import main as rewrite_main
+
+    cfg = copy.deepcopy(BASE)
+    cfg["model"]["decoder"]["num_hidden_layers"] = "two"
+    folder = _folder(tmp_path, cfg)
+    out = tmp_path / "out" / "model.onnx"
+    rc, _, err = _call(rewrite_main, [str(folder), str(out), "--to", "gqa"])
+    assert rc == 2 and _error_line(err, "paged-rewrite") == (
+        f"{folder / 'genai_config.json'}: model.decoder.num_hidden_layers must be an integer >= 1, got 'two'")
+    assert not out.exists()  # refused before anything is written
+
+
 # ---------------------------------------------------------------------------------------------------------
 # good configs still pass
 # ---------------------------------------------------------------------------------------------------------
