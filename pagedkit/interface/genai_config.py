@@ -11,6 +11,8 @@ decodes it (and also accepts an object, for configs that are not meant for onnxr
 
 Cache dtypes here are k/v_cache_dtype spellings ("float16", "bfloat16", "int8", "float8e4m3fn", "int4");
 what they mean (storage type, stored width) is the cache-format table of pagedkit/validators/contract.py.
+The JSON type and range of every field pagedkit reads (what the readers check) is the schema of
+pagedkit/validators/genai_schema.py.
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ import onnx_ir as ir
 
 from pagedkit.interface.genai_config import GENAI_CONFIG
 from pagedkit.validators.contract import block_size_error
+from pagedkit.validators.genai_schema import check_genai_config
 from pagedkit.validators.model import check_model
-from pagedkit.validators.model_loading import ModelLoadError, external_data_problems, load_model_proto, \
-    resolve_model_path
+from pagedkit.validators.model_loading import ModelLoadError, config_path, external_data_problems, \
+    load_model_proto, resolve_model_path
 
 from .report import RewriteRefused, RewriteReport
 
@@ -45,6 +46,8 @@ def _load(src: Path) -> tuple[ir.Model, dict | None, bool]:
     model_path, config, issues = resolve_model_path(src)
     if issues:
         raise ModelLoadError("; ".join(str(i) for i in issues))
+    if config is not None:  # the source's fields, refused before anything is rewritten (genai_schema.py)
+        check_genai_config(config, str(config_path(src)))
     proto = load_model_proto(model_path)
     problems = external_data_problems(proto, model_path.parent)
     if problems:

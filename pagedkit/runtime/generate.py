@@ -34,8 +34,8 @@ from ..interface.paths import check_config_paths, inside_folder
 from .kv.cache import KVCacheManager
 from .kv.config import GroupConfig, KVCacheConfig, LayerCacheSpec
 from .session import InferenceSession, SessionOptions, _cpu_backend
-from ..validators.contract import block_size_error
-from ..validators.contract import CACHE_FORMATS
+from ..validators.contract import CACHE_FORMATS, block_size_error
+from ..validators.genai_schema import check_genai_config
 
 # parity tolerances (max|diff| <= tol * max|ref|) of a model's logits vs HF eager float32, by model dtype
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
@@ -100,80 +100,25 @@ def read_config(folder: str | Path) -> DecoderConfig:
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: the top level is a JSON {type(cfg).__name__}, not an object")
     check_config_paths(cfg, folder, str(path))  # every file it names lies inside the folder
-    get = _ConfigReader(path)
-    model = get.obj(cfg, "model")
-    dec = get.obj(model, "decoder", "model.")
-    search = get.obj(cfg, "search")
-    batching = get.obj(get.obj(cfg, "engine"), "dynamic_batching", "engine.")
-    missing = [k for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_size") if k not in dec]
-    if missing:
-        raise ValueError(f"{path}: model.decoder lacks {missing}")
+    # every field's JSON type and range, the block sizes the operator's rule, all reported at once
+    check_genai_config(cfg, str(path), runtime=True)
+    model, dec = cfg["model"], cfg["model"]["decoder"]
+    search = cfg.get("search") or {}
+    batching = (cfg.get("engine") or {}).get("dynamic_batching") or {}
+    section = read_pagedkit_section(cfg)
     eos = model.get("eos_token_id")
-    eos = [] if eos is None else [get.int(e, "model.eos_token_id", minimum=0)
-                                  for e in (eos if isinstance(eos, list) else [eos])]
+    eos = [] if eos is None else list(eos if isinstance(eos, list) else [eos])
     sw = dec.get("sliding_window") or {}
-    if not isinstance(sw, dict):
-        raise ValueError(f"{path}: model.decoder.sliding_window must be an object, got {type(sw).__name__}")
-    try:
-        section = read_pagedkit_section(cfg)
-    except ValueError as exc:  # the section's JSON text, or its type
-        raise ValueError(f"{path}: 'pagedkit' section: {exc}") from None
-    layers = section.get("layers", [])
-    if not isinstance(layers, list) or not all(isinstance(l, dict) for l in layers):
-        raise ValueError(f"{path}: pagedkit.layers must be a list of objects")
-    for l in layers:
-        get.int(l.get("layer"), "pagedkit.layers[].layer", minimum=0)
-        if "head_size" in l:
-            get.int(l["head_size"], "pagedkit.layers[].head_size")
-    block = section.get("block_size") or batching.get("block_size")
-    context = model.get("context_length") or search.get("max_length") or 2048
-    vocab = model.get("vocab_size")
-    chunk = search.get("chunk_size")
-    window = sw.get("window_size")
-    windowed = sw.get("layers", []) if sw else []
-    if not isinstance(windowed, list):
-        raise ValueError(f"{path}: model.decoder.sliding_window.layers must be a list, got {type(windowed).__name__}")
     return DecoderConfig(
-        folder=folder, filename=dec.get("filename", "model.onnx"),
-        num_layers=get.int(dec["num_hidden_layers"], "model.decoder.num_hidden_layers"),
-        num_heads=get.int(dec["num_attention_heads"], "model.decoder.num_attention_heads"),
-        kv_num_heads=get.int(dec["num_key_value_heads"], "model.decoder.num_key_value_heads"),
-        head_size=get.int(dec["head_size"], "model.decoder.head_size"),
-        vocab_size=None if vocab is None else get.int(vocab, "model.vocab_size"), eos_token_ids=eos,
-        context_length=get.int(context, "model.context_length"),
-        inputs=get.names(dec.get("inputs", {}), "model.decoder.inputs"),
-        outputs=get.names(dec.get("outputs", {}), "model.decoder.outputs"),
-        window=None if window is None else get.int(window, "model.decoder.sliding_window.window_size"),
-        window_slack=get.int(sw.get("cache_slack") or 0, "model.decoder.sliding_window.cache_slack", minimum=0),
-        windowed_layers=[get.int(l, "model.decoder.sliding_window.layers[]", minimum=0) for l in windowed],
-        block_size=get.int(block, "block_size") if block else None,
-        chunk_size=None if chunk is None else get.int(chunk, "search.chunk_size"),
-        pagedkit=section, caches=cache_templates(cfg))
-
-
-class _ConfigReader:
-    """Typed reads of genai_config values: a wrong JSON type or range is a ValueError naming the field."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def obj(self, d: dict, key: str, prefix: str = "") -> dict:
-        value = d.get(key)
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            raise ValueError(f"{self.path}: {prefix}{key} must be an object, got {type(value).__name__}")
-        return value
-
-    def int(self, value, field: str, minimum: int = 1) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < 1 << 62:
-            raise ValueError(f"{self.path}: {field} must be an integer >= {minimum}, got {value!r}")
-        return value
-
-    def names(self, value, field: str) -> dict[str, str]:
-        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-            raise ValueError(f"{self.path}: {field} must map names to strings, got {value!r}"[:300])
-        return dict(value)
+        folder=folder, filename=dec.get("filename") or "model.onnx", num_layers=dec["num_hidden_layers"],
+        num_heads=dec["num_attention_heads"], kv_num_heads=dec["num_key_value_heads"], head_size=dec["head_size"],
+        vocab_size=model.get("vocab_size"), eos_token_ids=eos,
+        context_length=model.get("context_length") or search.get("max_length") or 2048,
+        inputs=dict(dec.get("inputs") or {}), outputs=dict(dec.get("outputs") or {}),
+        window=sw.get("window_size"), window_slack=sw.get("cache_slack") or 0,
+        windowed_layers=list(sw.get("layers") or []),
+        block_size=section.get("block_size") or batching.get("block_size"),
+        chunk_size=search.get("chunk_size"), pagedkit=section, caches=cache_templates(cfg))
 
 
 @dataclass

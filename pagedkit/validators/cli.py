@@ -1,8 +1,9 @@
 """`paged-validate MODEL.onnx|MODEL_DIR [--json]`: validate every attention node of a model.
 
 Exit status: 0 clean (prints "OK: N attention nodes checked"), 1 issues (one line per issue on stdout,
-a count on stderr), 2 the model is missing, unreadable or not ONNX, or its folder names a file outside
-itself (one line on stderr), 3 an internal error (one line on stderr; PAGEDKIT_DEBUG=1 re-raises).
+a count on stderr), 2 the model is missing, unreadable or not ONNX, its folder names a file outside
+itself, or its genai_config.json breaks the schema (genai_schema.py: each bad field and its expected value;
+one line on stderr), 3 an internal error (one line on stderr; PAGEDKIT_DEBUG=1 re-raises).
 --json prints {"issues": [issue dicts], "summary": {...}} instead (exit status unchanged).
 A folder is read as its model.onnx (genai_config.json's decoder filename when given) plus
 genai_config.json; external data is read only from inside the model's folder.

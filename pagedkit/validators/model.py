@@ -27,13 +27,14 @@ from onnx import TensorProto, numpy_helper
 from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
 from ..interface import names as N
-from ..interface.genai_config import cache_templates, read_genai_config
+from ..interface.genai_config import GENAI_CONFIG, cache_templates, read_genai_config
 from .checks import validate_node
 from .inference import type_of_proto, register_schemas
-from .contract import BLOCK_SIZE_RULE, CONTRACTS, DOMAIN, MIN_BLOCK_SIZE, block_size_error, get_contract
+from .contract import BLOCK_SIZE_RULE, CONTRACTS, DOMAIN, block_size_error, get_contract
+from .genai_schema import BLOCK_SIZE_FIELDS, ConfigProblem, GenaiConfigError, config_problems
 from .issues import Issue
 from .model_loading import (  # noqa: F401 (ModelLoadError is re-exported)
-    ModelLoadError, external_data_problems, graphs, load_model_proto, resolve_model_path,
+    ModelLoadError, config_path, external_data_problems, graphs, load_model_proto, resolve_model_path,
 )
 from .nodeview import Dim, dims_conflict, dtype_from_type_str, dtype_name
 
@@ -308,43 +309,42 @@ def _extension_input_rules(node: onnx.NodeProto, m: _Model) -> Iterator[Issue]:
 # Entry points
 # ----------------------------------------------------------------------------------------------
 
-def _block_size_rule(genai_config: Mapping | None) -> Iterator[Issue]:
-    """MODEL-block-size: the block sizes a genai_config.json names follow the contract's rule."""
-    import json
+def _block_size_rule(problems: list[ConfigProblem]) -> Iterator[Issue]:
+    """MODEL-block-size: the block sizes a genai_config.json names (the schema's block-size rows) follow the
+    contract's rule."""
+    for p in problems:
+        yield Issue(GENAI_CONFIG, p.field, "MODEL-block-size", p.expected, p.got, block_size_error(p.value))
 
-    def get(d, *keys):
-        for k in keys:
-            d = d.get(k) if isinstance(d, Mapping) else None
-        return d
 
-    section = get(genai_config, "pagedkit")
-    if isinstance(section, str):  # pagedkit's config writer stores its section as JSON text
-        try:
-            section = json.loads(section)
-        except ValueError:
-            section = None
-    for where, bs in (("pagedkit.block_size", get(section, "block_size")),
-                      ("engine.dynamic_batching.block_size", get(genai_config, "engine", "dynamic_batching",
-                                                                 "block_size"))):
-        if bs is not None and block_size_error(bs):
-            yield Issue("genai_config.json", where, "MODEL-block-size", f"a power of two >= {MIN_BLOCK_SIZE}",
-                        repr(bs), block_size_error(bs))
+def _check_config(genai_config: Mapping | None, where: str) -> list[ConfigProblem]:
+    """The block-size problems of genai_config (MODEL-block-size issues of a paged model); every other
+    schema problem (genai_schema.py) is bad input, raised at once as one GenaiConfigError (a ValueError
+    naming each field and its expected value) whose text names `where`."""
+    problems = [] if genai_config is None else config_problems(genai_config)
+    bad = [p for p in problems if p.row.path not in BLOCK_SIZE_FIELDS]
+    if bad:
+        raise GenaiConfigError(bad, where)
+    return problems
 
 
 def check_model(model: onnx.ModelProto | str | os.PathLike, *, genai_config=None) -> ModelReport:
     """validate_model with a count of the attention nodes checked (for the CLI)."""
     issues: list[Issue] = []
     path = base_dir = None
-    if isinstance(model, onnx.ModelProto):
-        proto = model
-    else:
+    where = str(genai_config) if isinstance(genai_config, (str, os.PathLike)) else GENAI_CONFIG
+    if isinstance(genai_config, (str, os.PathLike)):
+        genai_config = read_genai_config(genai_config)
+    if not isinstance(model, onnx.ModelProto):
         path, found_config, cfg_issues = resolve_model_path(model)
         if genai_config is None:
             genai_config, issues = found_config, cfg_issues
+            where = str(config_path(model))
+    block_problems = _check_config(genai_config, where)  # GenaiConfigError before the model is read
+    if isinstance(model, onnx.ModelProto):
+        proto = model
+    else:
         proto = load_model_proto(path)
         base_dir = str(path.parent)
-    if isinstance(genai_config, (str, os.PathLike)):
-        genai_config = read_genai_config(genai_config)
     ext_issues = external_data_problems(proto, base_dir)
     issues += ext_issues
     inferred = _infer(proto)
@@ -374,7 +374,7 @@ def check_model(model: onnx.ModelProto | str | os.PathLike, *, genai_config=None
             issues += _cache_rules(node, m)
             issues += [i for i in _extension_input_rules(node, m) if (i.node, i.where) not in seen]
     if any(n.op_type == "PagedAttention" for n, _ in attention):
-        issues += _block_size_rule(genai_config)
+        issues += _block_size_rule(block_problems)
     if checked and DOMAIN not in imports:
         issues.append(Issue("model", "model", "MODEL-domain", f"an opset_import of {DOMAIN!r}",
                             "no such import"))
@@ -387,6 +387,8 @@ def validate_model(model: onnx.ModelProto | str | os.PathLike, *, genai_config=N
 
     model: a ModelProto, a .onnx path or a folder holding model.onnx (and genai_config.json).
     genai_config: dict or path of genai_config.json; by default the one beside the model, if any.
-    Raises ModelLoadError when the file is missing or not ONNX; everything else is an Issue.
+    Raises ModelLoadError when the file is missing or not ONNX, GenaiConfigError (genai_schema.py) when
+    genai_config breaks the schema (all its problems on one line; block sizes are MODEL-block-size issues);
+    everything else is an Issue.
     """
     return check_model(model, genai_config=genai_config).issues

@@ -35,12 +35,18 @@ class ModelLoadError(ValueError):
     """The model file is missing, unreadable or not an ONNX model."""
 
 
+def config_path(path: str | os.PathLike) -> Path:
+    """The genai_config.json that goes with a model: in the folder `path`, or beside the .onnx file `path`."""
+    path = Path(path)
+    return (path if path.is_dir() else path.parent) / "genai_config.json"
+
+
 def resolve_model_path(path: str | os.PathLike) -> tuple[Path, dict | None, list[Issue]]:
     """(model file, genai config or None, issues reading the config) for a .onnx file or a folder."""
     path = Path(path)
     folder = path if path.is_dir() else path.parent
     config, issues = None, []
-    cfg_path = folder / "genai_config.json"
+    cfg_path = config_path(path)
     if cfg_path.is_file():
         _inside(folder, "genai_config.json")
         try:
