@@ -1,7 +1,7 @@
-"""Timing shared by the device benchmarks (attention, attention_gqa, attention_tuning, prefill_tuning, mla_tuning,
-cache_write): `time_graph` warms up on a side stream, captures one call, replays `reps` times between CUDA events,
-median over `batches`; `time_wall` / `time_events` time eager calls; `Skip` and `one_line` are how an arm that
-does not run a row is recorded."""
+"""Timing shared by the device benchmarks (attention, attention_gqa, cache_write, and probes/: attention_tuning,
+prefill_tuning, mla_tuning, ...): `time_graph` warms up on a side stream, captures one call, replays `reps` times
+between CUDA events, median over `batches`; `time_wall` / `time_events` time eager calls; `Skip` and `one_line` are
+how an arm that does not run a row is recorded."""
 
 from __future__ import annotations
 

@@ -12,11 +12,11 @@ stored partials in split order and was slower at batch >= 8: docs/engine.md.) Pr
 
 cuBLAS runs these products on a few column tiles: at one row, [2048, 2048] takes 32 tiles of 64 columns on the
 H200's 132 SMs and streams 1.4 TB/s. Splitting K as well gives (N / BLOCK_N) x S programs, each reading a
-[K / S, BLOCK_N] slab of B. H200, L2-cold, CUDA-graph replays (benchmarks/splitk_probe.py,
+[K / S, BLOCK_N] slab of B. H200, L2-cold, CUDA-graph replays (benchmarks/probes/splitk_probe.py,
 results/splitk_probe.json): the partials alone take 4.5 us against cuBLAS's 6.0 at [2048, 2048] and 10.3 against
 14.2 at [8192, 2048] (a separate reduce launch would give the gain back: hence the fused consumer). A first
 version kept the S partials and let the norm sum them: one program per row then read S x N floats, and the norms
-took 180 us of a batch-1 step instead of 67 (results/step_profile_splitk_partials.json).
+took 180 us of a batch-1 step instead of 67 (step_profile at ae4fab5, results in git history at 6225644).
 
 The buffer of (device, R, N) is made zeroed once (`_acc`) and shared by every product of that shape: each consumer
 zeroes it after reading, before the next product on the stream accumulates into it. Make it outside a CUDA-graph

@@ -1,7 +1,7 @@
 """Tile sweep of triton_gqa's attention (the BNSH accessor of the decode kernel) on the H200: the whole
 GroupQueryAttention call as CUDA-graph replays over block_n x num_warps x num_splits per row of
 benchmarks/attention_gqa.py (results: benchmarks/results/gqa_tuning.json).
-Run on the device: PYTHONPATH=$PWD python3 benchmarks/gqa_tuning.py [ROW ...] [--out DIR]."""
+Run on the device: PYTHONPATH=$PWD python3 benchmarks/probes/gqa_tuning.py [ROW ...] [--out DIR]."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 bench = importlib.import_module("attention_gqa")
 time_graph = importlib.import_module("_timing").time_graph
 
@@ -28,7 +28,7 @@ CONFIGS = [(bn, nw, s) for bn in (32, 64, 128) for nw in (4, 8) for s in (None, 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rows", nargs="*", default=list(ROWS))
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     args = ap.parse_args()
     dev = torch.device("cuda")
     real = decode.paged_decode

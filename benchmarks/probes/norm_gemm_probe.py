@@ -11,7 +11,7 @@ the baseline at every row (QKV best 28.5 us against 7.7; gate | up 51 against 22
 BLOCK_N x 2-byte segments strided by the row. The W^T [N, K] arms (config ending True: K contiguous) are the
 next measurement (added after that run, checked on the CPU interpreter only).
 
-    PYTHONPATH=$PWD python3 benchmarks/norm_gemm_probe.py [--out FILE]
+    PYTHONPATH=$PWD python3 benchmarks/probes/norm_gemm_probe.py [--out FILE]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 time_graph = importlib.import_module("_timing").time_graph
 
 EPS = 1e-5

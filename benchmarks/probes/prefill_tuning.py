@@ -2,7 +2,7 @@
 split (the query-chunk lanes fill the SMs), attention only (the cache write timed apart), CUDA-graph replays.
 Prints TFLOP/s per config against the 790 TFLOP/s peak; writes $OUT/prefill_tuning.json.
 
-    PYTHONPATH=$PWD python3 benchmarks/prefill_tuning.py [ROW,ROW...]    # default: every prefill row
+    PYTHONPATH=$PWD python3 benchmarks/probes/prefill_tuning.py [ROW,ROW...]    # default: every prefill row
 """
 import itertools
 import json
@@ -10,7 +10,7 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the shared helpers
 import torch  # noqa: E402
 
 import _attention_cases as C  # noqa: E402

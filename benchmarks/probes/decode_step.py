@@ -2,7 +2,7 @@
 attention inputs validated on every call (the old behaviour, `validate_inputs=True`) vs validated once at
 session creation (the default now). Writes benchmarks/results/decode_step_validation.json.
 
-    python benchmarks/decode_step.py [--model DIR] [--batches 1 4] [--context 512] [--reps 25] [--threads 2]
+    python benchmarks/probes/decode_step.py [--model DIR] [--batches 1 4] [--context 512] [--reps 25] [--threads 2]
 
 --model: an exported paged model folder (model.onnx + genai_config.json). Default: SmolLM2-135M-Instruct
 (30 layers, H 9, Hkv 3, D 64, fp16), exported with `paged-export` into the cache folder on first use
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "decode_step_validation.json"
 
 

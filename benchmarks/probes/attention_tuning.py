@@ -1,8 +1,8 @@
 """Tile sweep of the Triton decode kernel on the H200 (results: benchmarks/results/attention_tuning.json): times
 write_kv and paged_decode separately (CUDA-graph replays) over block_n x num_warps x num_splits per row.
-Run on the device: PYTHONPATH=$PWD python3 benchmarks/attention_tuning.py [ROW,ROW...]."""
+Run on the device: PYTHONPATH=$PWD python3 benchmarks/probes/attention_tuning.py [ROW,ROW...]."""
 import itertools, json, os, statistics, sys, time
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the shared helpers
 import torch
 import _attention_cases as C
 import _timing

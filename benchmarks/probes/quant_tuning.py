@@ -3,7 +3,7 @@ GroupQueryAttention / PagedAttention call as CUDA-graph replays, per row of benc
 bfloat16 twins) and benchmarks/attention.py, over the cache-code conversion (decode.QUANT_ASM: packed inline asm
 in the load's layout, or the plain conversions), the int8 tensor-core path (decode.INT8_MMA), software-pipeline
 stages and block_n x num_warps.
-Run on the device: PYTHONPATH=$PWD python3 benchmarks/quant_tuning.py [ROW ...] [--out DIR] [--quick]."""
+Run on the device: PYTHONPATH=$PWD python3 benchmarks/probes/quant_tuning.py [ROW ...] [--out DIR] [--quick]."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 gqa_bench = importlib.import_module("attention_gqa")
 pa_cases = importlib.import_module("_attention_cases")
 time_graph = importlib.import_module("_timing").time_graph
@@ -57,7 +57,7 @@ def make_call(name: str, dev: torch.device):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rows", nargs="*", default=list(GQA_ROWS + PA_ROWS))
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     ap.add_argument("--quick", action="store_true", help="the conversion / MMA / stages arms only, default tiles")
     ap.add_argument("--pick", nargs="+", default=list(PICK), help="rows whose best arms (per cache format) --env-out writes")
     ap.add_argument("--env-out", type=Path, help="write the picked arm as `export` lines (a shell file)")

@@ -3,14 +3,14 @@
 the launcher's own choice and the general kernel (decode.paged_decode, the 576 channels padded to 1024) on the
 same inputs. Prints TB/s against 4.4 (and TFLOP/s against 790); writes $OUT/mla_tuning.json (or ./).
 
-    PYTHONPATH=$PWD python3 benchmarks/mla_tuning.py [ROW,ROW... [--auto-only]]    # default: every mla row
+    PYTHONPATH=$PWD python3 benchmarks/probes/mla_tuning.py [ROW,ROW... [--auto-only]]    # default: every mla row
 """
 import itertools
 import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the shared helpers
 import torch  # noqa: E402
 
 import _attention_cases as C  # noqa: E402

@@ -1,7 +1,7 @@
 """Probe (H200): a decode step's dense products at Llama-3.2-1B shapes, cuBLAS against a Triton skinny GEMM,
 and SiluMul torch against kernels/triton/swiglu.py. Wrote benchmarks/results/decode_matmul_probe.json:
 
-    python3 benchmarks/decode_matmul_probe.py OUT.json        (on the GPU machine, ~100 s)
+    python3 benchmarks/probes/decode_matmul_probe.py OUT.json        (on the GPU machine, ~100 s)
 
 The skinny GEMM (y [M, N] = x [M, K] @ W, W held as [N, K], every program owning BLOCK_N weight rows over the
 whole K, no split-K) is defined here, not in the package: it measured no faster than cuBLAS (within +-5% at

@@ -3,7 +3,7 @@ runtime runs today) against B [N, K] (F.linear on the transposed copy), each und
 front ends. Shapes: a Llama-3.2-1B-shaped layer (hidden 2048, fused QKV 3072, O 2048, fused gate / up 16384, down
 8192 -> 2048) and its lm_head (128256), at M = 1 / 8 / 32 rows. L2-cold: each product cycles through enough
 distinct weight copies to pass 2.5x the L2; a 16-layer chain (QKV, O, gate / up, down per layer) is timed too.
-All CUDA-graph replays. Run on the device: PYTHONPATH=$PWD python3 benchmarks/linear_probe.py [--out FILE]."""
+All CUDA-graph replays. Run on the device: PYTHONPATH=$PWD python3 benchmarks/probes/linear_probe.py [--out FILE]."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 time_graph = importlib.import_module("_timing").time_graph
 versions = importlib.import_module("_provenance").versions
 BANDWIDTH = importlib.import_module("_attention_cases").BANDWIDTH_TB_S * 1e12  # bytes / s
@@ -38,7 +38,7 @@ def product(layout: str):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "linear_probe.json")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "linear_probe.json")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     args = ap.parse_args()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size

@@ -1,7 +1,7 @@
 """A split-K Triton product for decode-sized rows against cuBLAS on the H200: y [M, N] = x [M, K] @ W [K, N] as S
 fp32 partials [S, M, N] (the reduction is meant for the consumer kernel, e.g. the RMS norm after the O and down
 products); timed alone and with a reduce-and-cast kernel after it, L2-cold (weight copies cycled), CUDA-graph
-replays. Run on the device: PYTHONPATH=$PWD python3 benchmarks/splitk_probe.py [--out FILE]."""
+replays. Run on the device: PYTHONPATH=$PWD python3 benchmarks/probes/splitk_probe.py [--out FILE]."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 time_graph = importlib.import_module("_timing").time_graph
 versions = importlib.import_module("_provenance").versions
 BANDWIDTH = importlib.import_module("_attention_cases").BANDWIDTH_TB_S * 1e12
@@ -52,7 +52,7 @@ def _reduce(p_ptr, y_ptr, MN, S: tl.constexpr, BLOCK: tl.constexpr):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "splitk_probe.json")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "splitk_probe.json")
     args = ap.parse_args()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     result = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(0),

@@ -1,9 +1,9 @@
 """CPU benchmark: torch.compile (inductor) of pagedkit's execution plan vs the eager plan, on exported models.
 Writes benchmarks/results/plan_compile.json.
 
-    python benchmarks/plan_compile.py                                   # /tmp/m/smollm2-fp16 (exported if absent)
-    python benchmarks/plan_compile.py --model /tmp/m/smollm2-fp16 --model /tmp/m/smollm2-fp32
-    python benchmarks/plan_compile.py --variants eager segments --decode-steps 40     # quicker
+    python benchmarks/probes/plan_compile.py                             # /tmp/m/smollm2-fp16 (exported if absent)
+    python benchmarks/probes/plan_compile.py --model /tmp/m/smollm2-fp16 --model /tmp/m/smollm2-fp32
+    python benchmarks/probes/plan_compile.py --variants eager segments --decode-steps 40     # quicker
 
 Workload (batch 1, --threads 2 via torch.set_num_threads): a --prompt-token (61) prompt, the first tokens of
 tests/data/ppl_text.txt, then --decode-steps (139) decode steps teacher-forced on the text's next tokens, so the
@@ -60,7 +60,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = Path("/tmp/m/smollm2-fp16")
 DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "plan_compile.json"
 PROMPT_TEXT = REPO / "tests" / "data" / "ppl_text.txt"
