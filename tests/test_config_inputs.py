@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from pagedkit.interface.genai_config import CacheSpec, LayerSpec, ModelSpec, genai_config
-from pagedkit.runtime.cli import main as run_main
+from pagedkit.apps.run.cli import main as run_main
 from pagedkit.runtime.generate import read_config
 from pagedkit.validators import validate_model
 from pagedkit.validators.cli import main as validate_main
