@@ -1,4 +1,4 @@
-"""Node-level GQA <-> PagedAttention rules (pagedkit/rewriters/node_rules.py), checked by running both sides.
+"""Node-level GQA <-> PagedAttention rules (pagedkit/rewriters/node_rules/), checked by running both sides.
 
 A ragged fp16 PagedAttention call (prompt, decode, chunk with past, idle sequence; tests/test_paged_vs_gqa.
 make_paged) and its padded GQA twin (tests/paged_gqa.gqa_from_paged) are wrapped in one-node models:

@@ -46,7 +46,7 @@ def family_for(config_or_model_type) -> DecoderFamily:
     model_type = config_or_model_type if isinstance(config_or_model_type, str) else config_or_model_type.model_type
     cls = _families().get(model_type)
     if cls is None:
-        from .via_genai import served_model_types
+        from .genai_served import served_model_types
 
         via = served_model_types()
         what = ("use `paged-export --via genai`" if model_type in via else f"{model_type!r} is in neither")

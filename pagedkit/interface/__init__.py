@@ -7,6 +7,7 @@ Imports nothing else of pagedkit and never torch (torch dtypes come from functio
                   "pagedkit" section (write_genai_config, read_genai_config, read_pagedkit_section,
                   cache_templates)
     dtypes        ONNX element type <-> "tensor(float16)" <-> torch dtype <-> numpy dtype
+    paths         containment of the paths a model folder's config names (inside_folder, check_config_paths)
 """
 
 from . import dtypes, names

@@ -1,4 +1,17 @@
-"""pagedkit.kernels: the torch reference kernels (the oracle) and the shared quantization helpers."""
+"""pagedkit.kernels: the attention kernels (com.microsoft::PagedAttention and GroupQueryAttention) and how a
+node picks one (docs/kernels.md):
+    paged/        PagedAttention on torch: `reference` (the loop-based oracle), the torch variants
+                  (`torch_planned`, `torch_sdpa`) and the prologue / cache code they share
+    gqa/          GroupQueryAttention on torch: `reference` (the oracle, onnxruntime's semantics) and its cache side
+    triton/       the Triton GPU kernels and their variants (triton_paged, triton_mla, sdpa_prefill, triton_gqa)
+    onnx_ops/     PagedAttention as standard ONNX ops (for a runtime without a kernel of its own)
+    variant.py    a variant declares what it serves (`KernelVariant`: op, devices, dtypes, features, plans)
+    dispatch.py   the variants in priority order; which serve a node (node_facts.py: its static facts) and which
+                  runs a call
+    quant.py, attention_math.py, scope.py   shared: KV quantization and rotation, the oracle's math, per-run
+                  host bookkeeping
+Exported here: the two reference kernels, `paged_attention` and `group_query_attention`.
+"""
 
 from .paged.reference import paged_attention
 from .gqa.reference import group_query_attention

@@ -15,7 +15,7 @@ Each variant module exports ONE `VARIANT = KernelVariant(...)`; `kernels/dispatc
 - `plans`: the per-run plan kinds it serves (`PLANS`); a run's plan hint (host-side information only)
   picks, among the variants that serve the node, the first that serves that plan;
 - `supports(info) -> reason | None`: any further static limit (head size, block size...), decided from
-  `dispatch.NodeInfo` (static shapes, dtypes, attributes; never tensor values);
+  `node_facts.NodeInfo` (static shapes, dtypes, attributes; never tensor values);
 - `entry`: `fn(inputs: dict[name, tensor], *, outputs: list[str], validate: bool, **attributes) -> dict`,
   a callable or "module:function" (a module starting with "." is relative to pagedkit.kernels);
 - `stages_on_cpu`: runs on CPU copies of device tensors (the loop-based reference); such a variant
@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .dispatch import NodeInfo
+    from .node_facts import NodeInfo
 
-# feature name -> what uses it (the node's static facts that dispatch.NodeInfo.features derives)
+# feature name -> what uses it (the node's static facts that node_facts.NodeInfo.features derives)
 FEATURES: dict[str, str] = {
     "packed_qkv": "query carries Q, K and V packed (key / value absent)",
     "latent_cache": "kv_cache_layout LATENT (MLA: one latent cache, V = its leading v_head_size channels)",

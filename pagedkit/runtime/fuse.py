@@ -1,4 +1,4 @@
-"""Fusions the session applies to a compiled graph at creation (graph.py `Graph` of `Step`s), before constants
+"""Fusions the session applies to a compiled graph at creation (steps.py `Graph` of `Step`s), before constants
 are prepacked: small rules (pattern / check / rewrite), each returning what it changed. They only ever
 replace a chain of steps whose intermediate values nobody else reads (no other step, no graph output).
 
@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from .graph import Graph, Step
+from .steps import Graph, Step
 from .ops.registry import FUSED_DOMAIN, MS_DOMAIN, lookup
 
 

@@ -36,43 +36,12 @@ from .ops.packed import Packed
 from .ops.registry import RUNTIME, prepacker
 from .loading import read_external, release_data
 from .ops.util import tensor_from_proto
+from .steps import Graph, Step
 
 ATTENTION_OPS = {("com.microsoft", "PagedAttention"), ("com.microsoft", "GroupQueryAttention")}
 HOST = "::host"  # suffix of a constant's host copy
 PACKED = "::packed"  # infix of a prepacked constant's name
 _RANDOM_OPS = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
-
-
-@dataclass
-class Step:
-    """One node, compiled (protobuf wrappers are not stable dict keys, so nothing here is one)."""
-
-    name: str
-    op_type: str
-    domain: str
-    inputs: list[str]
-    outputs: list[str]
-    attrs: dict[str, Any]
-    impl: Any = None  # op-table implementation
-    call: dispatch.AttentionCall | None = None  # attention node bound to its kernel variant
-    ctx: OpContext | None = None
-    host_in: frozenset[int] = frozenset()  # input slots read on the host
-    host_out: bool = False  # outputs are host tensors (Shape, Size)
-    cache_in: frozenset[int] = frozenset()  # attention cache slots (updated in place)
-    free_vars: frozenset[str] = frozenset()  # names its subgraphs read from enclosing scopes
-    release: list[str] = field(default_factory=list)  # values dead after this step
-
-    @property
-    def has_subgraph(self) -> bool:
-        return any(isinstance(v, Graph) for v in self.attrs.values())
-
-
-@dataclass
-class Graph:
-    steps: list[Step]
-    inputs: list[str]
-    outputs: list[str]
-    consts: dict[str, torch.Tensor]
 
 
 @dataclass
@@ -411,7 +380,7 @@ def compile_model(model: onnx.ModelProto, device: torch.device, allow_reference_
     if comp.errors:
         raise ValueError("invalid model: " + "; ".join(comp.errors))
     _fold(g)
-    from .fuse import fuse  # fuse.py builds on this module's Graph / Step
+    from .fuse import fuse
 
     fused = fuse(g, device)
     prepacked = _prepack(g, device)

@@ -64,7 +64,7 @@ VARIANT = KernelVariant(
 
 
 def supports(info: Any) -> str | None:
-    """None when this variant serves the node (dispatch.NodeInfo), else the reason it does not."""
+    """None when this variant serves the node (node_facts.NodeInfo), else the reason it does not."""
     return VARIANT.refusal(info)
 
 

@@ -1,4 +1,5 @@
-"""GroupQueryAttention's windowed cache (sliding_window_cache=1) on the Triton kernels (called by gqa.py).
+"""GroupQueryAttention's windowed cache (sliding_window_cache=1) on the Triton kernels (called by gqa.py; the
+pieces both share are in gqa_common.py).
 
 A windowed present [B, Hkv, C, Dc] of capacity C and window W holds the L(T) most recent positions of entry b
 at rows [0, L(T)), onnxruntime 1.32.0's resident count (kernels/gqa/cache.py): G = C - W + 1,
@@ -44,7 +45,7 @@ def _rows(bias: torch.Tensor, first: torch.Tensor, bsz: int, width: int) -> torc
 def windowed(x: dict, a: dict, *, h: int, hkv: int, d: int, kf, vf, total: int, want) -> dict[str, Any]:
     """The windowed call (module docstring); x / a: gqa.py's inputs and attributes with defaults."""
     from . import ops
-    from .gqa import _constants, _results, flat_rows, presents, sink, write
+    from .gqa_common import _constants, _results, flat_rows, presents, sink, write
 
     if int(a["qk_output"]):
         raise NotImplementedError("triton_gqa: sliding_window_cache=1 with qk_output is served by the reference")

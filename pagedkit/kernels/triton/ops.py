@@ -69,8 +69,8 @@ def _paged_decode(q: Tensor, key_cache: Tensor, value_cache: Optional[Tensor], c
                   softcap: float, local_window_size: int, is_causal: bool, qk_output: int, v_rotation: bool,
                   max_query_len: int, max_kv_len: int, fused_mla: bool = False, bnsh: bool = False,
                   row_pad: int = 0, bias_after_softcap: bool = False) -> tuple[Tensor, Tensor]:
-    if fused_mla:  # variant triton_mla (LATENT): the fused kernel (mla.py), no output_qk
-        from .mla import mla_decode
+    if fused_mla:  # variant triton_mla (LATENT): the fused kernel (mla_decode.py), no output_qk
+        from .mla_decode import mla_decode
 
         if (value_cache is not None or softcap > 0 or attention_bias is not None or qk_output
                 or head_sink is not None):
