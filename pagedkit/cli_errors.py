@@ -21,9 +21,10 @@ error instead (full traceback), so that CI and bug reports still see the stack.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from typing import Callable, Sequence
+
+from . import settings
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -34,8 +35,8 @@ EXTRAS = {"transformers": "export", "safetensors": "export", "gguf": "export", "
 
 
 def debug() -> bool:
-    """PAGEDKIT_DEBUG set to something other than '', '0', 'false', 'no': re-raise instead of one line."""
-    return os.environ.get("PAGEDKIT_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+    """PAGEDKIT_DEBUG on (docs/settings.md): re-raise instead of one line."""
+    return settings.read("PAGEDKIT_DEBUG")
 
 
 def one_line(text: str) -> str:

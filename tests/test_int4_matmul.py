@@ -85,19 +85,19 @@ def test_matmul_nbits_forms_match_onnxruntime(form, kw, layout, monkeypatch):
     tight = 1e-3 if feeds[0].dtype == np.float16 else 1e-5
     y, _ = ours(feeds, attrs, prepacked=False)
     assert_matches(y, ref, tight, f"{form} per-call")
-    monkeypatch.setenv(nbits.ENV_MODE, "auto")
+    monkeypatch.setenv("PAGEDKIT_MATMULNBITS", "auto")
     y, rep = ours(feeds, attrs, prepacked=True)
     assert isinstance(rep[1], LAYOUT_TYPE[layout]), rep
     assert isinstance(rep[2], nbits.Absorbed) and (3 in rep) == (kw.get("zp", "none") != "none")
     assert_matches(y, ref, INT4_TOL if layout == "int4" else tight, f"{form} prepacked ({layout})")
-    monkeypatch.setenv(nbits.ENV_MODE, "exact")
+    monkeypatch.setenv("PAGEDKIT_MATMULNBITS", "exact")
     y, rep = ours(feeds, attrs, prepacked=True)
     assert isinstance(rep[1], nbits.DequantizedLinear)
     assert_matches(y, ref, tight, f"{form} prepacked (exact)")
 
 
 def test_int4_mode_serves_fp32_accuracy_nodes_and_not_foreign_forms(monkeypatch):
-    monkeypatch.setenv(nbits.ENV_MODE, "int4")
+    monkeypatch.setenv("PAGEDKIT_MATMULNBITS", "int4")
     feeds, attrs = make_case(n=24, k=64, block=32, zp="packed", level=0)
     y, rep = ours(feeds, attrs, prepacked=True)
     assert isinstance(rep[1], nbits.Int4Linear)
@@ -107,7 +107,7 @@ def test_int4_mode_serves_fp32_accuracy_nodes_and_not_foreign_forms(monkeypatch)
         y, rep = ours(feeds, attrs, prepacked=True)
         assert isinstance(rep[1], nbits.DequantizedLinear)
         assert_matches(y, oracle(feeds, attrs), 1e-5, str(kw))
-    monkeypatch.setenv(nbits.ENV_MODE, "off")
+    monkeypatch.setenv("PAGEDKIT_MATMULNBITS", "off")
     assert ours(feeds, attrs, prepacked=True)[1] == {}
 
 
@@ -167,9 +167,9 @@ def test_dequantized_cache_respects_the_budget(monkeypatch):
     feeds, attrs = make_case(n=64, k=256, block=32, level=0)
     consts = [None, *[torch.from_numpy(a) if a is not None else None for a in feeds[1:]]]
     monkeypatch.setattr(nbits, "_used", [0])  # caches other tests' sessions still hold do not count here
-    monkeypatch.setenv(nbits.ENV_BUDGET, "0")
+    monkeypatch.setenv("PAGEDKIT_DEQUANT_CACHE_MB", "0")
     assert prepack_matmul_nbits(consts, attrs, OpContext()) == {}  # over budget: dequantized per call
-    monkeypatch.setenv(nbits.ENV_BUDGET, str(64 * 256 * 4 * 1.5 / 2**20))  # room for one
+    monkeypatch.setenv("PAGEDKIT_DEQUANT_CACHE_MB", str(64 * 256 * 4 * 1.5 / 2**20))  # room for one
     first = prepack_matmul_nbits(consts, attrs, OpContext())
     assert isinstance(first[1], nbits.DequantizedLinear)
     assert prepack_matmul_nbits(consts, attrs, OpContext()) == {}

@@ -18,6 +18,7 @@ from test_gqa_oracle import ALL, compare_with_oracle
 triton = pytest.importorskip("triton") if not os.environ.get("CI") else __import__("triton")  # CI: never skip
 
 from pagedkit.kernels.triton import _decode_kernels as K  # noqa: E402
+from pagedkit import settings  # noqa: E402
 from pagedkit.kernels.triton import decode, gqa, paged  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -126,7 +127,10 @@ def test_bad_settings_are_refused_naming_the_variable(monkeypatch):
         decode.parse_quant_asm("int8:x")
     monkeypatch.setenv("PAGEDKIT_QUANT_TILE", "128by4")
     with pytest.raises(ValueError, match="PAGEDKIT_QUANT_TILE='128by4'"):
-        decode._env("PAGEDKIT_QUANT_TILE", lambda v: tuple(int(x) for x in v.split("x", 1)))
+        settings.read("PAGEDKIT_QUANT_TILE")
     monkeypatch.setenv("PAGEDKIT_INT8_MMA", "q")
     with pytest.raises(ValueError, match="PAGEDKIT_INT8_MMA='q': the sides: expected"):
-        decode._env("PAGEDKIT_INT8_MMA", lambda v: decode._sides(v, "the sides"))
+        settings.read("PAGEDKIT_INT8_MMA")
+    monkeypatch.setenv("PAGEDKIT_QUANT_ASM", "int8:x")
+    with pytest.raises(ValueError, match="^PAGEDKIT_QUANT_ASM int8: expected k, v, kv or 0, got 'x'$"):
+        settings.read("PAGEDKIT_QUANT_ASM")

@@ -5,7 +5,9 @@
 
 checked on the source: every `import` / `from ... import` of every module, function-level imports
 included, relative imports resolved. Also: no cycle between subpackages, pagedkit.interface imports
-nothing else of pagedkit, and importing pagedkit.interface / pagedkit.validators never imports torch.
+nothing else of pagedkit but pagedkit.settings (the environment variables, beneath every layer, importing
+nothing of pagedkit), and importing pagedkit.interface / pagedkit.validators / pagedkit.settings never imports
+torch.
 The one exception, listed below (ALIASES): the deprecated old paths of what moved out of runtime/, which
 pagedkit/runtime/moved.py resolves lazily; they are checked to work, to warn once and to stay lazy.
 """
@@ -42,7 +44,11 @@ ALIASES = {
 # - pagedkit/__init__.py is the lazy public facade (pagedkit.InferenceSession imports the runtime on first
 #   use); an import of the bare package `pagedkit` from a layer is an import of that facade and is skipped;
 # - any other top-level module (e.g. cli_errors.py, shared by the CLIs of several layers) is a leaf: it must
-#   import nothing of pagedkit (test_top_level_modules_are_leaves), so it can join no upward edge or cycle.
+#   import nothing of pagedkit but SETTINGS (test_top_level_modules_are_leaves), so it can join no upward edge or
+#   cycle;
+# - SETTINGS (pagedkit/settings.py: every environment variable, declared once) lies beneath every layer, the
+#   interface included: it imports nothing of pagedkit and no torch, and every module may import it.
+SETTINGS = "pagedkit.settings"
 
 
 def _modules() -> dict[str, Path]:
@@ -202,14 +208,30 @@ def test_no_cycle_between_subpackages():
 
 def test_interface_imports_nothing_else_of_pagedkit():
     bad = [f"{m}:{line} imports {t}" for m in MODULES if m.startswith("pagedkit.interface")
-           for t, line in imports_of(m) if not t.startswith("pagedkit.interface")]
+           for t, line in imports_of(m) if not t.startswith("pagedkit.interface") and t != SETTINGS]
     assert not bad, "\n".join(bad)
+
+
+def leaf_problems(module: str, source: str | None = None) -> list[str]:
+    """What a top-level module imports of pagedkit beyond SETTINGS (SETTINGS itself: anything of pagedkit)."""
+    return [f"{module}:{line} imports {t}" for t, line in imports_of(module, source)
+            if module == SETTINGS or t != SETTINGS]
 
 
 def test_top_level_modules_are_leaves():
     top = [m for m, p in MODULES.items() if p.parent == ROOT and p.name != "__init__.py"]
-    bad = [f"{m}:{line} imports {t}" for m in top for t, line in imports_of(m)]
+    assert SETTINGS in top and "pagedkit.cli_errors" in top
+    bad = [problem for m in top for problem in leaf_problems(m)]
     assert not bad, "\n".join(bad)
+
+
+def test_a_leaf_importing_more_than_the_settings_is_seen():
+    """The exception is the settings module alone, and the settings module itself may import nothing."""
+    assert leaf_problems("pagedkit.cli_errors", "from . import settings\n") == []
+    assert leaf_problems("pagedkit.cli_errors", "from . import settings\nfrom .interface import names\n") == [
+        "pagedkit.cli_errors:2 imports pagedkit.interface.names"]
+    assert leaf_problems(SETTINGS, "def f():\n    from . import cli_errors\n") == [
+        "pagedkit.settings:2 imports pagedkit.cli_errors"]
 
 
 def test_import_resolution_sees_relative_and_function_level_imports():
@@ -227,7 +249,8 @@ def test_an_upward_import_is_seen():
     assert (target, line, layer_of(target)) == ("pagedkit.exporters.config", 2, 4)
 
 
-@pytest.mark.parametrize("packages", [["pagedkit.interface"], ["pagedkit.interface", "pagedkit.validators"]])
+@pytest.mark.parametrize("packages", [["pagedkit.interface"], ["pagedkit.interface", "pagedkit.validators"],
+                                      [SETTINGS]])
 def test_ground_floor_does_not_import_torch(packages):
     code = ("import sys\n" + "".join(f"import {p}\n" for p in packages) +
             "import pagedkit.interface.genai_config, pagedkit.interface.dtypes, pagedkit.interface.names\n"

@@ -14,6 +14,7 @@ import torch
 
 from cases import Case, Expected, compare_case, load_cases
 from paged_oracle import Spec, build, clone_inputs
+from pagedkit import settings
 from pagedkit.kernels.attention_math import default_scale
 from pagedkit.kernels.paged.prologue import prepare
 from pagedkit.kernels.paged.reference import paged_attention
@@ -425,5 +426,7 @@ def test_quantized_decode_tiles(monkeypatch, cache, picked):
 def test_quantized_decode_tile_setting(monkeypatch):
     monkeypatch.setenv("PAGEDKIT_QUANT_DECODE_TILE", "64by2")
     with pytest.raises(ValueError, match="PAGEDKIT_QUANT_DECODE_TILE='64by2'"):
-        decode._env("PAGEDKIT_QUANT_DECODE_TILE", lambda v: None if v == "0" else decode.parse_tile(v))
+        settings.read("PAGEDKIT_QUANT_DECODE_TILE")
+    monkeypatch.setenv("PAGEDKIT_QUANT_DECODE_TILE", "0")
+    assert settings.read("PAGEDKIT_QUANT_DECODE_TILE") is None
     assert decode.parse_tile("32x1") == (32, 1)

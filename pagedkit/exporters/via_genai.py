@@ -35,6 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .. import settings
 from .genai_served import NOT_SERVED, SERVED, builder_architectures, refusal, served_model_types  # noqa: F401
 
 BUILDER_MODULE = "onnxruntime_genai.models.builder"
@@ -129,7 +130,7 @@ def run_builder(folder: Path, out: Path, cache: Path, precision: str, num_layers
     """Run the builder offline on `folder` into `out`; BuilderFailed (one line) when it fails."""
     cmd = [sys.executable, "-m", BUILDER_MODULE, "-i", str(folder), "-o", str(out), "-c", str(cache),
            *builder_args(precision, num_layers, int4)]
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env = settings.offline_env("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
     if progress:
         print(f"running onnxruntime-genai's builder: {' '.join(cmd[1:])}", flush=True)  # stdout: stderr is for errors
     try:

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # pagedkit never touches the network
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from .. import settings
+
+settings.stay_offline("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")  # pagedkit never touches the network
 
 BUILTIN_DIR = Path(__file__).with_name("builtin")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -16,6 +16,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from .. import settings
+
 __all__ = ["UnsafePathError", "config_paths", "check_config_paths", "inside_folder", "model_cache_root",
            "path_problem", "recorded_checkpoint"]
 
@@ -92,7 +94,7 @@ def check_config_paths(config: Any, folder: str | os.PathLike, source: str = CON
 def model_cache_root() -> Path:
     """pagedkit's model cache ($PAGEDKIT_CACHE, default ~/.cache/pagedkit): where `paged-fetch` puts
     models. The user's environment names it, never a model folder's config."""
-    return Path(os.environ.get("PAGEDKIT_CACHE", Path.home() / ".cache" / "pagedkit")).expanduser()
+    return settings.read("PAGEDKIT_CACHE")
 
 
 def recorded_checkpoint(folder: str | os.PathLike, name: Any, field: str = "pagedkit.source.checkpoint") -> Path:

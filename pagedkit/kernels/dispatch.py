@@ -30,7 +30,6 @@ validated the node at creation); a call that fails unvalidated is diagnosed by t
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from typing import Any, Mapping
 import onnx
 import torch
 
+from .. import settings
 from ..validators.checks import check_inputs
 from ..validators.contract import CONTRACTS, get_contract
 from ..validators.issues import ValidationError
@@ -137,14 +137,13 @@ def serving_variants(info: NodeInfo, *, allow_reference_fallback: bool = True, c
 
 _warned: set[str] = set()
 
-DEBUG_ENV = "PAGEDKIT_KERNEL_DEBUG"  # =1: print each node's pick (like onnxruntime's SdpaKernel= debug info)
 _reported: set[tuple[str, str, str | None]] = set()
 
 
 def _debug(node_name: str, op_type: str, variant: KernelVariant, plan: str | None) -> None:
     """With PAGEDKIT_KERNEL_DEBUG=1, one stderr line the first time a node runs on a variant for a plan."""
     key = (node_name, variant.name, plan)
-    if key in _reported or os.environ.get(DEBUG_ENV, "").strip().lower() in ("", "0", "false", "no"):
+    if key in _reported or not settings.read("PAGEDKIT_KERNEL_DEBUG"):
         return
     _reported.add(key)
     print(f"pagedkit: {op_type} node '{node_name}': kernel={variant.name} plan={plan or 'mixed'}"

@@ -22,12 +22,12 @@ replace a chain of steps whose intermediate values nobody else reads (no other s
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from typing import Callable
 
 import torch
 
+from .. import settings
 from .steps import Graph, Step
 from .ops.registry import FUSED_DOMAIN, MS_DOMAIN, lookup
 
@@ -107,7 +107,7 @@ def swiglu_mlp(g: Graph, device: torch.device | None = None) -> int:
 # "cpu": the interpreter). Its splits now add as fixed-point integers, so a CUDA-graph replay equals the same step
 # run eagerly (kernels/triton/splitk.py; the float32 atomics before broke that). Still opt-in: this version (int64
 # atomics, the folded SiluMul, the weight tile before the PDL gate) has not been measured on a GPU yet
-SPLITK_DEVICES = ("cuda",) if os.environ.get("PAGEDKIT_SPLITK_NORM") == "1" else ()
+SPLITK_DEVICES = ("cuda",) if settings.read("PAGEDKIT_SPLITK_NORM") else ()
 
 
 def splitk_skip_norm(g: Graph, device: torch.device | None = None) -> int:

@@ -15,13 +15,13 @@ so one flip never shifts the later steps.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from .. import settings
 from ..interface.paths import recorded_checkpoint
 from .generate import TOLERANCES, History
 
@@ -105,8 +105,7 @@ def load_hf(hf_dir: str | Path, num_layers: int | None = None) -> torch.nn.Modul
     """A local Hugging Face causal LM, float32, eager attention; never downloads, never runs remote code.
     hf_dir: a checkpoint folder, a .gguf file or a folder holding one (dequantized to float32).
     num_layers: keep only the first N decoder layers (an export made with `--num-layers N`)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    settings.stay_offline("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
     import transformers
 
     path = Path(hf_dir)

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 import onnx
 import torch
 
+from .. import settings
 from ..kernels.scope import run_scope
 from ..kernels.variant import PLANS
 from ..validators.issues import ValidationError
@@ -35,8 +36,6 @@ from .loading import load_model
 from .tensors import TORCH_TO_ONNX, to_numpy, to_torch, torch_type_name, type_name
 
 _PROVIDERS = ("CPUExecutionProvider", "CUDAExecutionProvider")
-VALIDATE_ENV = "PAGEDKIT_VALIDATE_INPUTS"
-CPU_BACKEND_ENV = "PAGEDKIT_CPU_BACKEND"
 CPU_BACKENDS = ("onnxruntime", "torch", "auto")
 _HALF_WEIGHTS = 1 << 20  # auto: a float16 / bfloat16 initializer of this many elements keeps a model on torch
 
@@ -48,10 +47,6 @@ def _node_error(step: Step, exc: Exception) -> Exception:
     if isinstance(exc, ValueError):
         return ValueError(f"node '{step.name}' ({step.op_type}): {exc}")
     return RuntimeError(f"node '{step.name}' ({step.op_type}) failed: {exc}")
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass
@@ -110,7 +105,7 @@ def _cpu_backend(value: str | None, default: str = "torch") -> str:
     """cpu_backend as given, else the environment variable PAGEDKIT_CPU_BACKEND, else `default` ("onnxruntime"
     falls back to "torch" when onnxruntime is not installed)."""
     if value is None:
-        value = os.environ.get(CPU_BACKEND_ENV, "").strip().lower() or default
+        value = settings.read("PAGEDKIT_CPU_BACKEND") or default
         if value == "onnxruntime" and not onnxruntime_available():
             return "torch"
     if value not in CPU_BACKENDS:
@@ -203,7 +198,8 @@ class InferenceSession:
             allow_reference_fallback = self.device.type == "cpu"
         self.allow_reference_fallback = bool(allow_reference_fallback)
         self.capturable = capturable
-        self.validate_inputs = _env_flag(VALIDATE_ENV) if validate_inputs is None else bool(validate_inputs)
+        self.validate_inputs = (settings.read("PAGEDKIT_VALIDATE_INPUTS") if validate_inputs is None
+                                else bool(validate_inputs))
         self._plan: str | None = None  # the plan hint of the run in progress
         self._last_variants: dict[str, str] = {}
         graph = self._model.graph

@@ -8,18 +8,20 @@ import platform
 import subprocess
 from pathlib import Path
 
+from ... import settings
+
 ARM_LABELS = {"pagedkit": "pagedkit engine", "ort": "onnxruntime CUDA EP"}
 
 
 def settings_env() -> dict[str, str]:
     """The kernel settings the environment overrides (PAGEDKIT_DECODE_TILE, PAGEDKIT_QUANT_ASM, ...): every
     PAGEDKIT_* variable but PAGEDKIT_COMMIT, for a result file to record what it ran under."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("PAGEDKIT_") and k != "PAGEDKIT_COMMIT"}
+    return {k: v for k, v in settings.pagedkit_environment().items() if k != "PAGEDKIT_COMMIT"}
 
 
 def pagedkit_commit() -> str | None:
     """PAGEDKIT_COMMIT, else `git rev-parse HEAD` of the checkout pagedkit is imported from (None if neither)."""
-    env = os.environ.get("PAGEDKIT_COMMIT")
+    env = settings.read("PAGEDKIT_COMMIT")
     if env:
         return env
     here = Path(__file__).resolve().parent

@@ -18,11 +18,11 @@ the tolerance: only there may the tokens differ; see pagedkit/runtime/parity.py)
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
+from ... import settings
 from ...cli_errors import cli_main, one_line, report as report_error
 
 
@@ -86,7 +86,7 @@ def _precision(gen) -> str:
 @cli_main("paged-run")
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    settings.stay_offline("HF_HUB_OFFLINE")
     model_dir = Path(args.model_dir)
     if args.max_new_tokens < 1:
         print("paged-run: --max-new-tokens should be >= 1", file=sys.stderr)

@@ -14,11 +14,11 @@ Ctrl-C. See docs/serve.md.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import sys
 from pathlib import Path
 
+from ... import settings
 from ...cli_errors import cli_main, folder_problem
 
 PROG = "paged-serve"
@@ -68,7 +68,7 @@ def _check_args(args) -> str | None:
 @cli_main(PROG)
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    settings.stay_offline("HF_HUB_OFFLINE")
     model_dir = Path(args.model_dir)
     problem = _check_args(args) or folder_problem(model_dir, "model.onnx, genai_config.json and tokenizer.json")
     if problem:

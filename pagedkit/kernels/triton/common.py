@@ -14,10 +14,11 @@ launchers build them (`static_scale_vector`); SCALE_TOKEN reads the scale cache 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from ... import settings
 
 try:  # triton is optional: the CPU runtime never needs it (the interpreter tests do)
     import triton  # noqa: F401
@@ -30,7 +31,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     HAVE_TRITON = False
 
 # Read once at import, like triton itself: set TRITON_INTERPRET=1 before importing a kernel module.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = settings.read("TRITON_INTERPRET")
 
 FMT_FLOAT, FMT_INT8, FMT_FP8, FMT_INT4 = 0, 1, 2, 3
 SCALE_NONE, SCALE_TENSOR, SCALE_CHANNEL, SCALE_TOKEN = 0, 1, 2, 3
@@ -96,12 +97,12 @@ def static_scale_vector(scale: torch.Tensor | None, kv_heads: int, head_size: in
 # 1024 1.124 -> 1.052 ms, batch 1 / 4096 1.174 -> 1.163, batch 8 / 1024 1.228 -> 1.218, batch 8 / 4096 1.423 ->
 # 1.413, batch 32 / 4096 2.182 -> 2.163 ms; released right after the wait it was 1-1.3% slower at batch 8.
 # `pdl_launch(device, programs)` gives the launch options ({} where off or unsupported).
-PDL = os.environ.get("PAGEDKIT_PDL", "1") != "0"
+PDL = settings.read("PAGEDKIT_PDL")
 # launches of more programs than this skip PDL (0: no cap); PAGEDKIT_PDL_MAX_PROGRAMS (tuning)
-PDL_MAX_PROGRAMS = int(os.environ.get("PAGEDKIT_PDL_MAX_PROGRAMS", "0") or 0)
+PDL_MAX_PROGRAMS = settings.read("PAGEDKIT_PDL_MAX_PROGRAMS")
 # release the dependent launch right after the wait (True) or only when each program exits (False, the
 # default); PAGEDKIT_PDL_LATE=0 releases early (tuning)
-PDL_EARLY_RELEASE = os.environ.get("PAGEDKIT_PDL_LATE", "1") == "0"
+PDL_EARLY_RELEASE = not settings.read("PAGEDKIT_PDL_LATE")
 
 
 def _launcher_has_pdl() -> bool:
@@ -139,7 +140,7 @@ def pdl_mode(launch: dict, early: bool = False) -> int:
 # the split-KV reduce releases its dependent launch right after its wait (PAGEDKIT_REDUCE_EARLY=1; off by default:
 # not yet measured on a GPU): the O product's split-K programs (splitk.py) then start during the reduce and
 # load their weight slab, which does not depend on it, before their own wait
-REDUCE_EARLY_RELEASE = os.environ.get("PAGEDKIT_REDUCE_EARLY") == "1"
+REDUCE_EARLY_RELEASE = settings.read("PAGEDKIT_REDUCE_EARLY")
 
 
 if HAVE_TRITON:

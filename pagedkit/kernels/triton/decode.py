@@ -55,11 +55,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
+from ... import settings
+from ...settings import parse_tile  # noqa: F401 (decode.parse_tile: benchmarks/step_profile.py's --sweep BNxNW)
 from . import common
 from .common import FMT_INT4, SCALE_CHANNEL, SCALE_TENSOR, SCALE_TOKEN, SideFormat, next_pow2
 
@@ -83,86 +84,51 @@ BNSH_BLOCK = 256  # positions per virtual block of the contiguous (BNSH) accesso
 _FMT_NAMES = {"int8": common.FMT_INT8, "fp8": common.FMT_FP8, "int4": common.FMT_INT4}
 
 
-def _sides(value: str, what: str) -> str:
-    """'k' / 'v' / 'kv' / '0' (none) -> the sides named; anything else is refused naming `what`."""
-    sides = "" if value == "0" else value
-    if sides not in ("", "k", "v", "kv", "vk"):
-        raise ValueError(f"{what}: expected k, v, kv or 0, got {value!r}")
-    return sides
+def _by_code(sides: dict[str, str]) -> dict[int, str]:
+    return {_FMT_NAMES[name]: s for name, s in sides.items()}
 
 
 def parse_quant_asm(spec: str) -> dict[int, str]:
-    """"kv" | "v" | "0" (all formats) or "int8:v,fp8:kv,..." (the others "kv") -> {format code: sides}."""
-    what = "PAGEDKIT_QUANT_ASM"
-    if ":" not in spec:
-        return {f: _sides(spec, what) for f in _FMT_NAMES.values()}
-    out = {f: "kv" for f in _FMT_NAMES.values()}
-    for item in filter(None, spec.split(",")):
-        name, _, sides = (part.strip() for part in item.partition(":"))
-        if name not in _FMT_NAMES:
-            raise ValueError(f"{what}: cache format {name!r} should be one of {sorted(_FMT_NAMES)}")
-        out[_FMT_NAMES[name]] = _sides(sides, f"{what} {name}")
-    return out
-
-
-def _env(name: str, parse, default=None):
-    """The environment override `name` parsed (None / empty: default); a bad value is refused naming it."""
-    value = os.environ.get(name)
-    if not value:
-        return default
-    try:
-        return parse(value)
-    except ValueError as exc:
-        raise ValueError(f"{name}={value!r}: {exc}") from None
+    """PAGEDKIT_QUANT_ASM's form (settings.parse_quant_asm) -> {format code: sides}."""
+    return _by_code(settings.parse_quant_asm(spec))
 
 
 # int8 caches through the integer tensor cores on the sides named ("k": the scores, q as two int8 digits against
 # the cache codes with int32 accumulation; "v": p @ V likewise). Default "k" (H200, GQA 32 / 8 heads, head 128,
 # batch 64 / context 4096, benchmarks/results/quant_tuning.json: 0.2123 ms with float16 dots on both sides,
 # 0.1733 with the scores on integer dots, 0.2155 on both: V's codes, reduced over its rows, go through shared
-# memory one byte per load). PAGEDKIT_INT8_MMA overrides: "k" / "kv" / "0" ("1" = "kv")
-INT8_MMA = _env("PAGEDKIT_INT8_MMA", lambda v: "kv" if v == "1" else _sides(v, "the sides"), "k")
+# memory one byte per load). PAGEDKIT_INT8_MMA overrides it (docs/settings.md)
+INT8_MMA: str = settings.read("PAGEDKIT_INT8_MMA")
 # per cache format, the sides ("k" / "v") whose codes are converted to float16 by packed inline asm in the load's
 # layout (_decode_kernels._ASM_*); the others take the plain conversions. Default V only on every format (same
 # sweep: int8 0.2466 ms asm on both sides, 0.2123 V only, 0.2574 none; fp8 at batch 64 / context 8192, 256-token
 # blocks, 0.4744 / 0.3717 / 0.4361; int4 batch 16 0.0657 / 0.0654 / 0.0720): K's codes are reduced along their
-# contiguous channels and Triton's own conversion reads them as words. PAGEDKIT_QUANT_ASM overrides: "kv" / "v" /
-# "0" for every format, or per format as "int8:v,fp8:kv,int4:0"
-QUANT_ASM = parse_quant_asm(_env("PAGEDKIT_QUANT_ASM", str, "v"))
-# software-pipeline stages of the attention kernel on quantized caches (None: Triton's default); tuning runs set it
-QUANT_STAGES: int | None = _env("PAGEDKIT_QUANT_STAGES", int)
-# (block_n, num_warps) of quantized caches once the grid fills the SMs (see QUANT_WIDE_PROGRAMS);
-# PAGEDKIT_QUANT_TILE="BNxNW" overrides (tuning runs)
-def parse_tile(value: str) -> tuple[int, int]:
-    """"BNxNW" (keys per tile x warps) -> (block_n, num_warps)."""
-    bn, sep, nw = value.partition("x")
-    if not sep:
-        raise ValueError("expected BNxNW, e.g. 64x4")
-    return int(bn), int(nw)
-
-
-QUANT_WIDE_TILE: tuple[int, int] = _env("PAGEDKIT_QUANT_TILE", parse_tile, (128, 4))
-# programs per SM the splits aim for with those tiles (None: WAVES); PAGEDKIT_QUANT_WAVES overrides (tuning runs)
-QUANT_WIDE_WAVES: float | None = _env("PAGEDKIT_QUANT_WAVES", float)
+# contiguous channels and Triton's own conversion reads them as words. PAGEDKIT_QUANT_ASM overrides it
+QUANT_ASM = _by_code(settings.read("PAGEDKIT_QUANT_ASM"))
+# software-pipeline stages of the attention kernel on quantized caches (None: Triton's default); PAGEDKIT_QUANT_STAGES
+QUANT_STAGES: int | None = settings.read("PAGEDKIT_QUANT_STAGES")
+# (block_n, num_warps) of quantized caches once the grid fills the SMs (see QUANT_WIDE_PROGRAMS); PAGEDKIT_QUANT_TILE
+QUANT_WIDE_TILE: tuple[int, int] = settings.read("PAGEDKIT_QUANT_TILE")
+# programs per SM the splits aim for with those tiles (None: WAVES); PAGEDKIT_QUANT_WAVES
+QUANT_WIDE_WAVES: float | None = settings.read("PAGEDKIT_QUANT_WAVES")
 # (block_n, num_warps) and programs per SM of decode-sized queries (<= DECODE_QUERY_BOUND tokens a sequence, tiles of
 # <= 16 rows: query tokens x a group's heads) on int8 / fp8 caches, head sizes <= 128, ahead of the two rules above
 # (None: those rules). H200, GQA 32 / 8 heads, head 128,
 # whole operator calls (benchmarks/results/quant_tile_sweep.json): 64-key tiles over 2 warps hold 4 programs per SM
 # (200 registers, 55 KB of shared memory; 128 x 4 took 106 KB: 2), GQA int8 batch 64 / context 4096 0.1734 ->
 # 0.1580 ms, PagedAttention fp8 batch 64 / 8192 256-token blocks 0.3708 -> 0.3160, int8 16-token blocks batch 16
-# 0.0801 -> 0.0664 with 4 programs per SM. PAGEDKIT_QUANT_DECODE_TILE="BNxNW" / "0" (off) overrides
-QUANT_DECODE_TILE: tuple[int, int] | None = _env(
-    "PAGEDKIT_QUANT_DECODE_TILE", lambda v: None if v == "0" else parse_tile(v), (64, 2))
-QUANT_DECODE_WAVES: float = _env("PAGEDKIT_QUANT_DECODE_WAVES", float, 4.0)
+# 0.0801 -> 0.0664 with 4 programs per SM. PAGEDKIT_QUANT_DECODE_TILE / _WAVES override them ("0": off)
+QUANT_DECODE_TILE: tuple[int, int] | None = settings.read("PAGEDKIT_QUANT_DECODE_TILE")  # (64, 2)
+QUANT_DECODE_WAVES: float = settings.read("PAGEDKIT_QUANT_DECODE_WAVES")  # 4.0
 # (block_n, num_warps) of float caches at decode-sized queries (<= DECODE_QUERY_BOUND tokens a sequence) through the
 # block table (None: the per-block tiles below), and the programs per SM their splits aim for (None: WAVES /
-# WAVES_SMALL_TILES); PAGEDKIT_DECODE_TILE="BNxNW" / PAGEDKIT_DECODE_WAVES override them (tuning runs,
-# benchmarks/step_profile.py --sweep sets them in-process)
+# WAVES_SMALL_TILES); PAGEDKIT_DECODE_TILE / PAGEDKIT_DECODE_WAVES set them (benchmarks/step_profile.py --sweep
+# sets them in-process)
 DECODE_QUERY_BOUND = 8
-DECODE_TILE: tuple[int, int] | None = _env("PAGEDKIT_DECODE_TILE", parse_tile)
-DECODE_WAVES: float | None = _env("PAGEDKIT_DECODE_WAVES", float)
-# software-pipeline stages of decode-sized float attention (None: Triton's default); PAGEDKIT_DECODE_STAGES (tuning)
-DECODE_STAGES: int | None = _env("PAGEDKIT_DECODE_STAGES", int)
+DECODE_TILE: tuple[int, int] | None = settings.read("PAGEDKIT_DECODE_TILE")
+DECODE_WAVES: float | None = settings.read("PAGEDKIT_DECODE_WAVES")
+# software-pipeline stages of decode-sized float attention (None: Triton's default); PAGEDKIT_DECODE_STAGES
+DECODE_STAGES: int | None = settings.read("PAGEDKIT_DECODE_STAGES")
 _POISON = False  # tests: fill outputs and workspaces with NaN instead of leaving them uninitialized
 
 

@@ -15,7 +15,6 @@ range reaches.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -23,6 +22,7 @@ import torch
 
 from pagedkit.validators.contract import PAGED_ATTENTION
 
+from ... import settings
 from ..attention_math import default_scale
 from ..variant import OP_FEATURES, KernelVariant
 from . import common
@@ -188,7 +188,7 @@ def run(inputs: Mapping[str, Any], *, outputs: Sequence[str] | None, validate: b
 # decode steps (attention_metadata's max_query_len <= decode.DECODE_QUERY_BOUND) on float caches under the engine's
 # distinct-slots promise: the cache write inside the attention launch (`write_decode`), one launch less per call.
 # Off by default (PAGEDKIT_FUSED_WRITE=1 turns it on; tests and sweeps set it): not yet measured on a GPU
-FUSED_WRITE = os.environ.get("PAGEDKIT_FUSED_WRITE") == "1"
+FUSED_WRITE = settings.read("PAGEDKIT_FUSED_WRITE")
 _FUSED_REFUSING = ("slot_mapping", "query_positions", "q_norm_weight", "k_norm_weight")
 
 

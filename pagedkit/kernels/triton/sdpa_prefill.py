@@ -26,12 +26,12 @@ sinks, bias, output_qk, query_positions, quantized caches, Hadamard rotation, LA
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, Mapping, Sequence
 
 import torch
 
+from ... import settings
 from ..attention_math import default_scale
 from ..variant import KernelVariant
 from . import common, paged
@@ -87,7 +87,7 @@ def uniform_prompt_len(num_tokens: int, batch: int, max_q: int, max_kv: int) -> 
 def _route(note: str) -> None:
     global LAST_ROUTE
     LAST_ROUTE = note
-    if os.environ.get("PAGEDKIT_KERNEL_DEBUG") == "1" and note not in _reported:
+    if note not in _reported and settings.read("PAGEDKIT_KERNEL_DEBUG"):
         _reported.add(note)
         print(f"pagedkit: sdpa_prefill route={note}", file=sys.stderr)
 

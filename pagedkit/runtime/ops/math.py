@@ -22,19 +22,19 @@ Same values as the unpacked path up to summation order."""
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 import torch.nn.functional as F
 
+from ... import settings
 from .packed import RELEASE_BYTES, PackedLinear, transpose_releasing
 from .registry import prepack, register
 from .util import HALF_TYPES, opt
 
-# torch's cuBLAS front end for CUDA products ("cublaslt" / "cublas"; unset: torch's default), set once at the
-# first CUDA product; PAGEDKIT_BLAS (tuning: benchmarks/step_profile.py "lt")
-BLAS = os.environ.get("PAGEDKIT_BLAS") or None
+# torch's cuBLAS front end for CUDA products ("cublaslt" / "cublas"; None: torch's default), set once at the
+# first CUDA product; PAGEDKIT_BLAS (tuning: benchmarks/step_profile.py "lt"; docs/settings.md)
+BLAS: str | None = settings.read("PAGEDKIT_BLAS")
 _BLAS_SET = [False]
 
 

@@ -30,12 +30,11 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from ... import settings
 from .packed import Packed, PackedLinear
 
 KERNEL_BLOCK_SIZES = (32, 64, 128, 256)  # the group sizes _weight_int4pack_mm_for_cpu accepts
 _N_ALIGN = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0
-ENV_MODE = "PAGEDKIT_MATMULNBITS"
-ENV_BUDGET = "PAGEDKIT_DEQUANT_CACHE_MB"
 
 
 def kernel_available() -> bool:
@@ -111,9 +110,9 @@ _used = [0]  # bytes held by live dequantized caches (all sessions of the proces
 
 
 def _budget() -> int:
-    env = os.environ.get(ENV_BUDGET)
-    if env is not None:
-        return int(float(env) * 2**20)
+    mib = settings.read("PAGEDKIT_DEQUANT_CACHE_MB")
+    if mib is not None:
+        return int(mib * 2**20)
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
     except (ValueError, OSError, AttributeError):
@@ -135,10 +134,8 @@ def _release(nbytes: int) -> None:
 
 
 def mode() -> str:
-    m = os.environ.get(ENV_MODE, "auto").strip().lower() or "auto"
-    if m not in ("auto", "exact", "int4", "off"):
-        raise ValueError(f"{ENV_MODE}={m!r}: expected auto, exact, int4 or off")
-    return m
+    """PAGEDKIT_MATMULNBITS: "auto", "exact", "int4" or "off" (read at each session creation)."""
+    return settings.read("PAGEDKIT_MATMULNBITS")
 
 
 def plan(attrs: dict, a_dtype: torch.dtype, device, mode_: str | None = None) -> str | None:
