@@ -206,6 +206,44 @@ def test_teeth_engine_admits_one_token_more(monkeypatch):
         check_engine_exact_fit()
 
 
+def check_exact_fit_with_drafts():
+    """Speculative steps write their drafts into the cache too: drafts_for caps them so that the cache never holds
+    more than prompt + max_new_tokens - 1 tokens; with a drafter that always proposes 8 tokens the exact fit still
+    runs to the end, with the plain request's tokens."""
+    _, (plain,), _ = generate(None, [PROMPT], EXACT)
+    engine = Engine(TINY_PAGED, max_batch_size=2, max_num_tokens=64, num_blocks=N_BLOCKS)
+    rid = engine.add_request(PROMPT, SamplingParams(max_new_tokens=EXACT, ignore_eos=True, num_draft_tokens=4),
+                             drafter=lambda tokens: [tokens[-1]] * 8)
+    final = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            final = o if o.request_id == rid and o.finished else final
+    assert engine.stats.draft_tokens > 0
+    assert final.finish_reason == "length", f"the exact fit with drafts ended {final.finish_reason!r}: {final.reason}"
+    assert final.token_ids == plain.token_ids
+
+
+def test_engine_exact_fit_with_speculative_drafts():
+    check_exact_fit_with_drafts()
+
+
+def test_teeth_drafts_one_past_max_new_tokens(monkeypatch):
+    from pagedkit.engine import speculative
+
+    real = speculative.drafts_for
+
+    def one_more(r, room, vocab):  # the cap on what the request may still generate without its "- 1"
+        r.params.max_new_tokens += 1
+        try:
+            return real(r, room, vocab)
+        finally:
+            r.params.max_new_tokens -= 1
+
+    monkeypatch.setattr(engine_mod, "drafts_for", one_more)
+    with pytest.raises(AssertionError, match="ended 'abort'"):
+        check_exact_fit_with_drafts()
+
+
 # ---- the engine: two requests sharing the pool exactly ------------------------------------------------------------
 
 def check_two_requests(extra: int):

@@ -89,6 +89,8 @@ def _topk_mask(x, k):
 
 
 def buggy_sampler(bug: str):
+    """sample_token as it was before the tiny-temperature fix (logits / temperature, unshifted, float32), with
+    `bug`; "none": no bug (passes every test here but the tiny-temperature one)."""
     def sample(logits, params, generator):
         logits = logits.float()
         if params.temperature == 0:
@@ -192,6 +194,33 @@ def test_teeth_correct_copy_passes(monkeypatch):
     """The bug harness itself (buggy_sampler without a bug) passes: the teeth fail because of the bug."""
     monkeypatch.setattr(sampling_mod, "sample_token", buggy_sampler("none"))
     check_supports()
+    check_distributions([r for r in DIST_ROWS if r[1].temperature != 0], 2000)
+
+
+# ---- a tiny temperature: greedy in the limit, never an error -------------------------------------------------------
+
+TINY = (1e-40, 5e-324)  # below float32's range once a logit is divided by them
+
+
+def check_tiny_temperatures():
+    logits = [0.5, 2.0, 1.0, 2.0 - 1e-6, -3.0]  # argmax 1; token 3 is 1e-6 below it
+    cases = [SamplingParams(temperature=t, top_p=p, top_k=k) for t in TINY for p, k in ((1.0, 0), (0.9, 0), (1.0, 3))]
+    counts = draw([logits] * len(cases), cases, 50)
+    for p, row in zip(cases, counts):
+        assert row[1] == 50, f"temperature {p.temperature}: {row.tolist()}, expected only the argmax"
+
+
+def test_tiny_temperature_is_greedy():
+    """temperature 1e-40 (paged-serve accepts any temperature in [0, 2]) is greedy, not a failed step: before the
+    fix, logits / 1e-40 overflowed to inf, softmax gave nan and torch.multinomial raised, which failed engine.step()
+    and so every request in the batch."""
+    check_tiny_temperatures()
+
+
+def test_teeth_tiny_temperature_unshifted_logits(monkeypatch):
+    monkeypatch.setattr(sampling_mod, "sample_token", buggy_sampler("none"))  # logits / temperature, unshifted
+    with pytest.raises(RuntimeError, match="inf"):
+        check_tiny_temperatures()
 
 
 # ---- (b) distributions ---------------------------------------------------------------------------------------

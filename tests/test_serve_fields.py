@@ -21,6 +21,7 @@ import dataclasses
 
 import httpx
 import pytest
+import torch
 
 from pagedkit.apps.serve import app as app_mod
 from pagedkit.apps.serve import create_app
@@ -190,6 +191,24 @@ def test_teeth_sampling_behaviour_needs_the_field(real, monkeypatch, field):
     monkeypatch.setattr(app_mod._Server, "params", dropping(field))
     with pytest.raises(AssertionError):
         check_sampling_behaviour(real[1])
+
+
+def test_tiny_temperature_is_served_greedy(real):
+    """temperature 1e-40 is in paged-serve's [0, 2]: greedy text, not a 500 (it used to fail the engine step)."""
+    greedy = _complete(real[1], prompt=FLAT_PROMPT, max_tokens=8, temperature=0)
+    assert _complete(real[1], prompt=FLAT_PROMPT, max_tokens=8, temperature=1e-40) == greedy
+
+
+def test_teeth_tiny_temperature_unshifted(real, monkeypatch):
+    from pagedkit.engine import sampling
+
+    def unshifted(logits, params, generator):  # the sampler before the fix, without top-k / top-p
+        probs = torch.softmax(logits.float() / params.temperature, dim=0)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    monkeypatch.setattr(sampling, "sample_token", unshifted)
+    with pytest.raises(AssertionError, match="the engine failed"):
+        test_tiny_temperature_is_served_greedy(real)
 
 
 # ---- 3. max_tokens at the context's edge ----------------------------------------------------------------------------

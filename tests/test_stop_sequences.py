@@ -111,46 +111,29 @@ def test_stop_inside_accepted_drafts_leaks_nothing():
 
 # ---- teeth: realistic Request bugs ----------------------------------------------------------------------------
 
-_real_append, _real_holdback, _real_emit = Request.append, Request._holdback, Request.emit
+_real_holdback, _real_emit = Request._holdback, Request.emit
 
 
-def _append_last_two(self, token):
-    """Compares only the last 2 tokens of each stop sequence."""
-    self.tokens.append(int(token))
-    for seq in self.params.stop_sequences:
-        n = min(2, len(seq))
-        if self.num_output >= n and tuple(self.tokens[-n:]) == seq[-n:]:
-            del self.tokens[-len(seq):]
-            self.num_emitted = min(self.num_emitted, self.num_output)
+def _append_variant(bug: str):
+    """Request.append (request.py) with one realistic change."""
+    def append(self, token):
+        self.tokens.append(int(token))
+        out_len = self.num_output
+        seqs = self.params.stop_sequences[:1] if bug == "first only" else self.params.stop_sequences
+        for seq in seqs:
+            n = len(seq)
+            m = min(2, n) if bug == "last two" else n  # how many trailing tokens are compared
+            if out_len >= m and tuple(self.tokens[-m:]) == seq[-m:]:
+                del self.tokens[len(self.tokens) - (n - 1 if bug == "keeps first" else n):]
+                self.num_emitted = min(self.num_emitted, self.num_output)
+                return self.finish("stop")
+        if token in self.stop_ids:
             return self.finish("stop")
-    self.tokens.pop()
-    return _real_append_no_seq(self, token)
+        if out_len >= self.params.max_new_tokens or len(self.tokens) >= self.max_total:
+            return self.finish("length")
+        return False
 
-
-def _real_append_no_seq(self, token):
-    seqs = self.params.stop_sequences
-    object.__setattr__(self.params, "stop_sequences", ())
-    try:
-        return _real_append(self, token)
-    finally:
-        object.__setattr__(self.params, "stop_sequences", seqs)
-
-
-def _append_first_seq_only(self, token):
-    seqs = self.params.stop_sequences
-    object.__setattr__(self.params, "stop_sequences", seqs[:1])
-    try:
-        return _real_append(self, token)
-    finally:
-        object.__setattr__(self.params, "stop_sequences", seqs)
-
-
-def _append_keeps_match(self, token):
-    """The matched stop sequence is left in the output."""
-    finished = _real_append(self, token)
-    if finished and self.finish_reason == "stop" and self.params.stop_sequences and self.tokens[-1] != token:
-        self.tokens.append(int(token))  # (demonstration: at least its last token comes back)
-    return finished
+    return append
 
 
 def _holdback_one(self):
@@ -166,21 +149,28 @@ def _emit_drops_held_back(self):
 
 
 REQUEST_BUGS = {
-    "last two tokens only": ("append", _append_last_two),
-    "first stop sequence only": ("append", _append_first_seq_only),
-    "matched sequence kept": ("append", _append_keeps_match),
+    "correct copy": ("append", _append_variant("none")),  # (not a bug: must pass, see below)
+    "last two tokens only": ("append", _append_variant("last two")),
+    "first stop sequence only": ("append", _append_variant("first only")),
+    "first token of the match kept": ("append", _append_variant("keeps first")),
     "hold back one token": ("_holdback", _holdback_one),
     "no hold-back": ("_holdback", lambda self: 0),
     "held-back tokens dropped": ("emit", _emit_drops_held_back),
 }
 
 
-@pytest.mark.parametrize("bug", REQUEST_BUGS)
+@pytest.mark.parametrize("bug", [b for b in REQUEST_BUGS if b != "correct copy"])
 def test_teeth_request_bugs(monkeypatch, bug):
     attr, fn = REQUEST_BUGS[bug]
     monkeypatch.setattr(Request, attr, fn)
     with pytest.raises(AssertionError):
         check_cases()
+
+
+def test_teeth_harness_correct_copy_passes(monkeypatch):
+    """The append copy the bugs are made from passes without a bug: the teeth fail because of the bug."""
+    monkeypatch.setattr(Request, "append", _append_variant("none"))
+    check_cases()
 
 
 # ---- stop strings in paged-serve's TextStream (3+ characters) ---------------------------------------------------
