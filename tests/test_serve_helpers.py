@@ -59,13 +59,14 @@ def write_tokenizer(folder: Path, chat_template: str | None = CHAT_TEMPLATE) -> 
 # -- a fake engine (the interface of pagedkit.engine.Engine; its SamplingParams / RequestOutput) ---
 
 def fake_continuation(prompt: list[int], n: int, eos: int | None = None, eos_at: int | None = None) -> list[int]:
-    """The fake engine's tokens for a prompt: each a function of the sequence so far (batching-independent)."""
+    """The fake engine's tokens for a prompt: each a function of the sequence so far (batching-independent).
+    eos_at: token eos_at is the eos id 2, which ends the tokens when `eos` is 2 (None: ignore_eos, go on)."""
     seq, out = list(prompt), []
     for i in range(n):
-        tok = eos if (eos_at is not None and i == eos_at) else 3 + (sum(seq) * 31 + len(seq) * 7) % (VOCAB_SIZE - 3)
+        tok = 2 if (eos_at is not None and i == eos_at) else 3 + (sum(seq) * 31 + len(seq) * 7) % (VOCAB_SIZE - 3)
         seq.append(tok)
         out.append(tok)
-        if tok == eos:
+        if eos is not None and tok == eos:
             break
     return out
 

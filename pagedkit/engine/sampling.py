@@ -24,7 +24,10 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     logits = logits.float()
     if params.temperature == 0:
         return int(torch.argmax(logits))
-    x = logits / params.temperature
+    # shifted so that the largest is 0, scaled in float64: a tiny temperature (1e-40, 5e-324) sends the others to
+    # -inf (greedy in the limit) instead of overflowing to inf, or of a float32 temperature of 0 (softmax nan: the
+    # draw raised, failing the whole engine step)
+    x = ((logits.double() - logits.max()) / params.temperature).float()
     if 0 < params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
