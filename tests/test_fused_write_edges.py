@@ -16,20 +16,19 @@ and tile * k + 1, a 3-token step starting at an edge, and a 3-token step whose L
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-import sys
 
 import pytest
 import torch
 
+from mutants import mutant
 from paged_oracle import Spec, build, clone_inputs, oracle, rel_err
 
 triton = pytest.importorskip("triton") if not os.environ.get("CI") else __import__("triton")  # CI: never skip
 
 from pagedkit.kernels.paged import reference, torch_planned, torch_sdpa  # noqa: E402
-from pagedkit.kernels.triton import common, decode  # noqa: E402
+from pagedkit.kernels.triton import _decode_kernels, common, decode  # noqa: E402
 from pagedkit.kernels.triton.cache_write import write_kv  # noqa: E402
 
 FLOAT = common.SideFormat(common.FMT_FLOAT, common.SCALE_NONE)
@@ -103,23 +102,6 @@ def test_window_edge_torch_variants_equal_the_oracle(variant, window):
 # --- teeth: the window's first key moved by one ---------------------------------------------------------------
 
 
-def mutant(module, old: str, new: str, tmp_path):
-    """A copy of `module` (same package, so its relative imports resolve) with `old` replaced once by `new`."""
-    src = open(module.__file__).read()
-    assert src.count(old) == 1, f"{module.__name__}: {old!r} occurs {src.count(old)} times"
-    path = tmp_path / (module.__name__.rsplit(".", 1)[1] + "_mutant.py")
-    path.write_text(src.replace(old, new))
-    name = module.__name__ + "_mutant"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        del sys.modules[name]
-    return mod
-
-
 KERNEL_MUTANTS = {  # fused: f_lo; unfused: t_lo; both: the per-key mask
     "fused first tile one key late": (True, "f_lo = tl.maximum(past - window + 1, 0) // BLOCK_N",
                                       "f_lo = tl.maximum(past - window + 2, 0) // BLOCK_N"),
@@ -134,13 +116,13 @@ KERNEL_MUTANTS = {  # fused: f_lo; unfused: t_lo; both: the per-key mask
 
 @pytest.mark.parametrize("name", list(KERNEL_MUTANTS))
 def test_teeth_kernel_window_off_by_one(name, tmp_path, monkeypatch):
-    from pagedkit.kernels import triton as pkg
+    import pagedkit.kernels.triton as pkg
 
     fused, old, new = KERNEL_MUTANTS[name]
     window, tile, splits = 7, 16, 1
     case = build(edge_spec(window, tile, seed=window + tile))
     want = oracle(case)["output"]
-    monkeypatch.setattr(pkg, "_decode_kernels", mutant(pkg._decode_kernels, old, new, tmp_path))
+    monkeypatch.setattr(pkg, "_decode_kernels", mutant(_decode_kernels, [(old, new)], tmp_path, monkeypatch))
     got = _triton_step(case, fused=fused, tile=tile, splits=splits)
     assert rel_err(got, want) > 10 * TOL, rel_err(got, want)
 
@@ -156,9 +138,9 @@ TORCH_MUTANTS = {
 
 
 @pytest.mark.parametrize("name", list(TORCH_MUTANTS))
-def test_teeth_torch_window_off_by_one(name, tmp_path):
+def test_teeth_torch_window_off_by_one(name, tmp_path, monkeypatch):
     module, old, new = TORCH_MUTANTS[name]
     case = build(edge_spec(7, BS, seed=7))
-    got = mutant(module, old, new, tmp_path).paged_attention(clone_inputs(case.inputs), outputs=["output"],
-                                                             **case.attrs)
+    bad = mutant(module, [(old, new)], tmp_path, monkeypatch)
+    got = bad.paged_attention(clone_inputs(case.inputs), outputs=["output"], **case.attrs)
     assert rel_err(got["output"], oracle(case)["output"]) > 10 * TOL
