@@ -16,6 +16,8 @@ scores output, output_qk) - on one sequence with a past and a 3-token step (outp
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -31,7 +33,7 @@ from pagedkit.rewriters.node_rules import (
 from pagedkit.rewriters.node_rules.base import SAME_ATTRS
 from pagedkit.validators.contract import GROUP_QUERY_ATTENTION as GQA, PAGED_ATTENTION as PA
 
-ort = pytest.importorskip("onnxruntime") if not __import__("os").environ.get("CI") else __import__("onnxruntime")
+ort = pytest.importorskip("onnxruntime") if not os.environ.get("CI") else __import__("onnxruntime")
 
 TOL = 5e-3  # fp16 attention (tests/test_rewrite_nodes.py's bound)
 EPS = 3e-5  # non-default (contract default 1e-6)
