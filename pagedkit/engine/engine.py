@@ -72,7 +72,9 @@ class Engine:
 
     max_batch_size: most sequences in one step; max_num_tokens: most tokens in one step (prefill chunks
     included); num_blocks: blocks of the full-attention pool (default: every one of max_batch_size
-    sequences can reach the context length); block_size: None = the model's; enable_prefix_caching:
+    sequences can reach the context length, within memory_fraction of what the device has free: None = 0.9 of
+    the free GPU memory on CUDA, 0.25 of the available RAM on the CPU; model.py); block_size: None = the model's;
+    enable_prefix_caching:
     reuse cached full blocks of identical prefixes (off for models with sliding-window layers); cuda_graphs:
     decode steps as CUDA-graph replays per batch bucket (graphs.py), None = on for CUDA; "padded" plans decode
     steps as the graphs do (batch buckets, replay-wide bounds) but runs them eagerly, on any device; overlap:

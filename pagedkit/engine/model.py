@@ -89,8 +89,8 @@ class PagedModel:
                 raise ValueError(f"Engine: {name} must be an integer >= 1, got {v!r}")
         if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
             raise ValueError(f"Engine: num_blocks must be an integer >= 1 or None (sized for the batch), got {num_blocks!r}")
-        if memory_fraction is not None and (isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float))
-                                            or not 0 < memory_fraction <= 1):
+        mf = memory_fraction
+        if mf is not None and (isinstance(mf, bool) or not isinstance(mf, (int, float)) or not 0 < mf <= 1):
             raise ValueError(f"Engine: memory_fraction must be a number in (0, 1] or None (the device's default), "
                              f"got {memory_fraction!r}")
         if block_size is not None and block_size_error(block_size):

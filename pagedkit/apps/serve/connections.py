@@ -4,8 +4,8 @@ uvicorn times out only idle keep-alive connections: a connection that never send
 and headers (half-open, or a slow "slowloris" client) is held forever. `header_timeout_protocol(s)` is
 uvicorn's H11Protocol with a timer armed when a connection opens and when the first bytes of a later request
 on it arrive (idle time in between is the keep-alive timeout's), cancelled when the request's headers are
-complete; when it fires the connection is closed. The body's own timeout is limits.BodyReader's; the idle keep-alive timeout is uvicorn's
-`timeout_keep_alive`. h11 is used whatever is installed (httptools has no size limit on headers that
+complete; when it fires the connection is closed. The body's own timeout is limits.BodyReader's; the idle
+keep-alive timeout is uvicorn's `timeout_keep_alive`. h11 is used whatever is installed (httptools has no size limit on headers that
 uvicorn exposes; h11's is `h11_max_incomplete_event_size`).
 """
 

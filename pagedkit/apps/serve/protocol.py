@@ -171,7 +171,8 @@ def _max_time(body: dict, server_s: float) -> float | None:
     value = body.get("max_time")
     if value is None:
         return server_s or None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf or (server_s and value > server_s):
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not number or not 0 < value < math.inf or (server_s and value > server_s):
         raise RequestError(f"max_time: expected a number of seconds > 0{bound}, got {value!r}", "max_time")
     return float(value)
 
