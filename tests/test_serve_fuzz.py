@@ -38,7 +38,8 @@ SCALARS = (st.none() | st.booleans() | st.integers() | st.integers(min_value=10 
            | st.floats() | st.text(max_size=8) | SURROGATES)
 JUNK = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                                                                                          max_size=3), max_leaves=12)
-TEXT = st.lists(st.sampled_from(WORDS + ["t40", "t99", "zzz"]), max_size=12).map(" ".join)
+CLEAN = st.lists(st.sampled_from(WORDS + ["t40", "t99", "zzz"]), max_size=12).map(" ".join)
+TEXT = st.one_of(CLEAN, CLEAN, CLEAN, st.tuples(CLEAN, SURROGATES).map(" ".join))  # a lone surrogate now and then
 
 
 GOOD = {  # values a client may well send (some still refused: a never-fitting max_tokens, stream_options alone)
@@ -80,7 +81,7 @@ RAW = st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
                 JUNK.map(json.dumps).map(str.encode) | st.binary(max_size=40))
 
 
-@settings(max_examples=120, deadline=None, derandomize=True, database=None,
+@settings(max_examples=100, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(request=st.one_of(REQUESTS, REQUESTS, REQUESTS, RAW), leave_early=st.booleans())
 def test_fuzzed_bodies_never_get_a_5xx_and_leak_no_block(served, request, leave_early):
@@ -114,4 +115,4 @@ def test_after_the_fuzz_the_pool_is_whole(served):
     assert not engine.has_unfinished() and httpx.get(f"{url}/health").json() == {
         "status": "ok", "model": NAME, "pending_requests": 0}
     assert engine.num_free_blocks() == engine.num_blocks() and engine.check_invariants() == []
-    assert min(SEEN[200], SEEN[400]) >= 20 and min(SEEN["left early"], SEEN["streamed"]) >= 5, SEEN
+    assert min(SEEN[200], SEEN[400]) >= 15 and min(SEEN["left early"], SEEN["streamed"]) >= 3, SEEN
