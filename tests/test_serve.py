@@ -300,6 +300,10 @@ def test_cli_bad_arguments(capsys, tmp_path, tok_dir):
     _one_line_error(capsys, [str(tmp_path / "nope")], "not a folder")
     _one_line_error(capsys, [str(tok_dir), "--port", "70000"], "--port", "0..65535")
     _one_line_error(capsys, [str(tok_dir), "--max-batch-size", "0"], "--max-batch-size", ">= 1")
+    _one_line_error(capsys, [str(tok_dir), "--max-body-bytes", "0"], "--max-body-bytes", ">= 1")
+    _one_line_error(capsys, [str(tok_dir), "--header-timeout", "-1"], "--header-timeout", ">= 0")
+    _one_line_error(capsys, [str(tok_dir), "--request-timeout", "nan"], "--request-timeout", ">= 0")
+    _one_line_error(capsys, [str(tok_dir), "--kv-memory-fraction", "1.5"], "--kv-memory-fraction", "(0, 1]")
     _one_line_error(capsys, [str(tok_dir)], "genai_config.json")  # a tokenizer but no model: the engine's error
     with pytest.raises(SystemExit) as exc:  # argparse's own usage error
         from pagedkit.apps.serve.cli import main

@@ -72,7 +72,9 @@ class Engine:
 
     max_batch_size: most sequences in one step; max_num_tokens: most tokens in one step (prefill chunks
     included); num_blocks: blocks of the full-attention pool (default: every one of max_batch_size
-    sequences can reach the context length); block_size: None = the model's; enable_prefix_caching:
+    sequences can reach the context length, within memory_fraction of what the device has free: None = 0.9 of
+    the free GPU memory on CUDA, 0.25 of the available RAM on the CPU; model.py); block_size: None = the model's;
+    enable_prefix_caching:
     reuse cached full blocks of identical prefixes (off for models with sliding-window layers); cuda_graphs:
     decode steps as CUDA-graph replays per batch bucket (graphs.py), None = on for CUDA; "padded" plans decode
     steps as the graphs do (batch buckets, replay-wide bounds) but runs them eagerly, on any device; overlap:
@@ -83,12 +85,13 @@ class Engine:
     def __init__(self, model_dir: str | Path, device: str = "cpu", *, max_batch_size: int = 16,
                  max_num_tokens: int = 512, num_blocks: int | None = None, block_size: int | None = None,
                  enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, memory_fraction: float | None = None):
         if overlap not in (None, True, False):
             raise ValueError(f"Engine: overlap must be None (on with CUDA graphs), True or False, got {overlap!r}")
         self.model = PagedModel(model_dir, device, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                                 num_blocks=num_blocks, block_size=block_size,
-                                enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs)
+                                enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
+                                memory_fraction=memory_fraction)
         self.kv = self.model.mgr
         self.eos_token_ids: list[int] = list(self.model.config.eos_token_ids)
         self.vocab_size: int | None = self.model.config.vocab_size
@@ -112,6 +115,13 @@ class Engine:
     @property
     def max_seq_len(self) -> int:
         return self.model.max_seq_len
+
+    @property
+    def max_pool_tokens(self) -> int:
+        """The most tokens one request's cache can ever hold (prompt + max_new_tokens - 1 of them): the
+        full-attention pool's blocks x block_size, at most max_seq_len (a request above is aborted, _never_fits)."""
+        full = self.model.groups.get("full")
+        return self.max_seq_len if full is None else min(self.max_seq_len, full.num_blocks * full.block_size)
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,

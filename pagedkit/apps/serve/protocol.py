@@ -9,6 +9,7 @@ logit_bias...) is refused, never silently ignored. Unknown fields (`user`, `meta
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ class Sampling:
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
+    max_time: float | None = None  # seconds this request may run (the server's request timeout at most)
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -54,7 +56,7 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open
     return float(value)
 
 
-def _int(body: dict, name: str, lo: int | None = None, what: str | None = None) -> int | None:
+def _int(body: dict, name: str, lo: int | None = None, what: str | None = None, hi: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -62,6 +64,8 @@ def _int(body: dict, name: str, lo: int | None = None, what: str | None = None) 
         raise RequestError(f"{name}: expected an integer{'' if lo is None else f' >= {lo}'}, got {value!r}", name)
     if lo is not None and value < lo:
         raise RequestError(f"{name}: expected an integer >= {lo}{what or ''}, got {value}", name)
+    if hi is not None and value > hi:
+        raise RequestError(f"{name}: expected an integer <= {hi}, got {value}", name)
     return value
 
 
@@ -99,7 +103,20 @@ def check_common(body: Any, model_name: str) -> None:
         _unsupported(body, penalty, (None, 0, 0.0), penalty)
 
 
-def parse_sampling(body: dict, max_tokens_fields: tuple[str, ...] = ("max_tokens",)) -> Sampling:
+@dataclass(frozen=True)
+class FieldLimits:
+    """The request-field limits of a server (ServeLimits carries them; the defaults are its defaults)."""
+
+    max_stop_strings: int = 16
+    max_stop_length: int = 1024  # characters of one stop string
+    request_timeout_s: float = 600.0  # 0: no deadline; a request's max_time may only lower it
+
+
+SEED_MAX = 2 ** 63 - 1
+
+
+def parse_sampling(body: dict, max_tokens_fields: tuple[str, ...] = ("max_tokens",),
+                   limits: FieldLimits = FieldLimits()) -> Sampling:
     s = Sampling()
     for name in max_tokens_fields:
         value = _int(body, name, lo=1)
@@ -110,7 +127,7 @@ def parse_sampling(body: dict, max_tokens_fields: tuple[str, ...] = ("max_tokens
     s.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = _int(body, "top_k", lo=-1, what=" (0 or -1: no top-k)")
     s.top_k = 0 if top_k in (None, -1) else top_k
-    s.seed = _int(body, "seed", lo=0)
+    s.seed = _int(body, "seed", lo=0, hi=SEED_MAX)
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -119,6 +136,13 @@ def parse_sampling(body: dict, max_tokens_fields: tuple[str, ...] = ("max_tokens
     if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
         raise RequestError(f"stop: expected a non-empty string or a list of non-empty strings, got {body['stop']!r}",
                            "stop")
+    if len(stop) > limits.max_stop_strings:
+        raise RequestError(f"stop: expected at most {limits.max_stop_strings} stop strings (the server's "
+                           f"--max-stop-strings), got {len(stop)}", "stop")
+    longest = max(stop, key=len, default="")
+    if len(longest) > limits.max_stop_length:
+        raise RequestError(f"stop: expected stop strings of at most {limits.max_stop_length} characters (the "
+                           f"server's --max-stop-length), got one of {len(longest)}", "stop")
     s.stop = stop
     ids = body.get("stop_token_ids")
     if ids is not None and (not isinstance(ids, list)
@@ -136,7 +160,21 @@ def parse_sampling(body: dict, max_tokens_fields: tuple[str, ...] = ("max_tokens
         if not s.stream:
             raise RequestError("stream_options: only allowed with stream: true", "stream_options")
         s.include_usage = _bool(opts, "include_usage")
+    s.max_time = _max_time(body, limits.request_timeout_s)
     return s
+
+
+def _max_time(body: dict, server_s: float) -> float | None:
+    """max_time (extension, seconds, as transformers' generate): the request's deadline; the server's
+    request timeout when absent, never more."""
+    bound = f" and <= {server_s:g} (the server's --request-timeout)" if server_s else ""
+    value = body.get("max_time")
+    if value is None:
+        return server_s or None
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not number or not 0 < value < math.inf or (server_s and value > server_s):
+        raise RequestError(f"max_time: expected a number of seconds > 0{bound}, got {value!r}", "max_time")
+    return float(value)
 
 
 def check_token_ids(ids: list, param: str, vocab_size: int | None) -> list[int]:
@@ -217,15 +255,25 @@ def chat_messages(body: dict) -> list[dict]:
 
 
 def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, max_seq_len: int,
-                       prompt_param: str, param: str = "max_tokens") -> int:
-    """max_tokens within the model's context: prompt + max_tokens <= max_seq_len."""
+                       prompt_param: str, param: str = "max_tokens", pool_tokens: int | None = None) -> int:
+    """max_tokens within the model's context (prompt + max_tokens <= max_seq_len) and within what the KV
+    cache pool can ever hold of one request, `pool_tokens` (prompt + max_tokens - 1 <= pool_tokens: the
+    last token is never cached). Without max_tokens: the default, cut to both."""
     room = max_seq_len - prompt_len
     if room < 1:
         raise RequestError(f"{prompt_param}: the prompt has {prompt_len} tokens; expected at most "
                            f"{max_seq_len - 1} (the model's context is {max_seq_len} tokens)", prompt_param)
+    pool_room = room if pool_tokens is None else pool_tokens + 1 - prompt_len
+    if pool_room < 1:
+        raise RequestError(f"{prompt_param}: the prompt has {prompt_len} tokens; the KV cache pool can hold at "
+                           f"most {pool_tokens} tokens of one request (the server's --num-blocks)", prompt_param)
     if requested is None:
-        return room if default is None else min(default, room)
+        return min(room if default is None else min(default, room), pool_room)
     if requested > room:
         raise RequestError(f"{param}: expected at most {room} (context {max_seq_len} tokens - prompt "
                            f"{prompt_len} tokens), got {requested}", param)
+    if requested > pool_room:
+        raise RequestError(f"{param}: expected at most {pool_room}: the KV cache pool can hold at most "
+                           f"{pool_tokens} tokens of one request and the prompt has {prompt_len} tokens, got "
+                           f"{requested}", param)
     return requested

@@ -4,16 +4,26 @@ idle, and hands each RequestOutput to the asyncio queue of its request (`loop.ca
 `submit` registers the request's queue under a request id chosen here before the engine sees the request,
 so no output can arrive for an unknown id. An output with `finished` set unregisters the request; `abort`
 (a client that went away, a stop string found by the server) aborts it in the engine and drops its queue,
-so later outputs of that id are ignored. An exception raised by `engine.step()` is put on every pending
-request's queue (each of them fails with it) and those requests are aborted; the thread carries on.
+so later outputs of that id are ignored. An exception raised by `engine.step()` (or `has_unfinished()`)
+marks the worker failed: it is logged once with its traceback, put on every pending request's queue (each
+of them fails with it, once), those requests are aborted and the thread ends; `failure` then says why,
+/health answers 503 and `submit` raises EngineDown (an engine whose step failed is not trusted again:
+restart the server).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import uuid
+
+log = logging.getLogger("uvicorn.error")
+
+
+class EngineDown(RuntimeError):
+    """The engine failed earlier: the worker takes no more requests."""
 
 
 class EngineWorker:
@@ -27,11 +37,12 @@ class EngineWorker:
         self._idle_wait_s = idle_wait_s
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
+        self.failure: BaseException | None = None  # what made the engine fail (then nothing more is run)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         with self._lock:
-            if self._thread is not None and self._thread.is_alive():
+            if self.failure is not None or (self._thread is not None and self._thread.is_alive()):
                 return
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="paged-serve-engine", daemon=True)
@@ -56,7 +67,10 @@ class EngineWorker:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         request_id = f"{self._prefix}-{next(self._ids)}"
-        with self._lock:
+        with self._lock:  # the failure is set under this lock: no queue registers after the last one failed
+            if self.failure is not None:
+                raise EngineDown(f"the engine failed earlier ({type(self.failure).__name__}: {self.failure}); "
+                                 "restart the server")
             self._queues[request_id] = (loop, queue)
         try:
             self.engine.add_request(list(prompt_token_ids), params, request_id=request_id)
@@ -97,7 +111,10 @@ class EngineWorker:
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
+            self.failure = exc
             failed, self._queues = self._queues, {}
+        log.error("the engine failed (%d requests in flight fail with it; /health reports 503 from now on)",
+                  len(failed), exc_info=exc)
         for request_id, target in failed.items():
             try:
                 self.engine.abort(request_id)
@@ -112,7 +129,7 @@ class EngineWorker:
                 busy = self.engine.has_unfinished()
             except Exception as exc:
                 self._fail_all(exc)
-                busy = False
+                return
             if not busy:
                 self._wake.wait(self._idle_wait_s)
                 continue
@@ -120,6 +137,5 @@ class EngineWorker:
                 outputs = self.engine.step()
             except Exception as exc:
                 self._fail_all(exc)
-                self._stop.wait(0.05)  # an engine that keeps failing does not spin the CPU
-                continue
+                return
             self._dispatch(outputs)
