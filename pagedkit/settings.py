@@ -164,6 +164,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("PAGEDKIT_DEQUANT_CACHE_MB", "user", "session", "float (MiB)", None,
        "the process-wide budget of MatMulNBits weights dequantized once; past it a weight stays packed and is "
        "dequantized per call (docs/runtime-ops.md).", float, unset="a quarter of physical memory"),
+    _S("PAGEDKIT_API_KEY", "user", "session", "a string", None,
+       "the API key `paged-serve` requires (`Authorization: Bearer KEY`) when `--api-key` is not given "
+       "(docs/serve.md).", unset="no authentication"),
     _S("PAGEDKIT_COMMIT", "user", "call", "a commit", None,
        "the commit paged-bench and the benchmarks record in their results (a copy of the tree may carry a stale "
        "`.git`).", unset="`git rev-parse HEAD` of the checkout pagedkit is imported from"),

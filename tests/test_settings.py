@@ -253,6 +253,7 @@ CASES = [  # (variable, value in the environment or None (unset), what the code 
     ("PAGEDKIT_CACHE", "~/models", HOME / "models"), ("PAGEDKIT_CACHE", "/data/c", Path("/data/c")),
     ("PAGEDKIT_SMOLLM2_WHEEL", "/w/a.whl", "/w/a.whl"), ("PAGEDKIT_SMOLLM2_WHEEL", None, None),
     ("PAGEDKIT_COMMIT", "abc123", "abc123"), ("PAGEDKIT_COMMIT", "", None),
+    ("PAGEDKIT_API_KEY", "sk-local", "sk-local"), ("PAGEDKIT_API_KEY", "", None),
     ("PAGEDKIT_DECODE_TILE", None, None), ("PAGEDKIT_DECODE_TILE", "64x4", (64, 4)),
     ("PAGEDKIT_DECODE_WAVES", "6", 6.0), ("PAGEDKIT_DECODE_WAVES", None, None),
     ("PAGEDKIT_DECODE_STAGES", "3", 3), ("PAGEDKIT_DECODE_STAGES", None, None),

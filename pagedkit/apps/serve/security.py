@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import os
+from pagedkit import settings
 from typing import Iterable, Sequence
 
 from .limits import error_response
@@ -22,11 +22,8 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
 def api_key_from_env() -> str | None:
-    """PAGEDKIT_API_KEY: the API key when --api-key is not given.
-
-    MARKED: the one read of this variable, through os.environ until pagedkit/settings.py declares it (then
-    read it there)."""
-    return os.environ.get("PAGEDKIT_API_KEY") or None
+    """PAGEDKIT_API_KEY (pagedkit/settings.py): the API key when --api-key is not given."""
+    return settings.read("PAGEDKIT_API_KEY") or None
 
 
 def is_loopback(host: str) -> bool:
