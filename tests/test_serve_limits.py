@@ -96,7 +96,7 @@ def test_a_request_the_pool_can_never_hold_is_a_400_naming_both_numbers(tok_dir)
         assert r.status_code == 200, r.text
         prompt_len = len(tok.chat(USER))
         assert r.json()["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 40 + 1 - prompt_len,
-                                     "total_tokens": 41}
+                                     "total_tokens": 41, "prompt_tokens_details": {"cached_tokens": 0}}
         assert r.json()["choices"][0]["finish_reason"] == "length"
         assert httpx.post(f"{url}/v1/completions", json={"prompt": [5] * 10, "max_tokens": 31}).status_code == 200
         assert not engine.aborted  # nothing reached the engine's own refusal
@@ -239,7 +239,8 @@ def test_404_and_405_are_json_error_objects(url):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.NotFoundError) as exc:
         client.models.retrieve("something-else")
-    assert exc.value.body["code"] == "not_found"
+    assert exc.value.body["code"] == "model_not_found" and "something-else" in exc.value.body["message"]
+    assert client.models.retrieve(MODEL).id == MODEL  # /v1/models/{id}
 
 
 class _Records(logging.Handler):

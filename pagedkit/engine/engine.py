@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from ..runtime.kv.cache import KVCacheExhausted
+from . import group as grp
 from .model import PagedModel
 from .overlap import HostRing, Inflight, advance, greedy_decode
 from .params import RequestOutput, SamplingParams
@@ -52,6 +53,7 @@ class EngineStats:
     preemptions: int = 0
     unadmitted: int = 0  # admissions undone within a step (the pool could not hold them)
     prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0  # tokens looked up in the prefix cache at admissions
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     max_batch: int = 0  # most sequences seen in one step
@@ -131,19 +133,37 @@ class Engine:
         self._enqueue([req])
         return req.request_id
 
+    def add_group(self, prompt_token_ids: Sequence[int], params: Sequence[SamplingParams],
+                  request_ids: Sequence[str] | None = None) -> list[str]:
+        """Queue len(params) requests of one prompt (OpenAI's n) that share its prefill (group.py): the prompt
+        runs once, then each request gets its blocks (KVCacheManager.fork) and its own tokens. The params are
+        equal but for their seeds. Returns the ids, in order (thread-safe)."""
+        params = list(params)
+        grp.check_group(params, self.max_batch_size)
+        ids = [None] * len(params) if request_ids is None else list(request_ids)
+        if len(ids) != len(params):
+            raise ValueError(f"add_group: expected {len(params)} request ids, got {len(ids)}")
+        reqs = [self._make_request(prompt_token_ids, p, i, None) for p, i in zip(params, ids)]
+        reqs[0].siblings = reqs[1:]
+        self._enqueue(reqs, queued=1)
+        return [r.request_id for r in reqs]
+
     def _make_request(self, prompt, params, request_id, drafter) -> Request:
         return new_request(prompt, params, request_id, drafter, vocab_size=self.vocab_size,
                            max_seq_len=self.max_seq_len, eos_token_ids=self.eos_token_ids)
 
-    def _enqueue(self, reqs: list[Request]) -> None:
+    def _enqueue(self, reqs: list[Request], queued: int | None = None) -> None:
+        """Register the requests; the first `queued` of them (all: None) go to the queue (add_group's siblings
+        wait with their parent)."""
         with self._lock:
             ids = [r.request_id for r in reqs]
             dup = [i for i in ids if i in self._live] or [i for i in ids if ids.count(i) > 1]
             if dup:
                 raise ValueError(f"request_id {dup[0]!r} is already in use by an unfinished request")
-            for r in reqs:
+            for k, r in enumerate(reqs):
                 self._live[r.request_id] = r
-                self._inbox.append(("add", r))
+                if queued is None or k < queued:
+                    self._inbox.append(("add", r))
 
     def abort(self, request_id: str) -> None:
         """Finish a request with "abort" at the next step (thread-safe); its blocks go back to the pool.
@@ -189,7 +209,11 @@ class Engine:
                 if why is None:
                     self.waiting.append(item)
                     continue
-                item.finish("abort", why)
+                for r in [item] + [s for s in item.siblings if not s.finished]:  # a group never fits alike
+                    r.finish("abort", why)
+                    if r is not item:
+                        self._retire(r)
+                        outputs.append(r.emit())
                 log.warning("request %s aborted: %s", item.request_id, why)
             else:
                 with self._lock:
@@ -221,7 +245,7 @@ class Engine:
             room = min(budget, self.kv.max_step_tokens(r.request_id))
             if r.decoding:
                 try:
-                    drafts = drafts_for(r, room - 1, self.vocab_size)
+                    drafts = drafts_for(r, room - 1, self.vocab_size) if not r.siblings else []
                 except Exception as exc:  # a request's own drafter failed: that request ends, not the batch
                     r.finish("abort", f"the request's drafter failed: {type(exc).__name__}: {exc}"[:500])
                     log.warning("request %s aborted: %s", r.request_id, r.reason)
@@ -237,14 +261,23 @@ class Engine:
         # counted; _plan's retry is the exact check). With nothing running, the head is always admitted.
         full = "full" in self.model.groups
         spare = self.kv.num_free_blocks("full") - sum(self._new_blocks(e) for e in entries) if full else 0
-        while self.waiting and len(entries) < self.max_batch_size and budget >= 1:
+        # a group's parent is admitted when the batch has room for its siblings too (they fork off its prompt)
+        reserved = sum(grp.pending(r) for r in self.running)
+        while self.waiting and len(entries) + reserved < self.max_batch_size and budget >= 1:
             need = -(-min(budget, len(self.waiting[0].tokens)) // self.model.block_size)
             if full and self.running and need > spare:
                 break
+            group = grp.pending(self.waiting[0])
+            if group and self.running and len(entries) + reserved + 1 + group > self.max_batch_size:
+                break
             spare -= need
+            reserved += group
             r = self.waiting.popleft()
             hit = self.kv.add_sequence(r.request_id, r.tokens)
             self.stats.prefix_hit_tokens += hit
+            self.stats.prefix_query_tokens += len(r.tokens)
+            if r.num_cached_tokens is None:
+                r.num_cached_tokens = min(hit, len(r.prompt))
             self._admissions += 1
             r.num_computed, r.status, r.admitted = hit, RUNNING, self._admissions
             self.running.append(r)
@@ -351,11 +384,13 @@ class Engine:
                 self.stats.accepted_draft_tokens += accepted
             else:
                 r.num_computed += n
-                toks = [rows.token(start, r.generator)] if r.num_computed == len(r.tokens) else []
+                toks = [rows.token(start, r.generator, r.tokens, len(r.prompt))] if r.num_computed == len(r.tokens) else []
             self._check_length(r, r.num_computed)
-            for t in toks:
-                if r.append(t):
+            for k, t in enumerate(toks):
+                if r.append(t, rows.logprobs(start + k, t)):
                     break
+            if r.siblings and toks:
+                grp.fork_siblings(self, r, rows, start, outputs)
             if r.finished:
                 self._retire(r)
             out = r.emit()
@@ -371,6 +406,8 @@ class Engine:
             self.running.remove(r)
         elif r in self.waiting:
             self.waiting.remove(r)
+        if r.siblings:  # a group's parent that ended before its prompt was cached
+            grp.release_siblings(self, r)
         with self._lock:
             self._live.pop(r.request_id, None)
 

@@ -27,6 +27,7 @@ import torch
 
 from ..runtime.kv.cache import KVCacheExhausted
 from ..runtime.kv.staging import PinnedRing
+from .logits import needs_host
 from .sampling import greedy_rows
 
 PLACEHOLDER = 0  # the id a step is planned with before its real id is known (set before commit)
@@ -67,8 +68,8 @@ class HostRing:
 def greedy_decode(e) -> bool:
     """An entry (engine._Entry) whose step overlap may run ahead: one token, no drafts, greedy."""
     r = e.req
-    return (len(e.ids) == 1 and not e.drafts and not e.new and r.decoding and r.params.temperature == 0
-            and r.params.num_draft_tokens == 0)
+    return (len(e.ids) == 1 and not e.drafts and not e.new and r.decoding and not needs_host(r.params)
+            and r.params.num_draft_tokens == 0 and not r.siblings)
 
 
 def chain_entries(engine, prev: Inflight, make_entry) -> list | None:
@@ -81,7 +82,7 @@ def chain_entries(engine, prev: Inflight, make_entry) -> list | None:
     ids = {id(e.req) for e in prev.entries}
     out = []
     for r in running:
-        if id(r) not in ids or r.finished or r.params.temperature != 0 or r.params.num_draft_tokens:
+        if id(r) not in ids or r.finished or needs_host(r.params) or r.params.num_draft_tokens:
             return None
         # prev's token must not end the request by length, and the next token must fit the context
         if r.num_output + 1 >= r.params.max_new_tokens or len(r.tokens) + 2 > r.max_total:

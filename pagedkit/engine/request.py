@@ -39,6 +39,9 @@ class Request:
     finish_reason: str | None = None
     reason: str | None = None  # why it was aborted
     num_preemptions: int = 0
+    logprobs: list | None = None  # per generated token (SamplingParams.logprobs): (logprob, top-k)
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache held at the first admission
+    siblings: list["Request"] = field(default_factory=list)  # Engine.add_group: forked once this prompt is cached
 
     def __post_init__(self):
         if not self.tokens:
@@ -61,14 +64,21 @@ class Request:
     def finished(self) -> bool:
         return self.status == FINISHED
 
-    def append(self, token: int) -> bool:
-        """Add one generated token; True when it finishes the request (finish_reason set)."""
+    def append(self, token: int, logprob=None) -> bool:
+        """Add one generated token (and its logprobs entry, when the request asks for them); True when it
+        finishes the request (finish_reason set)."""
         self.tokens.append(int(token))
+        if self.params.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.append(logprob)
         out_len = self.num_output
         for seq in self.params.stop_sequences:
             n = len(seq)
             if out_len >= n and tuple(self.tokens[-n:]) == seq:
                 del self.tokens[-n:]  # the matched sequence is not part of the output
+                if self.logprobs is not None:
+                    del self.logprobs[-n:]
                 self.num_emitted = min(self.num_emitted, self.num_output)
                 return self.finish("stop")
         if token in self.stop_ids:
@@ -101,9 +111,10 @@ class Request:
         new = self.tokens[p + self.num_emitted:p + upto] if upto > self.num_emitted else []
         if not new and not self.finished:
             return None
+        lps = None if self.params.logprobs is None else (self.logprobs or [])[self.num_emitted:self.num_emitted + len(new)]
         self.num_emitted = max(self.num_emitted, upto)
         return RequestOutput(self.request_id, new, self.tokens[p:p + self.num_emitted], self.finished,
-                             self.finish_reason, self.reason)
+                             self.finish_reason, self.reason, lps, self.num_cached_tokens or 0)
 
 
 def new_request(prompt: Sequence[int], params: SamplingParams | None, request_id: str | None, drafter,
@@ -128,6 +139,9 @@ def new_request(prompt: Sequence[int], params: SamplingParams | None, request_id
     if drafter is not None and not callable(drafter):
         raise TypeError(f"drafter must be a callable (token ids so far -> draft token ids) or None, "
                         f"got {type(drafter).__name__}")
+    bad = [t for t in (params.logit_bias or {}) if vocab_size is not None and t >= vocab_size]
+    if bad:
+        raise ValueError(f"SamplingParams.logit_bias: token ids must be < the vocabulary size {vocab_size}, got {bad[0]}")
     if request_id is None:
         request_id = uuid.uuid4().hex
     elif not isinstance(request_id, str) or not request_id:

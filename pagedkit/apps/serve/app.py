@@ -1,12 +1,14 @@
 """The OpenAI-compatible HTTP app: `create_app(engine, tokenizer, model_name)` (Starlette).
 
     GET  /health                 {"status": "ok", ...}; 503 {"status": "error", ...} once the engine failed
-    GET  /v1/models              the one model (id = model_name)
+    GET  /v1/models              the one model (id = model_name); /v1/models/{id} that model (else 404)
+    GET  /metrics                Prometheus text format (metrics.py)
     POST /v1/completions         prompt (string or token ids) -> text; stream: Server-Sent Events
     POST /v1/chat/completions    messages (the tokenizer's chat template) -> assistant message; stream: SSE
 
 Requests go to the engine through an `EngineWorker` thread (started with the app's lifespan, or by the
-first request when the app runs without one); generation.py turns each request's RequestOutputs into text.
+first request when the app runs without one); generation.py turns each request's RequestOutputs into text,
+responses.py into the response's JSON or its SSE chunks (n choices, logprobs).
 In front of the routes, outermost first: the Host check (security.HostCheck, loopback binds), CORS (only
 with allowed_origins), the API key and JSON-only bodies (security.Gate), the body read whole within its
 limits (limits.BodyReader). Every error is an OpenAI error object (404 / 405 too); a client that
@@ -16,7 +18,6 @@ disconnects aborts its engine request, streaming or not. Field checks: protocol.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -31,8 +32,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import protocol as P
-from .generation import ClientGone, EngineFailure, Generation, Server
+from .generation import ClientGone, EngineFailure, Job, Server
 from .limits import BodyReader, ServeLimits, error_response
+from .metrics import CONTENT_TYPE
+from .responses import chunks, complete
 from .security import Gate, HostCheck
 from .worker import EngineDown
 
@@ -45,10 +48,6 @@ def _error(exc: P.RequestError) -> JSONResponse:
 
 def _server_error(message: str, status: int = 500) -> JSONResponse:
     return error_response(status, message, type="server_error")
-
-
-def _sse(obj) -> bytes:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
 class _Stream(StreamingResponse):
@@ -66,6 +65,19 @@ class _Stream(StreamingResponse):
             self.on_close()
 
 
+def _check_engine_fields(srv: Server, s: P.Sampling) -> None:
+    """The fields the engine bounds: logit_bias's token ids (the vocabulary), n (its batch, its add_group)."""
+    P.check_logit_bias(s, srv.engine.vocab_size)
+    if s.n > 1:
+        batch = getattr(srv.engine, "max_batch_size", None)
+        if not hasattr(srv.engine, "add_group"):
+            raise P.RequestError(f"n: this engine runs one choice per request (it has no add_group); expected 1, "
+                                 f"got {s.n}", "n")
+        if batch is not None and s.n > batch:
+            raise P.RequestError(f"n: expected at most {batch} (the server's --max-batch-size: the choices run "
+                                 f"together), got {s.n}", "n")
+
+
 async def _prompt(srv: Server, body: dict, chat: bool) -> tuple[P.Sampling, list[int], int]:
     """The request's sampling fields, prompt token ids (tokenized in the pool) and max_tokens."""
     limits, vocab = srv.limits.fields, srv.engine.vocab_size
@@ -73,11 +85,15 @@ async def _prompt(srv: Server, body: dict, chat: bool) -> tuple[P.Sampling, list
     if chat:
         messages = P.chat_messages(body)
         s = P.parse_sampling(body, ("max_completion_tokens", "max_tokens"), limits)
+        P.chat_logprobs(body, s)
+        _check_engine_fields(srv, s)
         prompt_ids = await srv.in_thread(lambda: P.check_token_ids(srv.tok.chat(messages), "messages", vocab))
         return s, prompt_ids, P.resolve_max_tokens(s.max_tokens, None, len(prompt_ids), srv.engine.max_seq_len,
                                                    "messages", s.max_tokens_param, srv.pool_tokens)
     P.check_completion_fields(body)
     s = P.parse_sampling(body, limits=limits)
+    P.completion_logprobs(body, s)
+    _check_engine_fields(srv, s)
     prompt_ids = await srv.in_thread(P.completion_prompt, body, srv.tok.encode, vocab)
     return s, prompt_ids, P.resolve_max_tokens(s.max_tokens, P.DEFAULT_COMPLETION_MAX_TOKENS, len(prompt_ids),
                                                srv.engine.max_seq_len, "prompt", pool_tokens=srv.pool_tokens)
@@ -105,10 +121,22 @@ def create_app(engine, tokenizer, model_name: str, *, sampling_params_cls=None, 
                                  f"{failure}"[:500]} | state, status_code=503)
         return JSONResponse({"status": "ok"} | state)
 
+    def model_card() -> dict:
+        return {"id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "pagedkit",
+                "max_model_len": srv.engine.max_seq_len}
+
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "pagedkit",
-            "max_model_len": srv.engine.max_seq_len}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["model_id"]
+        if name != srv.model_name:
+            return error_response(404, f"The model {name!r} does not exist; this server serves {srv.model_name!r}",
+                                  "model_not_found", "model")
+        return JSONResponse(model_card())
+
+    async def metrics(request: Request) -> Response:
+        return Response(srv.metrics.render(), media_type=CONTENT_TYPE)
 
     async def run(request: Request, chat: bool) -> Response:
         if srv.worker.failure is not None:
@@ -118,29 +146,32 @@ def create_app(engine, tokenizer, model_name: str, *, sampling_params_cls=None, 
                                   "and the server's --max-queue-len are full); retry later", "queue_full",
                                   type="rate_limit_error", headers={"Retry-After": str(srv.limits.retry_after_s)})
         srv.active += 1
-        gen: Generation | None = None
+        arrival = time.monotonic()
+        job: Job | None = None
 
         def finished() -> None:
             srv.active -= 1
-            if gen is not None:
-                gen.close()
+            if job is not None:
+                job.close()
 
         try:
             s, prompt_ids, max_tokens = await _prompt(srv, await srv.parse(await request.body()), chat)
-            gen = Generation(srv, prompt_ids, s, max_tokens, request.receive)
+            job = Job(srv, prompt_ids, s, max_tokens, request.receive, arrival)
             try:
-                gen.start()
-            except ValueError as exc:  # add_request refused it
+                job.start()
+            except ValueError as exc:  # add_request / add_group refused it
                 raise P.RequestError(f"the engine refused the request: {exc}") from None
-            first = await gen.next()  # the engine refusing the request is a 400, not a broken stream
+            it = job.pieces()
+            first = await it.__anext__()  # the engine refusing the request is a 400, not a broken stream
             head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": "",
                     "created": int(time.time()), "model": srv.model_name}
             if s.stream:
-                gen.stop_watching()  # StreamingResponse watches the connection from here
-                response = _Stream(_chunks(srv, gen, first, head, chat, len(prompt_ids), s.include_usage), finished)
+                job.stop_watching()  # StreamingResponse watches the connection from here
+                response = _Stream(chunks(srv, job, it, first, head, chat, len(prompt_ids), s.include_usage),
+                                   finished)
                 finished = None  # the response runs it
                 return response
-            return await _complete(srv, gen, first, head, chat, len(prompt_ids))
+            return await complete(srv, job, it, first, head, chat, len(prompt_ids))
         except P.RequestError as exc:
             return _error(exc)
         except EngineFailure as exc:
@@ -184,6 +215,8 @@ def create_app(engine, tokenizer, model_name: str, *, sampling_params_cls=None, 
     app = Starlette(routes=[
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ], middleware=middleware, lifespan=lifespan,
@@ -191,58 +224,3 @@ def create_app(engine, tokenizer, model_name: str, *, sampling_params_cls=None, 
     app.state.server = srv
     app.state.worker = srv.worker
     return app
-
-
-async def _complete(srv: Server, gen: Generation, first, head: dict, chat: bool, prompt_len: int) -> Response:
-    piece, reason = first
-    pieces = [piece]
-    while reason is None:  # EngineFailure / ClientGone go to the caller
-        piece, reason = await gen.next()
-        pieces.append(piece)
-    content = "".join(pieces)
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                  "finish_reason": reason}
-    else:
-        choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": reason}
-    return JSONResponse(head | {"object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                                "usage": srv.usage(prompt_len, gen.text)})
-
-
-async def _chunks(srv: Server, gen: Generation, first, head: dict, chat: bool, prompt_len: int,
-                  include_usage: bool) -> AsyncIterator[bytes]:
-    head = head | {"object": "chat.completion.chunk" if chat else "text_completion"}
-
-    def chunk(piece: str, reason: str | None, role: bool = False) -> dict:
-        if chat:
-            delta = ({"role": "assistant", "content": piece} if role else {"content": piece} if piece or not reason
-                     else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
-        return head | {"choices": [choice]} | ({"usage": None} if include_usage else {})
-
-    def events(piece: str, reason: str | None) -> list[bytes]:
-        if piece and reason:  # the last piece of text, then the finish reason on its own chunk
-            return [_sse(chunk(piece, None)), _sse(chunk("", reason))]
-        return [_sse(chunk(piece, reason))] if piece or reason else []
-
-    piece, reason = first
-    try:
-        if chat:
-            yield _sse(chunk("", None, role=True))
-        for event in events(piece, reason):
-            yield event
-        while reason is None:
-            piece, reason = await gen.next()
-            for event in events(piece, reason):
-                yield event
-        if include_usage:
-            yield _sse(head | {"choices": [], "usage": srv.usage(prompt_len, gen.text)})
-    except EngineFailure as exc:
-        yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
-    except ClientGone:
-        return
-    finally:
-        gen.close()
-    yield b"data: [DONE]\n\n"

@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {problem}", file=sys.stderr)
         return 2
     # before the engine loads: a missing one is cli_errors' one line naming the extra (pagedkit[serve])
+    import prometheus_client  # noqa: F401
     import starlette  # noqa: F401
     import uvicorn
 

@@ -2,12 +2,14 @@
 
 `Server` is what the endpoints share: the engine's worker thread, the tokenizer, a small thread pool where
 tokenization, chat templating, detokenization and the parsing of large bodies run (never on the event loop),
-the limits and the count of requests in progress. `Generation` is one request: submitted to the worker, it
-reads the request's RequestOutputs from its asyncio queue, turns tokens into text with a `TextStream` (in the
-pool) and ends at a stop string, the engine's finish, the request's deadline (`max_time`, finish_reason
-"length") or its client leaving: a task watches the connection (`receive()` returns `http.disconnect`)
-and puts CLIENT_GONE on the queue, so an orphaned request is aborted in the engine at its next step,
-streaming or not.
+the limits, the metrics and the count of requests in progress. `Job` is one HTTP request: its `n` choices
+(`Generation`s: one engine request each; n > 1 goes to the engine as one group, `Engine.add_group`, whose
+prompt is prefilled once), its deadline and the watch on its client. A Generation reads its request's
+RequestOutputs from its asyncio queue, turns tokens into text with a `TextStream` (in the pool) and ends at
+a stop string, the engine's finish, the request's deadline (`max_time`, finish_reason "length") or its client
+leaving: a task watches the connection (`receive()` returns `http.disconnect`) and puts CLIENT_GONE on every
+choice's queue, so an orphaned request is aborted in the engine at its next step, streaming or not.
+`Job.pieces()` yields (choice index, Piece) as the choices produce text, whichever comes first.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import AsyncIterator
 
 from . import protocol as P
 from .limits import ServeLimits, parse_body
+from .metrics import ServeMetrics
 from .textstream import TextStream
 from .tokenizer import as_serve_tokenizer
 from .worker import EngineWorker
@@ -34,19 +39,30 @@ class ClientGone(Exception):
     """The request's client disconnected: the request was aborted."""
 
 
+@dataclass
+class Piece:
+    """Text a choice released, its finish reason (None while it runs) and, with logprobs, one entry per token
+    consumed since the last piece: (token text, logprob, [(text, logprob)] of the top tokens)."""
+
+    text: str
+    reason: str | None = None
+    logprobs: list | None = None
+
+
 class Server:
-    """What the endpoints share: the engine's worker, the tokenizer, the model's name and limits."""
+    """What the endpoints share: the engine's worker, the tokenizer, the model's name, limits and metrics."""
 
     def __init__(self, engine, tokenizer, model_name: str, sampling_params_cls, limits: ServeLimits):
         self.engine = engine
-        self.worker = EngineWorker(engine)
+        self.limits = limits
+        self.active = 0  # requests past the queue check and not finished (parsing, waiting, generating)
+        self.metrics = ServeMetrics(self)
+        self.worker = EngineWorker(engine, metrics=self.metrics)
         self.tok = as_serve_tokenizer(tokenizer)
         self.model_name = model_name
         self.params_cls = sampling_params_cls
-        self.limits = limits
         self.created = int(time.time())
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="paged-serve-text")
-        self.active = 0  # requests past the queue check and not finished (parsing, waiting, generating)
         self.pool_tokens = getattr(engine, "max_pool_tokens", None)  # most tokens one request's cache can hold
         self.capacity = getattr(engine, "max_batch_size", 0) + limits.max_queue_len
 
@@ -58,86 +74,88 @@ class Server:
             return await self.in_thread(parse_body, raw, self.limits.max_json_depth)
         return parse_body(raw, self.limits.max_json_depth)
 
-    def params(self, s: P.Sampling, max_tokens: int):
+    def params(self, s: P.Sampling, max_tokens: int, index: int = 0):
+        """The engine's SamplingParams of choice `index` (a seeded request's choice i draws with seed + i)."""
+        seed = None if s.seed is None else (s.seed + index) % (P.SEED_MAX + 1)
         return self.params_cls(max_new_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                               seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+                               seed=seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                               presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                               repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias) or None,
+                               min_p=s.min_p, logprobs=s.logprobs)
 
-    def usage(self, prompt_len: int, text: TextStream) -> dict:
-        return {"prompt_tokens": prompt_len, "completion_tokens": text.num_tokens,
-                "total_tokens": prompt_len + text.num_tokens}
+    def usage(self, prompt_len: int, job: "Job") -> dict:
+        done = sum(g.text.num_tokens for g in job.gens)
+        return {"prompt_tokens": prompt_len, "completion_tokens": done, "total_tokens": prompt_len + done,
+                "prompt_tokens_details": {"cached_tokens": job.gens[0].cached_tokens}}
 
 
 class Generation:
-    """One engine request: `start()`, then `await next()` -> (text piece, finish reason or None) until the
-    reason is set; `close()` (idempotent) aborts it if it has not ended. `receive`: the ASGI receive whose
-    `http.disconnect` aborts the request (None: not watched; `stop_watching()` ends the watch)."""
+    """One choice: `await next()` -> Piece until its reason is set; `close()` (idempotent) aborts it if it has
+    not ended. Job submits it (request_id, queue)."""
 
-    def __init__(self, srv: Server, prompt_ids: list[int], s: P.Sampling, max_tokens: int, receive=None):
-        self.srv, self.prompt_ids, self.s, self.max_tokens, self.receive = srv, prompt_ids, s, max_tokens, receive
+    def __init__(self, srv: Server, s: P.Sampling, index: int = 0):
+        self.srv, self.s, self.index = srv, s, index
         self.text = TextStream(srv.tok.decode, s.stop)
         self.request_id: str | None = None
+        self.queue: asyncio.Queue | None = None
         self.done = False
         self.seen_output = False
-        self._timer: asyncio.TimerHandle | None = None
-        self._watch: asyncio.Task | None = None
-
-    def start(self) -> None:
-        """Submit to the engine: ValueError when it refuses the request, worker.EngineDown after a failure."""
-        self.request_id, self.queue = self.srv.worker.submit(self.prompt_ids, self.srv.params(self.s, self.max_tokens))
-        loop = asyncio.get_running_loop()
-        if self.s.max_time:
-            self._timer = loop.call_later(self.s.max_time, self.queue.put_nowait, DEADLINE)
-        if self.receive is not None:
-            self._watch = loop.create_task(self._watch_client(self.receive))
-
-    async def _watch_client(self, receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.queue.put_nowait(CLIENT_GONE)
-
-    def stop_watching(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            self._watch = None
+        self.cached_tokens = 0
 
     def close(self) -> None:
-        self.stop_watching()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         if not self.done and self.request_id is not None:
             self.done = True
             self.srv.worker.abort(self.request_id)
 
-    def _end(self, abort: bool) -> None:
+    def _end(self, abort: bool, reason: str | None = None) -> None:
         if not abort:
             self.done = True  # the engine finished it (or the worker aborted it): nothing to abort
+        if reason is not None and self.request_id is not None:
+            self.srv.metrics.ended(self.request_id, reason)
         self.close()
 
-    async def next(self) -> tuple[str, str | None]:
+    def _push(self, ids: list[int], lps: list | None) -> tuple[str, list | None]:
+        """In the pool: the text released by `ids` and the logprob entries of the tokens it consumed."""
+        before = self.text.num_tokens
+        piece = self.text.push(ids)
+        if self.s.logprobs is None:
+            return piece, None
+        text = self.srv.tok.token_text
+        entries = []
+        for tok, lp in zip(ids[:self.text.num_tokens - before], lps or []):
+            if lp is not None:
+                entries.append((text(tok), lp[0], [(text(t), v) for t, v in lp[1]]))
+        return piece, entries
+
+    async def next(self) -> Piece:
         while True:
             items = [await self.queue.get()]
             while not self.queue.empty():
                 items.append(self.queue.get_nowait())
-            ids, last, signal = [], None, None
+            ids, lps, last, signal = [], [], None, None
             for item in items:
                 if item is CLIENT_GONE or item is DEADLINE or isinstance(item, BaseException):
                     signal = item
                     break
                 ids.extend(item.new_token_ids)
+                new_lps = getattr(item, "new_logprobs", None)
+                lps.extend(new_lps if new_lps is not None else [None] * len(item.new_token_ids))
+                self.cached_tokens = max(self.cached_tokens, getattr(item, "num_cached_tokens", 0) or 0)
                 if item.finished:
                     last = item
                     break
-            piece = await self.srv.in_thread(self.text.push, ids) if ids else ""
+            piece, entries = await self.srv.in_thread(self._push, ids, lps) if ids else ("", None)
+            if self.s.logprobs is not None and entries is None:
+                entries = []
             if self.text.stopped:
-                self._end(abort=True)
-                return piece, "stop"
+                self._end(abort=True, reason="stop")
+                return Piece(piece, "stop", entries)
             if signal is CLIENT_GONE:
                 self._end(abort=True)
                 raise ClientGone()
             if signal is DEADLINE:
-                self._end(abort=True)
-                return piece + await self.srv.in_thread(self.text.finish), "length"
+                self._end(abort=True, reason="length")
+                return Piece(piece + await self.srv.in_thread(self.text.finish), "length", entries)
             if signal is not None:  # the worker failed every request (and aborted them)
                 self._end(abort=False)
                 raise EngineFailure(f"the engine failed: {type(signal).__name__}: {signal}")
@@ -151,6 +169,78 @@ class Generation:
             if last is not None:
                 self._end(abort=False)
                 piece += await self.srv.in_thread(self.text.finish)
-                return piece, "length" if last.finish_reason == "length" else "stop"
-            if piece:
-                return piece, None
+                return Piece(piece, "length" if last.finish_reason == "length" else "stop", entries)
+            if piece or entries:
+                return Piece(piece, None, entries)
+
+
+class Job:
+    """One request's choices: `start()` submits them (ValueError when the engine refuses, worker.EngineDown
+    after a failure); `pieces()` yields (index, Piece); `close()` aborts what has not ended. `receive`: the
+    ASGI receive whose `http.disconnect` aborts every choice (None: not watched; `stop_watching()` ends it)."""
+
+    def __init__(self, srv: Server, prompt_ids: list[int], s: P.Sampling, max_tokens: int, receive=None,
+                 arrival: float | None = None):
+        self.srv, self.prompt_ids, self.s, self.max_tokens, self.receive = srv, prompt_ids, s, max_tokens, receive
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.gens = [Generation(srv, s, i) for i in range(s.n)]
+        self._timer: asyncio.TimerHandle | None = None
+        self._watch: asyncio.Task | None = None
+        self._tasks: dict[asyncio.Future, int] = {}  # pieces(): each running choice's next()
+
+    def start(self) -> None:
+        worker, params = self.srv.worker, [self.srv.params(self.s, self.max_tokens, i) for i in range(self.s.n)]
+        if self.s.n == 1:
+            submitted = [worker.submit(self.prompt_ids, params[0], arrival=self.arrival)]
+        else:
+            submitted = worker.submit_group(self.prompt_ids, params, arrival=self.arrival)
+        for g, (request_id, queue) in zip(self.gens, submitted):
+            g.request_id, g.queue = request_id, queue
+        loop = asyncio.get_running_loop()
+        if self.s.max_time:
+            self._timer = loop.call_later(self.s.max_time, self._signal, DEADLINE)
+        if self.receive is not None:
+            self._watch = loop.create_task(self._watch_client(self.receive))
+
+    def _signal(self, item) -> None:
+        for g in self.gens:
+            g.queue.put_nowait(item)
+
+    async def _watch_client(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._signal(CLIENT_GONE)
+
+    def stop_watching(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+
+    def close(self) -> None:
+        self.stop_watching()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for task in self._tasks:
+            task.cancel()
+        for g in self.gens:
+            g.close()
+
+    async def pieces(self) -> AsyncIterator[tuple[int, Piece]]:
+        """(choice index, Piece) as the choices produce them, until every choice has its finish reason; an
+        exception of one choice (ClientGone, EngineFailure, RequestError) ends the iteration."""
+        tasks = self._tasks
+        tasks.update({asyncio.ensure_future(g.next()): g.index for g in self.gens})
+        try:
+            while tasks:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=tasks.get):
+                    index = tasks.pop(task)
+                    piece = task.result()
+                    if piece.reason is None:
+                        tasks[asyncio.ensure_future(self.gens[index].next())] = index
+                    yield index, piece
+        finally:
+            for task in tasks:
+                task.cancel()
+            tasks.clear()

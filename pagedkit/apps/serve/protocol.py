@@ -2,9 +2,10 @@
 
 A bad field raises `RequestError` (HTTP 400 with OpenAI's error JSON `{"error": {"message", "type",
 "param", "code"}}`); the message names the field, what was given and what is expected. Fields OpenAI
-clients commonly send with their neutral value (`n: 1`, `echo: false`, `logprobs: null`,
-`presence_penalty: 0`...) are accepted; a feature paged-serve does not implement (n > 1, logprobs, tools,
-logit_bias...) is refused, never silently ignored. Unknown fields (`user`, `metadata`...) are ignored.
+clients commonly send with their neutral value (`echo: false`, `best_of: 1`...) are accepted; a feature
+paged-serve does not implement (best_of, echo, tools...) is refused, never silently ignored. Unknown fields
+(`user`, `metadata`...) are ignored. Sampling extensions (vLLM's names): top_k, min_p, repetition_penalty,
+stop_token_ids, ignore_eos, max_time.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_N = 128  # choices of one request (the engine refuses more than its batch holds)
+MAX_LOGPROBS = 20  # top logprobs of one token (OpenAI's chat limit)
 
 
 class RequestError(Exception):
@@ -42,6 +45,13 @@ class Sampling:
     stream: bool = False
     include_usage: bool = False
     max_time: float | None = None  # seconds this request may run (the server's request timeout at most)
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_p: float = 0.0
+    logprobs: int | None = None  # None: none; k: the sampled token's and the k most likely tokens'
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -94,13 +104,7 @@ def check_common(body: Any, model_name: str) -> None:
     if model is not None and model != model_name:
         raise RequestError(f"model: the model {model!r} does not exist; expected {model_name!r}", "model",
                            status=404, code="model_not_found")
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise RequestError(f"n: only one choice per request is supported; expected 1, got {n!r}", "n")
     _unsupported(body, "best_of", (None, 1), "best_of > 1")
-    _unsupported(body, "logit_bias", (None, {}), "logit_bias")
-    for penalty in ("presence_penalty", "frequency_penalty"):
-        _unsupported(body, penalty, (None, 0, 0.0), penalty)
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,58 @@ def parse_sampling(body: dict, max_tokens_fields: tuple[str, ...] = ("max_tokens
             raise RequestError("stream_options: only allowed with stream: true", "stream_options")
         s.include_usage = _bool(opts, "include_usage")
     s.max_time = _max_time(body, limits.request_timeout_s)
+    s.n = _int(body, "n", lo=1, hi=MAX_N) or 1
+    s.presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    s.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    s.repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True)
+    s.min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
+    s.logit_bias = _logit_bias(body)
     return s
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """logit_bias: {"token id": bias in [-100, 100]} (JSON keys are strings); checked against the vocabulary later."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise RequestError(f"logit_bias: expected an object mapping token ids to biases, got {bias!r}"[:300],
+                           "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        try:
+            tok = int(key)
+        except ValueError:
+            tok = -1
+        if tok < 0 or str(tok) != key.strip().lstrip("+"):
+            raise RequestError(f"logit_bias: keys should be token ids (integers >= 0), got {key!r}"[:300],
+                               "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise RequestError(f"logit_bias[{key!r}]: expected a number in [-100, 100], got {value!r}"[:300],
+                               "logit_bias")
+        out[tok] = float(value)
+    return out
+
+
+def check_logit_bias(s: Sampling, vocab_size: int | None) -> None:
+    bad = [t for t in s.logit_bias if vocab_size is not None and t >= vocab_size]
+    if bad:
+        raise RequestError(f"logit_bias: token ids should be < {vocab_size} (the vocabulary), got {bad[0]}",
+                           "logit_bias")
+
+
+def completion_logprobs(body: dict, s: Sampling) -> None:
+    """/v1/completions' logprobs: an integer 0..MAX_LOGPROBS (the sampled token's logprob and that many top ones)."""
+    s.logprobs = _int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
+
+
+def chat_logprobs(body: dict, s: Sampling) -> None:
+    """Chat's logprobs: true / false, with top_logprobs 0..MAX_LOGPROBS (only with logprobs: true)."""
+    top = _int(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
+    if _bool(body, "logprobs"):
+        s.logprobs = top or 0
+    elif top:
+        raise RequestError("top_logprobs: only allowed with logprobs: true", "top_logprobs")
 
 
 def _max_time(body: dict, server_s: float) -> float | None:
@@ -206,14 +261,11 @@ def completion_prompt(body: dict, encode, vocab_size: int | None) -> list[int]:
 
 def check_completion_fields(body: dict) -> None:
     _unsupported(body, "echo", (None, False), "echo")
-    _unsupported(body, "logprobs", (None,), "logprobs")
     _unsupported(body, "suffix", (None, ""), "suffix")
 
 
 def chat_messages(body: dict) -> list[dict]:
     """messages: a non-empty list of {role, content}; content a string or a list of text parts."""
-    _unsupported(body, "logprobs", (None, False), "logprobs")
-    _unsupported(body, "top_logprobs", (None, 0), "top_logprobs")
     for name in ("tools", "functions"):
         _unsupported(body, name, (None, []), f"{name} (tool calling)")
     _unsupported(body, "tool_choice", (None, "none"), "tool_choice")

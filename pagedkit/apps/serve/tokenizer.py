@@ -3,7 +3,7 @@ its special tokens and `chat_template`, or chat_template.jinja) through transfor
 
 `ServeTokenizer` wraps it with the three operations the server needs: `encode` (a completion prompt;
 special tokens as the tokenizer's post-processor adds them, e.g. BOS), `decode` (generated tokens, special
-tokens skipped) and `chat` (messages rendered with the chat template and the assistant's generation
+tokens skipped), `token_text` (one token, for logprobs) and `chat` (messages rendered with the chat template and the assistant's generation
 prompt, then tokenized without adding special tokens again: the template writes them).
 """
 
@@ -59,6 +59,10 @@ class ServeTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True) if ids else ""
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text for logprobs (special tokens shown; a byte token alone may decode to U+FFFD)."""
+        return self.tok.decode([token_id], skip_special_tokens=False)
 
     def chat(self, messages: list[dict]) -> list[int]:
         if not self.has_chat_template:
