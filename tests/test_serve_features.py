@@ -126,8 +126,12 @@ def test_chat_logprobs_plain_and_streamed(served):
 def test_teeth_logprob_entries_shifted(served, monkeypatch):
     real = gen_mod.Generation._push
 
-    def shifted(self, ids, lps):
-        return real(self, ids, lps[1:] + lps[:1] if lps else lps)
+    def shifted(self, ids, lps):  # each token gets the entry of the token before it
+        lps, prev = list(lps), getattr(self, "_prev_entry", None)
+        if lps:
+            self._prev_entry = lps[-1]
+            lps = [prev if prev is not None else lps[0]] + lps[:-1]
+        return real(self, ids, lps)
 
     monkeypatch.setattr(gen_mod.Generation, "_push", shifted)
     with pytest.raises(AssertionError, match="numpy"):
