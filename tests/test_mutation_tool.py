@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from tools.mutation import kernels  # noqa: E402
 from tools.mutation.components import COMPONENTS  # noqa: E402
-from tools.mutation.mutants import Mutant, _Spans, expand, matches, mutated_source, operator_allowed  # noqa: E402
+from tools.mutation.mutants import _Spans, expand, matches, mutated_source, operator_allowed  # noqa: E402
 
 ISSUE_COMPONENTS = {"engine", "serve", "kv", "parity", "delegate", "rewriters", "exporters", "kernels"}
 

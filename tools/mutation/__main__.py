@@ -5,6 +5,7 @@ changed), run each against that component's own tests with pytest -x on a copy o
     python -m tools.mutation --component parity --sample 100 --seed 0 --jobs 2
     python -m tools.mutation --files pagedkit/engine/sampling.py pagedkit/engine/engine.py --jobs 2
     python -m tools.mutation --component kernels --sample 20 --dry-run
+    python -m tools.mutation --render parity      # after recording reasons in docs/mutation/accepted.json
 
 Mutants come from cosmic-ray's core operators (filtered: tools/mutation/mutants.py) and, for the Triton
 kernels, a hand-written list (tools/mutation/kernels.py). The components (sources, test selection, timeout,
@@ -88,6 +89,8 @@ def parse(argv):
     what.add_argument("--component", choices=sorted(COMPONENTS), help="sample mutants of one component")
     what.add_argument("--files", nargs="+", metavar="F", help="mutants of these files (the ones you changed)")
     what.add_argument("--list", action="store_true", help="components: sources, tests, mutant counts")
+    what.add_argument("--render", metavar="NAME", help="rewrite docs/mutation/NAME.md from its .json with the "
+                      "reasons now in docs/mutation/accepted.json (no run)")
     p.add_argument("--sample", type=int, default=None,
                    help="random sample size (default: 100 for --component, every mutant for --files)")
     p.add_argument("--seed", type=int, default=0)
@@ -123,6 +126,16 @@ def main(argv=None) -> int:
     if args.list:
         return list_components()
     accepted = json.loads(ACCEPTED.read_text(encoding="utf-8")) if ACCEPTED.exists() else {}
+    if args.render:
+        out_dir = args.out or DOCS
+        report = json.loads((out_dir / f"{args.render}.json").read_text(encoding="utf-8"))
+        for m in report["mutants"]:
+            m["why"] = accepted.get(f"{m['path']}|{m['original']}|{m['mutated']}", "")
+        (out_dir / f"{args.render}.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        (out_dir / f"{args.render}.md").write_text(markdown(report, COMPONENTS.get(args.render)), encoding="utf-8")
+        left = sum(m["status"] == "survived" and not m["why"] for m in report["mutants"])
+        print(f"{out_dir / (args.render + '.md')}: {left} survivors without a recorded reason")
+        return 0
 
     if args.component:
         name, comp = args.component, COMPONENTS[args.component]
@@ -132,7 +145,7 @@ def main(argv=None) -> int:
     else:
         files = [str(Path(f).resolve().relative_to(ROOT)) for f in args.files]
         owners = {f: owner(ROOT, f) for f in files} if args.tests is None else {}
-        comp = next(iter(owners.values()))[1] if owners else COMPONENTS["parity"]
+        comp = next(iter(owners.values()))[1] if owners else Component((), tuple(args.tests), 120, 3600)
         name = "changed"
         sample_n = args.sample or 0
         out_dir = args.out or ROOT / "build" / "mutation"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import builtins
 import gc
-import importlib
 import os
 import shutil
 import signal
@@ -126,7 +125,8 @@ def _child(slot: Path, tests: list[str], log: Path, threads: int) -> None:
         import pytest
 
         code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", "--no-header", "-W",
-                                "ignore::pytest.PytestAssertRewriteWarning", *tests]))
+                                "ignore::pytest.PytestAssertRewriteWarning", f"--basetemp={slot / '.pytest-tmp'}",
+                                *tests]))
         mod = sys.modules.get("pagedkit")
         if mod is not None and not Path(mod.__file__).resolve().is_relative_to(slot.resolve()):
             print(f"mutation: pagedkit was imported from {mod.__file__}, not the slot {slot}", flush=True)
@@ -192,6 +192,10 @@ class Pool:
                 pid = os.fork()
                 if pid == 0:
                     _child(slot, job.tests, log, self.threads)
+                try:  # its own process group (the child does the same): a timeout kills all it started
+                    os.setpgid(pid, pid)
+                except OSError:
+                    pass
                 running[i] = (pid, job, time.monotonic(), log, original)
             time.sleep(0.02)
             for i, (pid, job, t0, log, original) in list(running.items()):
