@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tools.mutation import kernels  # noqa: E402
+from tools.mutation.__main__ import tests_for  # noqa: E402
 from tools.mutation.components import COMPONENTS  # noqa: E402
 from tools.mutation.mutants import _Spans, expand, matches, mutated_source, operator_allowed  # noqa: E402
 
@@ -37,15 +38,28 @@ def test_component_files_exist(name):
     comp = COMPONENTS[name]
     sources = expand(ROOT, comp.sources, must_match=True)
     assert sources
-    for pattern in comp.tests:
+
+    def paths(selection):  # the file entries, without pytest options ("-k", "expr")
+        out, it = [], iter(selection)
+        for entry in it:
+            if entry.startswith("-"):
+                if entry in ("-k", "-m"):
+                    next(it)
+            else:
+                out.append(entry)
+        return out
+
+    for pattern in paths(comp.tests):
         if not any(c in pattern for c in "*?["):
             assert (ROOT / pattern).is_file(), f"{name}: {pattern} does not exist"
-    assert expand(ROOT, comp.tests, must_match=False)
+    assert expand(ROOT, paths(comp.tests), must_match=False)
     for pattern, tests in comp.tests_by_source:
         assert any(matches(s, pattern) for s in sources), f"{name}: {pattern} matches no source"
-        for t in tests:
+        for t in paths(tests):
             if "{stem}" not in t and not any(c in t for c in "*?["):
                 assert (ROOT / t).is_file(), f"{name}: {t} does not exist"
+    for s in sources:  # every source resolves to a selection with at least one test file
+        assert any(t.startswith("tests/") for t in tests_for(ROOT, comp, s)), s
     for pattern, why in comp.exclude:
         assert why and any(matches(s, pattern.split("::")[0]) for s in expand(ROOT, comp.sources, True))
     assert 0 < comp.timeout <= comp.budget

@@ -46,10 +46,15 @@ def tests_for(root: Path, comp: Component, path: str) -> list[str]:
         if matches(path, pat):
             globs = tuple(g.replace("{stem}", Path(path).stem) for g in sel)
             break
-    tests = expand(root, globs, must_match=False)
+    tests, opts, it = [], [], iter(globs)
+    for g in it:  # pytest options pass through: "-k", "not long_contexts"
+        if g.startswith("-"):
+            opts += [g, next(it)] if g in ("-k", "-m") else [g]
+        else:
+            tests += [t for t in expand(root, [g], must_match=False) if t not in tests]
     if not tests:
         raise SystemExit(f"mutation: no test file matches {list(globs)} (for {path})")
-    return tests
+    return tests + opts
 
 
 def owner(root: Path, path: str) -> tuple[str, Component]:

@@ -2,7 +2,8 @@
 must kill their mutants (the component's own tests, run with -x), a per-mutant timeout and a time box.
 
 `sources` and `tests` are globs relative to the repository root (a test glob that matches nothing is left
-out, so a selection can name files that are still to come; a source glob must match). `tests_by_source`
+out, so a selection can name files that are still to come; a source glob must match); pytest options in a
+selection pass through ("-k", "not long_contexts": the slowest parametrizations left out of a mutant's run). `tests_by_source`
 narrows the selection for some source files (first matching glob wins): the Triton kernels run in Triton's
 interpreter on the CPU, where each kernel's own test file is what covers it. `exclude` drops source files
 (or `path::function` names) whose code the CPU selection cannot reach, each with the reason (reported).
@@ -87,21 +88,26 @@ COMPONENTS: dict[str, Component] = {
               "fetch, --via genai); a family module runs its own test file and the fp32 export of every family"),
     "kernels": Component(
         sources=("pagedkit/kernels/triton/*.py",),
-        tests=("tests/test_triton_paged.py", "tests/test_triton_decode.py"),
+        tests=("tests/test_triton_paged.py", "tests/test_triton_decode.py", "-k", "not query_chunk_lanes[40"),
         tests_by_source=(
             ("pagedkit/kernels/triton/argmax.py", ("tests/test_triton_argmax.py",)),
             ("pagedkit/kernels/triton/swiglu.py", ("tests/test_triton_swiglu.py",)),
             ("pagedkit/kernels/triton/norm.py", ("tests/test_triton_norm.py",)),
             ("pagedkit/kernels/triton/splitk.py", ("tests/test_splitk_norm.py",)),
             ("pagedkit/kernels/triton/sdpa_prefill.py", ("tests/test_sdpa_prefill.py",)),
-            ("pagedkit/kernels/triton/gqa*.py", ("tests/test_triton_gqa.py",)),
+            ("pagedkit/kernels/triton/gqa*.py",
+             ("tests/test_triton_gqa.py", "-k", "not long_contexts and not long_padded_first_prompt")),
             ("pagedkit/kernels/triton/*mla*.py", ("tests/test_triton_mla.py",)),
             ("pagedkit/kernels/triton/cache_write.py",
-             ("tests/test_triton_cache_write.py", "tests/test_fused_write.py", "tests/test_distinct_slots.py")),
+             ("tests/test_triton_cache_write.py", "tests/test_distinct_slots.py", "tests/test_fused_write.py",
+              "-k", "not engine_tokens_through and not unfused_launches[16")),
             ("pagedkit/kernels/triton/_rope_quant.py", ("tests/test_triton_cache_write.py",)),
-            ("pagedkit/kernels/triton/common.py", ("tests/test_pdl.py", "tests/test_triton_decode.py")),
+            ("pagedkit/kernels/triton/common.py", ("tests/test_pdl.py", "tests/test_triton_decode.py",
+                                                   "-k", "not query_chunk_lanes[40")),
         ),
         timeout=300, budget=7200, kernel_list=True,
         notes="the Triton kernels, run in Triton's interpreter (TRITON_INTERPRET=1): cosmic-ray's operators "
-              "reach the @triton.jit bodies too (they mutate source text), plus the hand-written kernel list"),
+              "reach the @triton.jit bodies too (they mutate source text), plus the hand-written kernel list; "
+              "the slowest interpreter parametrizations (long contexts, 16 splits, the engine run) are left "
+              "out of a mutant's selection"),
 }
