@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tools.mutation import kernels  # noqa: E402
-from tools.mutation.__main__ import tests_for  # noqa: E402
+from tools.mutation.__main__ import tests_for as selection_for  # noqa: E402
 from tools.mutation.components import COMPONENTS  # noqa: E402
 from tools.mutation.mutants import _Spans, expand, matches, mutated_source, operator_allowed  # noqa: E402
 
@@ -59,7 +59,7 @@ def test_component_files_exist(name):
             if "{stem}" not in t and not any(c in t for c in "*?["):
                 assert (ROOT / t).is_file(), f"{name}: {t} does not exist"
     for s in sources:  # every source resolves to a selection with at least one test file
-        assert any(t.startswith("tests/") for t in tests_for(ROOT, comp, s)), s
+        assert any(t.startswith("tests/") for t in selection_for(ROOT, comp, s)), s
     for pattern, why in comp.exclude:
         assert why and any(matches(s, pattern.split("::")[0]) for s in expand(ROOT, comp.sources, True))
     assert 0 < comp.timeout <= comp.budget

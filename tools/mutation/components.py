@@ -77,7 +77,9 @@ COMPONENTS: dict[str, Component] = {
                "tests/test_export_deepseek.py", "tests/test_export_gpt_oss.py"),
         tests_by_source=(
             ("pagedkit/exporters/families/base.py", ("tests/test_export_llama.py", "tests/test_export_fp32.py",
-                                                     "tests/test_export_*.py")),
+                                                     "tests/test_export_checkpoint_forms.py",
+                                                     "tests/test_export_qwen3_moe.py", "tests/test_export_gemma3.py",
+                                                     "tests/test_export_deepseek.py", "tests/test_export_gpt_oss.py")),
             ("pagedkit/exporters/families/*.py", ("tests/test_export_{stem}.py", "tests/test_export_fp32.py")),
             ("pagedkit/exporters/fetch.py", ("tests/test_fetch.py",)),
             ("pagedkit/exporters/*genai*.py", ("tests/test_export_via_genai.py",)),
