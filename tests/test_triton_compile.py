@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-triton = pytest.importorskip("triton") if not os.environ.get("CI") else __import__("triton")  # CI: never skip
+triton = pytest.importorskip("triton")  # under CI a failure (conftest.py)
 
 
 def _backend() -> bool:
