@@ -164,6 +164,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("PAGEDKIT_DEQUANT_CACHE_MB", "user", "session", "float (MiB)", None,
        "the process-wide budget of MatMulNBits weights dequantized once; past it a weight stays packed and is "
        "dequantized per call (docs/runtime-ops.md).", float, unset="a quarter of physical memory"),
+    _S("PAGEDKIT_TP_TIMEOUT", "user", "session", "float (seconds)", "300",
+       "the timeout of every collective of a tensor-parallel set (`--tp N`): a rank that hangs longer stops the "
+       "set with one error line; a rank that dies stops it at once (docs/distributed.md).", float),
     _S("PAGEDKIT_COMMIT", "user", "call", "a commit", None,
        "the commit paged-bench and the benchmarks record in their results (a copy of the tree may carry a stale "
        "`.git`).", unset="`git rev-parse HEAD` of the checkout pagedkit is imported from"),
