@@ -8,7 +8,7 @@ machine, each running its rank's graph of a `paged-export --tp N` folder (docs/d
 """
 
 from .group import TPError
-from .launch import TensorParallel, rank_model_path, tp_section, world_size_of
+from .launch import TensorParallel, rank_model_path, resolve_world, tp_section, world_size_of
 from .session import DistributedSession
 
-__all__ = ["DistributedSession", "TPError", "TensorParallel", "rank_model_path", "tp_section", "world_size_of"]
+__all__ = ["DistributedSession", "TPError", "TensorParallel", "rank_model_path", "resolve_world", "tp_section", "world_size_of"]

@@ -52,6 +52,20 @@ def world_size_of(folder: str | os.PathLike) -> int:
     return 1 if tp is None else int(tp["world_size"])
 
 
+def resolve_world(folder: str | os.PathLike, tp: int | None, who: str = "") -> int:
+    """The world size to run `folder` with: its tensor-parallel export's, which `tp` must equal when given; 1 for
+    a single-device folder (tp None or 1). ValueError naming both otherwise."""
+    if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+        raise ValueError(f"{who}tp must be an integer >= 1, got {tp!r}")
+    world = world_size_of(folder)
+    if tp is not None and tp != world:
+        if world == 1:
+            raise ValueError(f"{who}{folder} is a single-device export: run it without --tp (or export it for {tp} "
+                             f"ranks with paged-export --tp {tp})")
+        raise ValueError(f"{who}{folder} is a tensor-parallel export of {world} ranks: run it with --tp {world}")
+    return world
+
+
 def rank_model_path(folder: str | os.PathLike, rank: int, world: int) -> Path:
     """Rank `rank`'s graph of a tensor-parallel folder of `world` ranks (inside the folder, or refused)."""
     tp = tp_section(folder)
