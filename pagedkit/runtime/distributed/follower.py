@@ -66,7 +66,6 @@ def serve(g) -> None:
             except Exception as exc:  # reported by rank 0 (launch.TensorParallel.session)
                 status = _one_line(exc)
             g.store.set(f"status/{sid}/{g.rank}", status)
-            torch.distributed.barrier(group=g.control)
         elif kind == M.RUN:
             sess = sessions[sid]
             feeds = dict(zip(meta["feeds"], (t.to(g.device) for t in tensors)))

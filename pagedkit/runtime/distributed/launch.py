@@ -32,6 +32,8 @@ from . import messages as M
 from .group import TPError
 
 TP_KEY = "tensor_parallel"
+START_TIMEOUT = 120.0  # seconds a follower may take to start (imports), at least; it failing is seen at once
+LOAD_TIMEOUT = 1800.0  # seconds a follower may take to load its graph (a large shard), at least; likewise
 
 
 def tp_section(folder: str | os.PathLike) -> dict | None:
@@ -84,9 +86,10 @@ def _stop(procs, tmp) -> None:
     for p in procs:
         if p.is_alive():
             p.terminate()
+    deadline = time.monotonic() + 2
     for p in procs:
-        p.join(5)
-        if p.is_alive():
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():  # a stopped or stuck process
             p.kill()
             p.join(5)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -137,7 +140,8 @@ class TensorParallel:
 
         store = dist.FileStore(store_path, self.world)
         store.set_timeout(datetime.timedelta(seconds=1))
-        deadline = time.monotonic() + self.timeout
+        start = max(self.timeout, START_TIMEOUT)  # importing torch on a busy machine is slow, and no collective
+        deadline = time.monotonic() + start
         for r, p in enumerate(self.procs, 1):
             while True:
                 try:
@@ -147,7 +151,7 @@ class TensorParallel:
                     if not p.is_alive():
                         raise TPError(f"tensor-parallel rank {r} exited while starting ({self._how(p)})") from None
                     if time.monotonic() > deadline:
-                        raise TPError(f"tensor-parallel rank {r} did not start within {self.timeout:g} s") from None
+                        raise TPError(f"tensor-parallel rank {r} did not start within {start:g} s") from None
 
     # ---- sessions -------------------------------------------------------------------------------------------
     def session(self, folder: str | os.PathLike, *, threads: int | None = None, **options):
@@ -170,9 +174,7 @@ class TensorParallel:
                                      **opts)
         except Exception as exc:
             error, local = exc, None
-        self.guard(lambda: torch.distributed.barrier(group=self.group.control))
-        failed = [(r, self.group.store.get(f"status/{sid}/{r}").decode()) for r in range(1, self.world)]
-        failed = [(r, s) for r, s in failed if s != "ok"]
+        failed = [(r, s) for r, s in self._statuses(f"status/{sid}") if s != "ok"]
         if error is not None:
             raise error
         if failed:
@@ -180,10 +182,23 @@ class TensorParallel:
             raise ValueError(f"tensor-parallel rank {r} could not load {folder}: {why}")
         return DistributedSession(self, sid, local)
 
+    def _statuses(self, prefix: str) -> list[tuple[int, str]]:
+        """Each follower's answer under `prefix/<rank>` in the store (waiting while it works, failing at once if it
+        dies, at most LOAD_TIMEOUT seconds)."""
+        out, deadline = [], time.monotonic() + max(self.timeout, LOAD_TIMEOUT)
+        for r, p in enumerate(self.procs, 1):
+            key = f"{prefix}/{r}"
+            while not self.group.store.check([key]):
+                if not p.is_alive() or time.monotonic() > deadline:
+                    self.guard(lambda: (_ for _ in ()).throw(TPError(f"no answer from rank {r}")))
+                time.sleep(0.01)
+            out.append((r, self.group.store.get(key).decode()))
+        return out
+
     # ---- messages and failures -----------------------------------------------------------------------------
     def send(self, kind: int, meta: dict, tensors=()) -> None:
         self._check()
-        self.guard(lambda: M.send(self.group.control, kind, meta, list(tensors)))
+        self.guard(lambda: M.send(self.group.control, kind, meta, list(tensors), self.timeout))
 
     def guard(self, fn):
         """fn() on rank 0; any failure ends the set with one TPError line naming the rank and why."""
@@ -239,7 +254,7 @@ class TensorParallel:
         """Stop the followers (STOP message, then wait) and leave the set."""
         if self._finalizer.alive and not self.broken:
             try:
-                M.send(self.group.control, M.STOP, {})
+                M.send(self.group.control, M.STOP, {}, timeout=self.timeout)
                 for p in self.procs:
                     p.join(self.timeout)
             except Exception:

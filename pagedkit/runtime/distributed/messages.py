@@ -10,6 +10,7 @@ session, STOP the follower. Nothing here is pickled: JSON and raw tensor bytes o
 
 from __future__ import annotations
 
+import datetime
 import json
 
 import torch
@@ -27,14 +28,22 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def send(control, kind: int, meta: dict, tensors: list[torch.Tensor] = ()) -> None:
-    """Broadcast one message (rank 0)."""
+def _broadcast(t: torch.Tensor, control, timeout: float | None) -> None:
+    work = dist.broadcast(t, 0, group=control, async_op=True)
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(datetime.timedelta(seconds=timeout))
+
+
+def send(control, kind: int, meta: dict, tensors: list[torch.Tensor] = (), timeout: float | None = None) -> None:
+    """Broadcast one message (rank 0), within `timeout` seconds (a follower that stopped answering)."""
     meta = dict(meta, tensors=[[dtype_name(t.dtype), list(t.shape)] for t in tensors])
     body = json.dumps(meta).encode("utf-8")
     parts = [torch.frombuffer(bytearray(body), dtype=torch.uint8)] + [_bytes(t) for t in tensors]
     payload = torch.cat(parts)
-    dist.broadcast(torch.tensor([kind, len(body), payload.numel()], dtype=torch.int64), 0, group=control)
-    dist.broadcast(payload, 0, group=control)
+    _broadcast(torch.tensor([kind, len(body), payload.numel()], dtype=torch.int64), control, timeout)
+    _broadcast(payload, control, timeout)
 
 
 def receive(control) -> tuple[int, dict, list[torch.Tensor]]:
