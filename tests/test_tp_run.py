@@ -141,3 +141,20 @@ def test_teeth_query_heads_swapped(tp, exports, tmp_path, monkeypatch):
                         real(self, kind, units, self.world - 1 - rank if kind == plan.Q else rank))
     export_tp_model(hf, tmp_path / "bad", ExportOptions(dtype="fp32", progress=False), tp=2)
     print("query heads swapped:", _fails(tp, one, tmp_path / "bad"))
+
+
+def test_tp2_int4_matches_single_device_int4(tp, tmp_path):
+    """int4 weights (MatMulNBits, blocks of 32): every row-parallel shard holds whole blocks, so each rank's
+    quantized weights are exactly the single-device model's rows (tests/test_tp_export.py checks the bytes); with
+    accuracy_level 0 (float32 activations) only the sums' order differs. (At accuracy_level 4 onnxruntime also
+    quantizes the activations to int8, per product: the cut products differ by that quantization, 2.6e-2 here.)"""
+    from pagedkit.exporters.export import export_hf_model
+    from pagedkit.exporters.families.base import ExportOptions
+    from pagedkit.exporters.tp.export import export_tp_model
+
+    hf = H.Case("LlamaConfig", (("intermediate_size", 128),), seed=4).model()
+    opts = dict(dtype="fp32", progress=False)
+    export_hf_model(hf, tmp_path / "one", ExportOptions(**opts), weight_format="int4", int4_accuracy_level=0)
+    export_tp_model(hf, tmp_path / "two", ExportOptions(**opts), tp=2, weight_format="int4", int4_accuracy_level=0)
+    ref = H.reference(tmp_path / "one")
+    print("int4:", H.compare(ref, H.run_set(tp, tmp_path / "two", [r.token for r in ref])))
