@@ -37,12 +37,36 @@ def tp():
         yield s
 
 
+# every other family plan.SUPPORTED names, with its export test's features (window, QK-norm, shared experts with a
+# gate, dense layers among MoE ones, softcaps and sandwich norms, multipliers, fused qkv / gate_up and a tied head)
+MORE = {
+    "mistral": H.Case("MistralConfig", (("sliding_window", 8),), seed=1),
+    "qwen3": H.Case("Qwen3Config", seed=2),
+    "qwen2_moe": H.Case("Qwen2MoeConfig", (("num_hidden_layers", 3), ("num_experts", 4), ("num_experts_per_tok", 2),
+                                           ("moe_intermediate_size", 32), ("shared_expert_intermediate_size", 48),
+                                           ("norm_topk_prob", False), ("mlp_only_layers", [1])), seed=5),
+    "qwen3_moe": H.Case("Qwen3MoeConfig", (("num_experts", 4), ("num_experts_per_tok", 2),
+                                           ("moe_intermediate_size", 32), ("norm_topk_prob", True),
+                                           ("decoder_sparse_step", 2)), seed=7),
+    "gemma": H.Case("GemmaConfig", (("hidden_act", "gelu"), ("hidden_activation", "gelu"),
+                                    ("attention_bias", True)), seed=4),
+    "granite": H.Case("GraniteConfig", (("embedding_multiplier", 3.0), ("residual_multiplier", 0.5),
+                                        ("attention_multiplier", 0.1), ("logits_scaling", 4.0),
+                                        ("attention_bias", True), ("mlp_bias", True)), seed=5),
+    "phi3": H.Case("Phi3Config", (("tie_word_embeddings", True),), seed=1),
+}
+
+
 def _model(name: str):
     if name == "deepseek-v2":
         from test_export_deepseek import V2, deepseek
 
         return deepseek("DeepseekV2Config", seed=11, **V2)
-    return CASES[name].model()
+    if name == "gemma2":
+        from test_export_gemma2 import tiny_gemma2
+
+        return tiny_gemma2()
+    return (CASES | MORE)[name].model()
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +88,13 @@ def test_tp2_matches_single_device(tp, exports, name):
     ref = H.reference(one)
     worst = H.compare(ref, H.run_set(tp, two, [r.token for r in ref]))
     print(f"{name}: TP=2 vs TP=1 worst max|diff|/max|ref| {worst:.3g}")
+
+
+@pytest.mark.parametrize("name", [*MORE, "gemma2"])
+def test_tp2_other_families(tp, exports, name):
+    _, one, two = exports(name)
+    ref = H.reference(one)
+    print(f"{name}: worst {H.compare(ref, H.run_set(tp, two, [r.token for r in ref])):.3g}")
 
 
 def test_tp2_on_torch_kernels(tp, exports):
