@@ -46,3 +46,32 @@ def test_engine_refuses_a_world_size_the_folder_is_not(tmp_path):
         Engine(two, tp=4)
     with pytest.raises(ValueError, match="single-device export: run it without --tp"):
         Engine(one, tp=2)
+
+
+def test_paged_serve_on_two_ranks(tmp_path):
+    """paged-serve's app over Engine(tp=2) on the tiny served model (tests/test_serve_helpers.py: the tiny Llama and
+    its word-level tokenizer), fp32: a greedy completion is the single-device server's, word for word."""
+    import httpx
+
+    from pagedkit.apps.serve import create_app
+    from pagedkit.apps.serve.tokenizer import load_tokenizer
+    from pagedkit.engine import Engine
+    from test_serve_helpers import ServerThread, write_tokenizer
+
+    from export_utils import tiny_model
+
+    one, two = H.export_pair(tiny_model("LlamaConfig"), tmp_path)
+    body = {"model": "m", "prompt": "hello world the cat", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    texts = []
+    for folder, tp in ((one, None), (two, 2)):
+        write_tokenizer(folder)
+        engine = Engine(folder, max_batch_size=4, max_num_tokens=64, tp=tp)
+        try:
+            with ServerThread(create_app(engine, load_tokenizer(folder), "m")) as url:
+                r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+                assert r.status_code == 200, r.text
+                texts.append(r.json()["choices"][0]["text"])
+        finally:
+            engine.close()
+    assert texts[0] == texts[1] and texts[0].strip()
+    print("served:", texts[0])

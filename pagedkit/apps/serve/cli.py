@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-tokens", type=int, default=512, help="tokens per engine step (default 512)")
     p.add_argument("--num-blocks", type=int, help="KV cache blocks (default: the engine's sizing)")
     p.add_argument("--model-name", help="the model's id in the API (default: the folder's name)")
+    p.add_argument("--tp", type=int, metavar="N",
+                   help="serve a tensor-parallel export (paged-export --tp N) on N ranks started here: this process "
+                        "(HTTP server, scheduler, tokenizer) is rank 0 (default: the folder's own world size)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -58,7 +61,7 @@ def _listen_problem(host: str, port: int) -> str | None:
 def _check_args(args) -> str | None:
     if not 0 <= args.port <= 65535:
         return f"--port: expected 0..65535, got {args.port}"
-    for name in ("max_batch_size", "max_num_tokens", "num_blocks"):
+    for name in ("max_batch_size", "max_num_tokens", "num_blocks", "tp"):
         value = getattr(args, name)
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')}: expected an integer >= 1, got {value}"
@@ -94,14 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     from ...engine import Engine
 
     engine = Engine(model_dir, device=args.device, max_batch_size=args.max_batch_size,
-                    max_num_tokens=args.max_num_tokens, num_blocks=args.num_blocks)
+                    max_num_tokens=args.max_num_tokens, num_blocks=args.num_blocks, tp=args.tp)
     from .app import create_app
 
     name = args.model_name or model_dir.resolve().name
     app = create_app(engine, tokenizer, name)
     print(f"{PROG}: serving {name!r} ({model_dir}) on http://{args.host}:{args.port}/v1 ({args.device})",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.close()  # a tensor-parallel engine's followers
     return 0
 
 
