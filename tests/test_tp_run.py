@@ -189,3 +189,54 @@ def test_tp2_int4_matches_single_device_int4(tp, tmp_path):
     export_tp_model(hf, tmp_path / "two", ExportOptions(**opts), tp=2, weight_format="int4", int4_accuracy_level=0)
     ref = H.reference(tmp_path / "one")
     print("int4:", H.compare(ref, H.run_set(tp, tmp_path / "two", [r.token for r in ref])))
+
+
+def _forked_step(session_or_none, folder):
+    """Logits of a decode step of a sequence forked from a 19-token prefill (its last block shared, then copied on
+    write by the KV manager: a block copy every rank must make on its own caches)."""
+    from pagedkit.runtime.generate import Generator, step_feeds
+
+    gen = Generator(folder, session=session_or_none, max_seq_len=64, cpu_backend="auto")
+    st, sess = gen.state, gen.session
+    mgr = st.mgr
+
+    def run(seq, ids):
+        plan = mgr.plan([(seq, ids)])
+        feeds = step_feeds(plan, mgr, ids, st.renames, st.input_names, gen.config.input("input_ids"))
+        out = sess.run_torch(feeds, [gen.logits_name], plan=plan.hint, distinct_slots=True)[gen.logits_name]
+        mgr.commit(plan)
+        return out[-1].float()
+
+    mgr.add_sequence(1, H.PROMPT)
+    run(1, H.PROMPT)
+    mgr.fork(1, 2)
+    copies = []
+    real = mgr.blocks["full"].copy_block
+    mgr.blocks["full"].copy_block = lambda s, d: (copies.append((s, d)), real(s, d))
+    out = run(2, [7])
+    assert copies, "the fork's decode step made no block copy"
+    return out
+
+
+def test_block_copies_reach_every_rank(tp, exports, monkeypatch):
+    """A copy-on-write block copy rank 0's KV manager makes is made by the follower too (DistributedSession.
+    mirror_copies); without it the follower's copy of the block would be missing the prefix's keys."""
+    from pagedkit.runtime.distributed.session import DistributedSession
+
+    _, one, two = exports("llama")
+    ref = _forked_step(None, one)
+    scale = float(ref.abs().max())
+    session = tp.session(two, cpu_backend="auto")
+    try:
+        got = _forked_step(session, two)
+    finally:
+        session.close()
+    assert float((got - ref).abs().max()) <= H.TOL * scale
+    monkeypatch.setattr(DistributedSession, "mirror_copies", lambda self, mgr: None)  # the teeth
+    session = tp.session(two, cpu_backend="auto")
+    try:
+        bad = _forked_step(session, two)
+    finally:
+        session.close()
+    print("forked step without mirrored copies:", float((bad - ref).abs().max()) / scale)
+    assert float((bad - ref).abs().max()) > 10 * H.TOL * scale
