@@ -16,7 +16,7 @@ def test_llama_8b_by_hand():
     from pagedkit.exporters.tp import comm
 
     (name, _, t, cuts), = comm.rows(["llama-3.1-8b"])
-    h, inter, layers, vocab, heads, kv, d = 4096, 14336, 32, 128256, 32, 8, 128
+    h, inter, layers, vocab, kv, d = 4096, 14336, 32, 128256, 8, 128  # 32 query heads of 128: q and o are h x h
     assert (t.all_reduces(1), t.all_reduces(2), t.all_reduces(8)) == (0, 2 * layers, 2 * layers)
     assert t.reduce_bytes_per_token(4) == 2 * layers * h * 2
     assert t.gather_bytes_per_token(2) == vocab * 2 and t.gather_bytes_per_token(8) == 8 * -(-vocab // 8) * 2

@@ -184,3 +184,30 @@ def test_paged_export_cli(tmp_path, capsys):
     assert main(["--model", str(src), "--quiet", "--output", str(tmp_path / "bad"), "--tp", "3"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert errors == ["paged-export: error: --tp 3: 4 attention heads are not divisible by 3"]
+
+
+def test_static_kv_scales_are_the_ranks_heads(tmp_path):
+    """int8 PER_CHANNEL caches: the scales are calibrated once on the uncut graph (the single-device export's own),
+    and rank r's [kv_heads / N, 1, D] scale is rank r's KV heads' rows of it."""
+    from onnx import numpy_helper
+
+    from pagedkit.exporters.export import export_hf_model
+    from pagedkit.exporters.families.base import ExportOptions, KVOptions
+    from pagedkit.exporters.tp.export import export_tp_model
+
+    hf = H.Case("LlamaConfig").model()
+    kv = KVOptions(k_dtype="int8", v_dtype="int8", k_quant="PER_CHANNEL", v_quant="PER_CHANNEL")
+    export_hf_model(hf, tmp_path / "one", ExportOptions(dtype="fp32", kv=kv, progress=False))
+    export_tp_model(hf, tmp_path / "two", ExportOptions(dtype="fp32", kv=kv, progress=False), tp=2)
+
+    def scales(path):
+        return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer
+                if t.name.endswith(("k_scale", "v_scale"))}
+
+    full = scales(tmp_path / "one" / "model.onnx")
+    assert len(full) == 4 and all(s.shape == (2, 1, 16) for s in full.values())
+    for r in range(2):
+        mine = scales(tmp_path / "two" / f"rank_{r}" / "model.onnx")
+        assert mine.keys() == full.keys()
+        for name, s in mine.items():
+            assert (s == full[name][r:r + 1]).all(), name

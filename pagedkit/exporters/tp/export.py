@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ...interface.genai_config import GENAI_CONFIG, PAGEDKIT_KEY, genai_config, with_decoded_pagedkit
+from ...interface.genai_config import GENAI_CONFIG, PAGEDKIT_KEY, genai_config
 from ..export import (EXTERNAL_DATA_BYTES, ExportResult, build_model, check_exported, check_options,
                       kv_bytes_per_token, save_model)
 from ..families.base import ExportOptions, KVOptions
@@ -99,12 +99,8 @@ def export_tp_model(hf_model: torch.nn.Module, output_dir: str | os.PathLike, op
                  f"{plan.kv_per_rank} KV head(s) ({plan.to_json()['kv_heads']}), {plan.vocab_per_rank} vocabulary "
                  f"rows; KV cache {per_rank:,.0f} bytes per token per rank ({tp * per_rank:,.0f} over the ranks)")
     params = sum(p.numel() for p in hf_model.parameters())
-    return ExportResult(out, out / rank_file(0), with_spec_file(spec), params, sum(f.stat().st_size for f in files),
-                        kv_bytes_per_token(spec), weights, notes)
-
-
-def with_spec_file(spec):
-    return replace(spec, filename=rank_file(0))
+    return ExportResult(out, out / rank_file(0), replace(spec, filename=rank_file(0)), params,
+                        sum(f.stat().st_size for f in files), kv_bytes_per_token(spec), weights, notes)
 
 
 def export_tp(model: str | os.PathLike, output_dir: str | os.PathLike, opts: ExportOptions | None = None, *,
@@ -125,8 +121,3 @@ def export_tp(model: str | os.PathLike, output_dir: str | os.PathLike, opts: Exp
                            tokenizer_dir=loaded.source_dir, weight_format=weights, calibration=calibration,
                            percentile=percentile, validate=validate, int4_lm_head=int4_lm_head,
                            int4_accuracy_level=int4_accuracy_level)
-
-
-def read_tp_section(config: dict) -> dict | None:
-    """The tensor_parallel entry of a genai_config's pagedkit section, or None."""
-    return with_decoded_pagedkit(config).get(PAGEDKIT_KEY, {}).get(TP_KEY)
