@@ -167,6 +167,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("PAGEDKIT_API_KEY", "user", "session", "a string", None,
        "the API key `paged-serve` requires (`Authorization: Bearer KEY`) when `--api-key` is not given "
        "(docs/serve.md).", unset="no authentication"),
+    _S("PAGEDKIT_TP_TIMEOUT", "user", "session", "float (seconds)", "300",
+       "the timeout of every collective of a tensor-parallel set (`--tp N`): a rank that hangs longer stops the "
+       "set with one error line; a rank that dies stops it at once (docs/distributed.md).", float),
     _S("PAGEDKIT_COMMIT", "user", "call", "a commit", None,
        "the commit paged-bench and the benchmarks record in their results (a copy of the tree may carry a stale "
        "`.git`).", unset="`git rev-parse HEAD` of the checkout pagedkit is imported from"),

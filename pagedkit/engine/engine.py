@@ -79,19 +79,21 @@ class Engine:
     decode steps as CUDA-graph replays per batch bucket (graphs.py), None = on for CUDA; "padded" plans decode
     steps as the graphs do (batch buckets, replay-wide bounds) but runs them eagerly, on any device; overlap:
     greedy decode steps run one step ahead of the host (overlap.py: tokens come out one step() later), None =
-    on with CUDA-graph replays; needs cuda_graphs (True or "padded").
+    on with CUDA-graph replays; needs cuda_graphs (True or "padded"). tp: the model folder is a tensor-parallel
+    export of tp ranks (`paged-export --tp N`; None: whatever the folder is): this process becomes rank 0 (scheduler,
+    KV manager, sampling) of a set it starts (runtime/distributed), eager steps only; `close()` stops it.
     add_request / abort may be called from any thread; step() from one thread at a time."""
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", *, max_batch_size: int = 16,
                  max_num_tokens: int = 512, num_blocks: int | None = None, block_size: int | None = None,
                  enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
-                 overlap: bool | None = None, memory_fraction: float | None = None):
+                 overlap: bool | None = None, memory_fraction: float | None = None, tp: int | None = None):
         if overlap not in (None, True, False):
             raise ValueError(f"Engine: overlap must be None (on with CUDA graphs), True or False, got {overlap!r}")
         self.model = PagedModel(model_dir, device, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                                 num_blocks=num_blocks, block_size=block_size,
                                 enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
-                                memory_fraction=memory_fraction)
+                                memory_fraction=memory_fraction, tp=tp)
         self.kv = self.model.mgr
         self.eos_token_ids: list[int] = list(self.model.config.eos_token_ids)
         self.vocab_size: int | None = self.model.config.vocab_size
@@ -122,6 +124,10 @@ class Engine:
         full-attention pool's blocks x block_size, at most max_seq_len (a request above is aborted, _never_fits)."""
         full = self.model.groups.get("full")
         return self.max_seq_len if full is None else min(self.max_seq_len, full.num_blocks * full.block_size)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers of a tp > 1 engine (nothing to do otherwise)."""
+        self.model.close()
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,

@@ -13,6 +13,7 @@ installed), 3 an internal error; errors are one line on stderr (PAGEDKIT_DEBUG=1
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import warnings
 
@@ -71,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, help="keep only the first N decoder layers")
     p.add_argument("--num-experts", type=int, help="keep only N routed experts (MoE models; quick runs)")
     p.add_argument("--max-seq-len", type=int, help="context length (rotary table rows); default: the config's")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism: one graph per rank (OUTPUT/rank_<r>/model.onnx) and one genai_config.json "
+                        "for the set, Megatron-style cut with com.microsoft AllReduce / AllGather "
+                        "(docs/distributed.md); run it with paged-run / paged-serve / paged-bench --tp N")
     p.add_argument("--extra-inputs", default="",
                    help="comma list of optional pagedkit graph inputs: slot_mapping, query_positions")
     p.add_argument("--seed", type=int, default=0, help="seed of random weights (no local weights)")
@@ -139,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.model or not args.output:
         build_parser().error("--model and --output are required")
+    if args.tp < 1:
+        build_parser().error(f"--tp: expected a number of ranks >= 1, got {args.tp}")
+    if args.via and args.tp > 1:
+        build_parser().error("--tp with --via genai: the tensor-parallel cut is built on pagedkit's own families")
     if args.via:
         from .via_genai import main_via_genai
 
@@ -160,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():  # the random-weights banner is printed already: not a second time
             warnings.simplefilter("ignore", RandomWeightsWarning)
+            if args.tp > 1:  # tensor-parallel set (exporters/tp/)
+                from .tp.export import export_tp as export
+                export = functools.partial(export, tp=args.tp)
             result = export(args.model, args.output, opts, num_layers=args.num_layers, num_experts=args.num_experts,
                             seed=args.seed, weights=args.weights, calibration=args.calibration,
                             percentile=args.calibration_percentile,
