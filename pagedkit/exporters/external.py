@@ -107,6 +107,7 @@ class ExternalData:
             try:
                 for a in range(0, shape[0], step):
                     self._sink.write(_bytes_of(slicing.narrow(value, 0, a, min(shape[0], a + step)), dtype))
+                    slicing.end_chunk()
             finally:
                 slicing.clear()
         else:

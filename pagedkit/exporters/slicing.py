@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_map
 from .lazy import LazyTensor, materialize
 
 _whole_cache: dict[int, tuple[LazyTensor, torch.Tensor]] = {}  # id -> (tensor, value) until clear()
+_chunk_memo: dict[tuple, tuple[LazyTensor, torch.Tensor]] = {}  # (id, dim, start, stop) -> slice, until end_chunk()
 
 _ELEMENTWISE = {"to", "float", "half", "bfloat16", "double", "detach", "contiguous", "clone", "type_as", "add",
                 "sub", "mul", "div", "neg", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
@@ -31,6 +32,13 @@ _ELEMENTWISE = {"to", "float", "half", "bfloat16", "double", "detach", "contiguo
 def clear() -> None:
     """Forget the tensors kept whole for slicing (after each initializer)."""
     _whole_cache.clear()
+    _chunk_memo.clear()
+
+
+def end_chunk() -> None:
+    """Forget the slices computed for one chunk (an input two outputs share — gate and up of one fused
+    tensor — is sliced once per chunk)."""
+    _chunk_memo.clear()
 
 
 def whole(x: LazyTensor) -> torch.Tensor:
@@ -48,6 +56,10 @@ def narrow(x: Any, dim: int, start: int, stop: int) -> torch.Tensor:
     dim = dim % x.dim()
     if start == 0 and stop == x.shape[dim]:
         return x.materialize()
+    key = (id(x), dim, start, stop)
+    hit = _chunk_memo.get(key)
+    if hit is not None and hit[0] is x:
+        return hit[1]
     if x._src is None:
         value = x._slicer(dim, start, stop) if x._slicer is not None else None
     else:
@@ -61,6 +73,7 @@ def narrow(x: Any, dim: int, start: int, stop: int) -> torch.Tensor:
     if list(value.shape) != want or value.dtype != x.dtype:
         raise RuntimeError(f"slice of a lazy tensor evaluated to {tuple(value.shape)} {value.dtype}, expected "
                            f"{tuple(want)} {x.dtype}")
+    _chunk_memo[key] = (x, value)
     return value
 
 
