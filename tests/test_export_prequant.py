@@ -267,6 +267,7 @@ def check_fp8(tmp_path, monkeypatch, parity: bool = True) -> None:
     """Initializers equal this file's dequantization rounded to fp16 (bit for bit), experts interleaved and
     stacked, MLA's absorbed kv_b_proj heads too — written in 2 KB chunks, so that rows are read from the
     middle of 128-row scale blocks; the model runs against HF eager over the dequantized weights."""
+    import pagedkit.exporters.checkpoint as ck
     import pagedkit.exporters.export as ex
     import pagedkit.exporters.external as ext
     from pagedkit.exporters.families.base import ExportOptions
@@ -276,6 +277,7 @@ def check_fp8(tmp_path, monkeypatch, parity: bool = True) -> None:
     oracle = fp8_checkpoint(tmp_path / "ckpt", hf)
     monkeypatch.setattr(ex, "EXTERNAL_DATA_BYTES", 0)
     monkeypatch.setattr(ext, "CHUNK_BYTES", 2048)
+    monkeypatch.setattr(ck, "READ_BYTES", 4096)  # whole reads converted 128 rows (one scale block) at a time
     ex.export(str(tmp_path / "ckpt"), tmp_path / "out", ExportOptions(progress=False))
     inits = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "out" / "model.onnx")).graph.initializer}
 

@@ -42,6 +42,7 @@ FAMILIES = {  # every way a family transforms checkpoint tensors (packed QKV, fu
 def _export_pair(cls, kw, tmp_path, monkeypatch, chunk: int = 256, **export_kw):
     """(reference folder, streamed folder): the in-memory export, and the streamed one with every initializer
     in external data written in chunks of `chunk` bytes."""
+    import pagedkit.exporters.checkpoint as ck
     import pagedkit.exporters.export as ex
     import pagedkit.exporters.external as ext
     from pagedkit.exporters.families.base import ExportOptions
@@ -53,6 +54,7 @@ def _export_pair(cls, kw, tmp_path, monkeypatch, chunk: int = 256, **export_kw):
     opts = ExportOptions(progress=False)
     ex.export(str(ckpt), tmp_path / "ref", opts, stream=False, validate=False, **export_kw)
     monkeypatch.setattr(ext, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(ck, "READ_BYTES", 1000)  # conversions on reading in row chunks too
     ex.export(str(ckpt), tmp_path / "got", opts, stream=True, **export_kw)
     return tmp_path / "ref", tmp_path / "got"
 
@@ -79,13 +81,13 @@ def test_streamed_reads_rows_not_whole_tensors(tmp_path, monkeypatch):
     import pagedkit.exporters.checkpoint as ck
 
     reads = []
-    real = ck.CheckpointIndex.read
+    real = ck._Reader.__call__
 
-    def spy(self, key, rows=None):
-        reads.append((key, rows))
-        return real(self, key, rows)
+    def spy(self, rows=None):
+        reads.append((self.key, rows))
+        return real(self, rows)
 
-    monkeypatch.setattr(ck.CheckpointIndex, "read", spy)
+    monkeypatch.setattr(ck._Reader, "__call__", spy)
     _export_pair("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2), tmp_path, monkeypatch,
                  chunk=4096)
     emb = [r for k, r in reads if k == "model.embed_tokens.weight"]
@@ -312,5 +314,52 @@ def test_8gb_checkpoint_peak_rss(tmp_path):
         print(f"8 GB checkpoint ({info['bytes'] / 1e9:.2f} GB, largest {info['largest'] / 2**20:.0f} MiB): "
               f"peak RSS {rss / 2**20:.0f} MiB\n{out}")
         assert rss <= 1.5 * GIB + info["largest"]
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_full_width_fp8_peak_rss(tmp_path):
+    """DeepSeek-V3's real configuration (builtin, 61 layers, 256 experts) over a synthetic checkpoint in its FP8
+    release form holding layers 0-3 and experts 0-15 (layer 3 is the first MoE layer): `--num-layers 4
+    --num-experts 16` exports at full width with peak RSS <= 1.5 GiB + the largest tensor (the bf16 embedding),
+    and the written weights equal this test's dequantization (export_stream_utils.fp8_dequant) rounded to fp16."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import numpy as np
+    from safetensors import safe_open
+
+    from export_stream_utils import fp8_dequant, peak_rss_of, synthetic_checkpoint
+
+    cfg = json.loads((Path(__file__).resolve().parents[1] / "pagedkit/exporters/builtin/deepseek-v3.json").read_text())
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    try:
+        info = synthetic_checkpoint(ckpt, cfg, fp8=True, num_layers=4, num_experts=16, shard_bytes=1 << 30)
+        rss, log = peak_rss_of(_cli(ckpt, out, "--num-layers", "4", "--num-experts", "16"))
+        print(f"DeepSeek-V3 4 layers / 16 experts, FP8 checkpoint {info['bytes'] / 1e9:.2f} GB (largest "
+              f"{info['largest'] / 2**20:.0f} MiB): peak RSS {rss / 2**20:.0f} MiB\n{log}")
+        assert rss <= 1.5 * GIB + info["largest"]
+        model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+        where = {t.name: ({e.key: e.value for e in t.external_data}, list(t.dims)) for t in model.graph.initializer}
+        moe = [n for n in model.graph.node if n.op_type == "MoE"]
+        assert [n.name for n in moe] == ["/model/layers.3/mlp/MoE"] and where[moe[0].input[2]][1] == [16, 4096, 7168]
+        index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+
+        def stored(name):
+            loc, dims = where[name]
+            return np.memmap(out / loc["location"], np.float16, "r", int(loc["offset"]), tuple(dims))
+
+        def source(key):
+            with safe_open(str(ckpt / index[key]), "pt") as h:
+                return fp8_dequant(h.get_tensor(key), h.get_tensor(key + "_scale_inv"), torch.float16).numpy()
+
+        fc2 = stored("model.layers.3.mlp.experts.fc2.weight")
+        np.testing.assert_array_equal(fc2[11], source("model.layers.3.mlp.experts.11.down_proj.weight"))
+        fc1 = stored("model.layers.3.mlp.experts.fc1.weight")
+        np.testing.assert_array_equal(fc1[5, 1::2], source("model.layers.3.mlp.experts.5.up_proj.weight"))
+        q_b = stored("model.layers.0.attn.q_b_proj.MatMul.weight")
+        np.testing.assert_array_equal(q_b, source("model.layers.0.self_attn.q_b_proj.weight").T)
     finally:
         shutil.rmtree(tmp_path, ignore_errors=True)

@@ -68,10 +68,10 @@ class CheckpointIndex:
         """The tensor `key` (or its rows [start, stop)), in its stored dtype; the file is mapped only meanwhile."""
         from safetensors import safe_open
 
-        with safe_open(str(self.where[key]), "pt") as h:
+        with safe_open(str(self.where[key]), "pt") as h:  # both give a tensor of its own (one copy)
             if rows is None:
-                return h.get_tensor(key).clone()  # its own memory, not the file's mapping
-            return h.get_slice(key)[rows[0]:rows[1]].clone()
+                return h.get_tensor(key)
+            return h.get_slice(key)[rows[0]:rows[1]]
 
 
 def fp8_dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
@@ -89,8 +89,13 @@ def fp8_dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, i
     return out
 
 
+READ_BYTES = 64 << 20  # a tensor converted on reading is read this many bytes of rows at a time
+
+
 class _Reader:
-    """Reads one checkpoint tensor as `dtype`: plain, or FP8 block-dequantized when a `{key}_scale_inv` exists."""
+    """Reads one checkpoint tensor (or its rows) as `dtype`: plain, or FP8 block-dequantized when a
+    `{key}_scale_inv` exists. A conversion is done READ_BYTES of rows at a time into the result, so that reading
+    holds the result and one slice of the stored tensor, never two whole copies."""
 
     def __init__(self, index: CheckpointIndex, key: str, dtype: torch.dtype, fp8_block: tuple[int, int] | None):
         self.index, self.key, self.dtype = index, key, dtype
@@ -100,13 +105,34 @@ class _Reader:
         self.block = fp8_block
 
     def __call__(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        w = self.index.read(self.key, rows)
-        if self.scale_key is None or w.dtype not in FP8_TYPES:
-            return w.to(self.dtype)
-        if rows is None:
-            return fp8_dequantize(w, self.index.read(self.scale_key), self.block, self.dtype)
-        first, last = rows[0] // self.block[0], -(-rows[1] // self.block[0])
-        return fp8_dequantize(w, self.index.read(self.scale_key, (first, last)), self.block, self.dtype, rows[0])
+        shape, stored = self.index.info(self.key)
+        a, b = rows if rows is not None else (0, shape[0] if shape else 0)
+        fp8 = self.scale_key is not None and stored.startswith("F8")
+        if not shape or (not fp8 and _ST_DTYPES.get(stored) == self.dtype):
+            return self.index.read(self.key, rows)  # no conversion: one read
+        out = torch.empty([b - a] + shape[1:], dtype=self.dtype)
+        row_bytes = max(1, math.prod(shape[1:]) * 4)
+        step = max(1, READ_BYTES // row_bytes)
+        if fp8:
+            step = max(self.block[0], step // self.block[0] * self.block[0])
+        r = a
+        while r < b:
+            stop = min(b, (r // step + 1) * step)  # block-aligned chunks: each reads its scale rows once
+            w = self.index.read(self.key, (r, stop))
+            if fp8:
+                first, last = r // self.block[0], -(-stop // self.block[0])
+                out[r - a:stop - a] = fp8_dequantize(w, self.index.read(self.scale_key, (first, last)), self.block,
+                                                     self.dtype, r)
+            else:
+                out[r - a:stop - a] = w.to(self.dtype)
+            del w
+            r = stop
+        return out
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 def leaf(meta: torch.Tensor, read: Callable[..., torch.Tensor]) -> LazyTensor:
