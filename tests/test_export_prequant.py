@@ -320,18 +320,18 @@ def test_deepseek_v3_fp8_checkpoint_dequantizes_per_block(tmp_path, monkeypatch)
     check_fp8(tmp_path, monkeypatch)
 
 
-@pytest.mark.parametrize("bug", ["chunk-offset-ignored", "bf16-first", "scale-grid-transposed"])
+@pytest.mark.parametrize("bug", ["column-blocks-ignored", "bf16-first", "scale-grid-transposed"])
 def test_fp8_check_has_teeth(bug, tmp_path, monkeypatch):
-    """Realistic dequantization bugs fail the check: a row chunk's scale rows taken from the tensor's first block
-    (its offset ignored), the product rounded to bfloat16 before the export dtype (as a bf16-default reference
-    implementation would), the scale grid indexed [column block, row block]."""
+    """Realistic dequantization bugs fail the check: one scale per 128-row band (the column blocks ignored), the
+    product rounded to bfloat16 before the export dtype (as a bf16-default reference implementation would), the
+    scale grid indexed [column block, row block]."""
     import pagedkit.exporters.checkpoint as ck
 
     real = ck.fp8_dequantize
 
     def buggy(w, scale_inv, block, dtype, row0=0):
-        if bug == "chunk-offset-ignored":
-            return real(w, scale_inv, block, dtype, row0 - row0 % block[0] if row0 % block[0] else 0)
+        if bug == "column-blocks-ignored":
+            return real(w, scale_inv[:, :1].expand(scale_inv.shape).contiguous(), block, dtype, row0)
         if bug == "bf16-first":
             return real(w, scale_inv, block, torch.bfloat16, row0).to(dtype)
         return real(w, scale_inv.t().contiguous() if scale_inv.shape[0] == scale_inv.shape[1] else
