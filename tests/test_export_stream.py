@@ -363,3 +363,18 @@ def test_deepseek_v3_full_width_fp8_peak_rss(tmp_path):
         np.testing.assert_array_equal(q_b, source("model.layers.0.self_attn.q_b_proj.weight").T)
     finally:
         shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_docs_streaming_example_runs(tmp_path):
+    """The Python example of docs/export.md's "Streaming export" section, on a tiny sharded checkpoint."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "export.md").read_text()
+    section = text[text.index("## Streaming export"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    tiny_model("Qwen3Config", seed=3).save_pretrained(tmp_path / "ckpt", max_shard_size="40KB")
+    code = code.replace("./my-checkpoint", str(tmp_path / "ckpt")).replace("./my-export", str(tmp_path / "out"))
+    scope: dict = {}
+    exec(compile(code, "docs/export.md", "exec"), scope)
+    assert "streamed" in scope["result"].summary() and (tmp_path / "out" / "model.onnx").exists()

@@ -18,7 +18,7 @@ from ..interface.genai_config import ModelSpec, genai_config, with_decoded_paged
 from ..validators.contract import cache_format, cache_width
 from .families.base import FLOAT_TYPES, ExportContext, ExportOptions, KVOptions
 from .external import data_files, parse_size, remove_data_files
-from .lazy import lazy_parameters
+from .lazy import LazyTensor, lazy_parameters
 from .quantize import INT4_ACCURACY_LEVEL, INT4_BLOCK_SIZE
 from .registry import family_for
 from .weights import copy_tokenizer_files, load_model
@@ -201,9 +201,15 @@ def _export(holder: list, output_dir, opts, *, weights, source, tokenizer_dir, w
     stream = out / f"{final_spec.filename}.data" if weight_format == "fp16" else None  # int4 rewrites the proto
     if stream is not None:
         remove_data_files(out / final_spec.filename)
+    streamed = any(isinstance(p, LazyTensor) for p in hf_model.parameters())
     proto, spec = build_model(hf_model, opts, progress=opts.progress, external_data=stream,
                               max_shard_bytes=parse_size(max_shard_size))
     params = sum(p.numel() for p in hf_model.parameters())
+    if streamed:
+        notes.append("weights read from the checkpoint tensor by tensor while written (streamed)")
+    prequant = sum(1 for node in proto.graph.node if node.op_type == "MatMulNBits")
+    if prequant:
+        notes.append(f"int4 checkpoint: {prequant} linears -> MatMulNBits over the checkpoint's own codes")
     del hf_model
     spec.calibration = calib
     spec.source = dict(source or {}) | {"weights": weights, "weight_format": weight_format}
@@ -228,6 +234,8 @@ def _export(holder: list, output_dir, opts, *, weights, source, tokenizer_dir, w
     if validate:
         check_exported(path, genai_config(spec))
     files = [path] + data_files(path)
+    if len(files) > 2:
+        notes.append(f"external data: {len(files) - 1} files ({files[1].name} .. {files[-1].name})")
     return ExportResult(out, path, spec, params, sum(f.stat().st_size for f in files), kv_bytes_per_token(spec),
                         weights, notes)
 
