@@ -378,3 +378,32 @@ def test_docs_streaming_example_runs(tmp_path):
     scope: dict = {}
     exec(compile(code, "docs/export.md", "exec"), scope)
     assert "streamed" in scope["result"].summary() and (tmp_path / "out" / "model.onnx").exists()
+
+
+@pytest.mark.parametrize("cls,kw", [
+    ("DeepseekV3Config", MLA | dict(q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                                    topk_group=1)),
+    ("GptOssConfig", dict(sliding_window=8, num_local_experts=8, num_experts_per_tok=2)),
+])
+def test_num_experts_reads_the_first_experts_of_a_larger_checkpoint(cls, kw, tmp_path):
+    """--num-experts 4 on an 8-expert checkpoint: per-expert tensors past 4 are skipped, and tensors with a row per
+    expert (router [E, H] and its bias, DeepSeek's e_score_correction_bias [E], GPT-OSS's fused [E, ...] experts)
+    are read up to row 4: the export equals the in-memory export of the model cut to 4 experts by hand."""
+    import transformers
+
+    from pagedkit.exporters.export import export
+    from pagedkit.exporters.families.base import ExportOptions
+    from pagedkit.exporters.weights import shrink_config
+
+    hf = tiny_model(cls, seed=4, **kw)
+    hf.save_pretrained(tmp_path / "full", max_shard_size="60KB")
+    cut = transformers.AutoModelForCausalLM.from_config(shrink_config(hf.config, num_experts=4))
+    with torch.no_grad():
+        full = dict(hf.state_dict())
+        for name, t in cut.state_dict().items():
+            t.copy_(full[name][:t.shape[0]] if full[name].shape != t.shape else full[name])
+    cut.save_pretrained(tmp_path / "cut")
+    opts = ExportOptions(progress=False)
+    export(str(tmp_path / "full"), tmp_path / "got", opts, num_experts=4)
+    export(str(tmp_path / "cut"), tmp_path / "ref", opts, stream=False, validate=False)
+    assert filecmp.cmp(tmp_path / "got" / "model.onnx", tmp_path / "ref" / "model.onnx", shallow=False)

@@ -55,13 +55,13 @@ class CheckpointIndex:
         return self.where.keys()
 
     def info(self, key: str) -> tuple[list[int], str]:
-        """(shape, safetensors dtype name) of `key`, from its file's header."""
+        """(shape, safetensors dtype name) of `key`, from its file's header (each header read once)."""
         if key not in self._meta:
-            from safetensors import safe_open
+            import struct
 
-            with safe_open(str(self.where[key]), "pt") as h:
-                s = h.get_slice(key)
-                self._meta[key] = (list(s.get_shape()), s.get_dtype())
+            with open(self.where[key], "rb") as f:
+                header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+            self._meta.update({k: (list(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"})
         return self._meta[key]
 
     def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
@@ -233,11 +233,12 @@ def checkpoint_tensors(model, folder: str | Path, dtype: torch.dtype | None = No
         else:
             grouped.setdefault(new, {}).setdefault(pattern, []).append((_index_of(key, pattern), key))
     out: dict[str, LazyTensor] = {}
+    experts = _expert_count(config)
     for name, t in meta.items():
         want = forced(name) or t.dtype
         m = t.detach().to("meta").to(want)
         if name in direct:
-            out[name] = leaf(m, _Reader(index, direct[name], want, block))
+            out[name] = leaf(m, _fitted(index, direct[name], m, _Reader(index, direct[name], want, block), experts))
         elif name in grouped:
             conv = pattern_of[next(iter(grouped[name]))]
             count = t.shape[0]
@@ -253,6 +254,27 @@ def checkpoint_tensors(model, folder: str | Path, dtype: torch.dtype | None = No
             if q is not None:
                 out[name] = q
     return out
+
+
+def _expert_count(config) -> int | None:
+    """The routed experts of a (possibly shrunk, --num-experts) config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in ("num_local_experts", "n_routed_experts", "num_experts"):
+        if getattr(text, key, None):
+            return int(getattr(text, key))
+    return None
+
+
+def _fitted(index: CheckpointIndex, key: str, meta: torch.Tensor, read: Callable, experts: int | None) -> Callable:
+    """`read`, or for a tensor with one row per expert of a checkpoint with more experts than the (shrunk) model
+    (a router [E, H], a correction bias [E], fused experts [E, ...]) a reader of the first rows only."""
+    shape = index.info(key)[0]
+    if shape == list(meta.shape):
+        return read
+    if experts is not None and shape[1:] == list(meta.shape[1:]) and meta.shape[0] == experts < shape[0]:
+        n = experts
+        return lambda rows=None: read(rows if rows is not None else (0, n))
+    raise ValueError(f"{key}: the checkpoint holds {shape}, the model expects {list(meta.shape)}")
 
 
 def install(model, tensors: dict[str, LazyTensor], folder) -> list:
