@@ -96,12 +96,15 @@ def check_options(opts: ExportOptions) -> None:
 
 
 def build_model(hf_model: torch.nn.Module, opts: ExportOptions | None = None, *, progress: bool = False,
-                external_data: Path | None = None, max_shard_bytes: int | None = None
+                external_data: Path | None = None, max_shard_bytes: int | None = None,
+                int4: tuple[int, int, bool] | None = None, stats: dict | None = None
                 ) -> tuple[onnx.ModelProto, ModelSpec]:
     """The PagedAttention graph of a Hugging Face causal LM (in memory, or streamed: checkpoint.streamed_model),
     and its ModelSpec. external_data: a file to stream the weights into, one initializer at a time as each is
     evaluated (large ones in row chunks), when they exceed EXTERNAL_DATA_BYTES (the proto then references it:
-    save it beside the file with `save_model`); max_shard_bytes: split it into files of at most this size."""
+    save it beside the file with `save_model`); max_shard_bytes: split it into files of at most this size.
+    int4 (block_size, accuracy_level, lm_head): `--weights int4`, quantized as the weights are written
+    (int4_stream.py). stats: filled with {"prequant": MatMulNBits nodes of a GPTQ / AWQ checkpoint}."""
     opts = opts or ExportOptions()
     check_options(opts)
     family = family_for(hf_model.config)
@@ -113,6 +116,12 @@ def build_model(hf_model: torch.nn.Module, opts: ExportOptions | None = None, *,
         layers = tqdm(layers, desc="layers", unit="layer", file=sys.stderr)
     with torch.no_grad(), lazy_parameters(hf_model):  # weight transforms recorded, evaluated when written
         family.build(ctx, layers)
+    if stats is not None:
+        stats["prequant"] = sum(1 for node in ctx.g.nodes if node.op_type == "MatMulNBits")
+    if int4 is not None:
+        from .int4_stream import quantize_builder_int4
+
+        quantize_builder_int4(ctx.g, *int4)
     doc = f"pagedkit export of {hf_model.config.model_type} (family {family.name})"
     stream = external_data if external_data is not None and ctx.g.nbytes() > EXTERNAL_DATA_BYTES else None
     if stream is not None:
@@ -174,7 +183,7 @@ def _export(holder: list, output_dir, opts, *, weights, source, tokenizer_dir, w
             max_shard_size=None) -> ExportResult:
     """export_hf_model's work; the model is taken out of `holder` and dropped once the graph is built (the
     caller that owns it, `export`, then no longer keeps a float copy of every weight alive)."""
-    from .quantize import calibrate, calibration_sequences, needs_calibration, quantize_weights_int4
+    from .quantize import calibrate, calibration_sequences, needs_calibration
 
     hf_model = holder.pop()
     opts = opts or ExportOptions()
@@ -198,16 +207,17 @@ def _export(holder: list, output_dir, opts, *, weights, source, tokenizer_dir, w
         calib["text"] = str(calibration) if calibration else "pagedkit built-in calibration text"
         notes.append("KV quantization SNR (dB) per layer: " + ", ".join(
             f"{i}: K {r.get('k_snr_db', '-')} / V {r.get('v_snr_db', '-')}" for i, r in calib["snr_db"].items()))
-    stream = out / f"{final_spec.filename}.data" if weight_format == "fp16" else None  # int4 rewrites the proto
-    if stream is not None:
-        remove_data_files(out / final_spec.filename)
+    stream = out / f"{final_spec.filename}.data"
+    remove_data_files(out / final_spec.filename)
     streamed = any(isinstance(p, LazyTensor) for p in hf_model.parameters())
+    int4 = (INT4_BLOCK_SIZE, int4_accuracy_level, int4_lm_head) if weight_format == "int4" else None
+    stats: dict = {}
     proto, spec = build_model(hf_model, opts, progress=opts.progress, external_data=stream,
-                              max_shard_bytes=parse_size(max_shard_size))
+                              max_shard_bytes=parse_size(max_shard_size), int4=int4, stats=stats)
     params = sum(p.numel() for p in hf_model.parameters())
     if streamed:
         notes.append("weights read from the checkpoint tensor by tensor while written (streamed)")
-    prequant = sum(1 for node in proto.graph.node if node.op_type == "MatMulNBits")
+    prequant = stats["prequant"]
     if prequant:
         notes.append(f"int4 checkpoint: {prequant} linears -> MatMulNBits over the checkpoint's own codes")
     del hf_model
@@ -215,8 +225,7 @@ def _export(holder: list, output_dir, opts, *, weights, source, tokenizer_dir, w
     spec.source = dict(source or {}) | {"weights": weights, "weight_format": weight_format}
     if weight_format == "int4":
         spec.source |= {"int4_lm_head": bool(int4_lm_head), "int4_accuracy_level": int(int4_accuracy_level)}
-        proto = quantize_weights_int4(proto, accuracy_level=int4_accuracy_level, lm_head=int4_lm_head)
-        n = sum(1 for node in proto.graph.node if node.op_type == "MatMulNBits")
+        n = sum(1 for node in proto.graph.node if node.op_type == "MatMulNBits") - prequant
         head = next((node.op_type for node in proto.graph.node if node.name.startswith("/lm_head/")
                      and node.op_type in ("MatMul", "MatMulNBits", "Gemm")), "?")
         embed = next((node.op_type for node in proto.graph.node if node.name.startswith("/model/embed_tokens/")
