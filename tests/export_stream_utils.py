@@ -101,18 +101,16 @@ def synthetic_checkpoint(folder: Path, config: dict, *, shard_bytes: int = 512 <
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     gen = torch.Generator().manual_seed(seed)
     shard: dict[str, torch.Tensor] = {}
-    shards: list[dict] = []
-    size = total = largest = 0
+    size = total = largest = files = 0
     weight_map = {}
 
     def flush():
-        nonlocal shard, size
+        nonlocal shard, size, files
         if shard:
-            shards.append(shard)
-            name = f"model-{len(shards):05d}.safetensors"
+            files += 1
+            name = f"model-{files:05d}.safetensors"
             save_file(shard, str(folder / name), metadata={"format": "pt"})
             weight_map.update({k: name for k in shard})
-            shards[-1] = None
             shard, size = {}, 0
 
     for key, shape, kind in checkpoint_tensors(config, num_layers, num_experts):

@@ -21,7 +21,7 @@ import torch
 
 from ..interface import dtypes
 from .graph import GraphBuilder, Pending
-from .lazy import LazyTensor, materialize
+from .lazy import LazyTensor
 from .quantize import EMBED_GATHER, EMBED_TABLE, LM_HEAD_MATMUL, TIED_HEAD_WEIGHT
 from .quantize_moe import MOE_BIAS_TO_QMOE, MOE_TO_QMOE
 from .slicing import narrow
@@ -250,5 +250,3 @@ def _qmoe(b: _Builder, block_size: int) -> None:
         g.nodes[idx] = onnx.helper.make_node("QMoE", new_in, list(node.output), name=f"{node.name}_Q4",
                                              domain="com.microsoft", **attrs)
 
-
-assert materialize  # LazyTensor values are evaluated by the writer (graph.GraphBuilder.model)
