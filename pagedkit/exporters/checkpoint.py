@@ -29,6 +29,8 @@ import torch
 from .lazy import LazyTensor
 
 FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# quantization_config.quant_method values read here (others, e.g. GPT-OSS's mxfp4, go through from_pretrained)
+STREAMED_QUANT_METHODS = ("fp8", "gptq", "awq")
 
 
 class CheckpointIndex:

@@ -102,16 +102,16 @@ class ExternalData:
         if self.max is not None and pos and pos + size > self.max:
             self._open(len(self.files))
             pos = 0
-        if isinstance(value, LazyTensor) and size > CHUNK_BYTES and len(shape) >= 1 and shape[0] > 1:
-            step = max(1, CHUNK_BYTES // (size // shape[0]))
-            try:
+        try:
+            if isinstance(value, LazyTensor) and size > CHUNK_BYTES and len(shape) >= 1 and shape[0] > 1:
+                step = max(1, CHUNK_BYTES // (size // shape[0]))
                 for a in range(0, shape[0], step):
                     self._sink.write(_bytes_of(slicing.narrow(value, 0, a, min(shape[0], a + step)), dtype))
                     slicing.end_chunk()
-            finally:
-                slicing.clear()
-        else:
-            self._sink.write(_bytes_of(torch.as_tensor(materialize(value)), dtype))
+            else:
+                self._sink.write(_bytes_of(torch.as_tensor(materialize(value)), dtype))
+        finally:
+            slicing.clear()  # what this initializer's evaluation kept (tensors read whole for slicing)
         written = self._sink.tell() - pos
         if written != size:
             raise RuntimeError(f"{name}: wrote {written} bytes, expected {size}")

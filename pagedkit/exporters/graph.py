@@ -148,6 +148,7 @@ class GraphBuilder:
         evaluated — a large lazy one in row chunks (external.py) — and the proto keeps only its location: the
         weights are never all in memory. max_shard_bytes: start a new data file (`external`.1, .2, ...) rather
         than grow one past this size."""
+        from . import slicing
         from .external import ExternalData
 
         model = onnx.ModelProto()
@@ -170,6 +171,7 @@ class GraphBuilder:
                     graph.initializer.append(sink.write(p.name, p.value, p.elem_type))
                 else:
                     graph.initializer.append(p.proto())
+                    slicing.clear()
         finally:
             if sink is not None:
                 sink.close()

@@ -165,10 +165,15 @@ def _from_dir(path: Path, name: str, config, dtype: torch.dtype, stream: bool = 
     from transformers import AutoModelForCausalLM
 
     if stream:  # a meta-device model whose weights read themselves from the files when written
-        from .checkpoint import streamed_model
+        from .checkpoint import STREAMED_QUANT_METHODS, streamed_model
 
-        model = streamed_model(path, config, dtype)
-        return LoadedModel(model, model.config, name, "safetensors", path, Path(path).resolve())
+        qcfg = getattr(config, "quantization_config", None) or {}
+        method = str((qcfg if isinstance(qcfg, dict) else qcfg.to_dict()).get("quant_method", "")).lower()
+        if not method or method in STREAMED_QUANT_METHODS:
+            model = streamed_model(path, config, dtype)
+            return LoadedModel(model, model.config, name, "safetensors", path, Path(path).resolve())
+        warnings.warn(f"{path}: {method} checkpoints are not read tensor by tensor; loading the whole model with "
+                      "from_pretrained (transformers dequantizes it)", stacklevel=3)
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, torch_dtype=dtype, use_safetensors=True, trust_remote_code=False,
         local_files_only=True, attn_implementation="eager")
