@@ -296,3 +296,23 @@ def test_num_experts_reads_the_first_experts_of_a_larger_checkpoint(cls, kw, tmp
     export(str(tmp_path / "full"), tmp_path / "got", opts, num_experts=4)
     export(str(tmp_path / "cut"), tmp_path / "ref", opts, stream=False, validate=False)
     assert filecmp.cmp(tmp_path / "got" / "model.onnx", tmp_path / "ref" / "model.onnx", shallow=False)
+
+
+def test_cli_max_shard_size_and_no_stream(tmp_path, capsys, monkeypatch):
+    """--max-shard-size is parsed before anything is loaded (a bad size: exit 2, one line); with it the CLI writes
+    several data files; --no-stream gives the same files as the streamed default."""
+    import pagedkit.exporters.export as ex
+    from pagedkit.exporters.cli import main
+    from pagedkit.exporters.external import data_files
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", str(tmp_path / "nowhere"), "--output", str(tmp_path / "o"), "--max-shard-size", "4 parsecs"])
+    assert exc.value.code == 2 and "--max-shard-size" in capsys.readouterr().err
+    tiny_model("LlamaConfig", seed=1).save_pretrained(tmp_path / "ckpt")
+    monkeypatch.setattr(ex, "EXTERNAL_DATA_BYTES", 0)
+    assert main(["--model", str(tmp_path / "ckpt"), "--output", str(tmp_path / "a"), "--quiet",
+                 "--max-shard-size", "50KB"]) == 0
+    assert "external data:" in capsys.readouterr().out and len(data_files(tmp_path / "a" / "model.onnx")) > 2
+    assert main(["--model", str(tmp_path / "ckpt"), "--output", str(tmp_path / "b"), "--quiet", "--no-stream",
+                 "--max-shard-size", "50KB"]) == 0
+    _same_files(tmp_path / "a", tmp_path / "b")
