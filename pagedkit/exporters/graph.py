@@ -175,7 +175,6 @@ class GraphBuilder:
         finally:
             if sink is not None:
                 sink.close()
-        self.data_files = sink.files if sink is not None else []
         return model
 
 
