@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(docs/distributed.md); run it with paged-run / paged-serve / paged-bench --tp N")
     p.add_argument("--extra-inputs", default="",
                    help="comma list of optional pagedkit graph inputs: slot_mapping, query_positions")
+    p.add_argument("--max-shard-size", metavar="SIZE",
+                   help="split the external weight data into files of at most SIZE (e.g. 4GB, 500MB; default: "
+                        "one model.onnx.data): model.onnx.data, model.onnx.data.1, ... (one location per tensor)")
+    p.add_argument("--no-stream", dest="stream", action="store_false",
+                   help="load a safetensors checkpoint whole with from_pretrained before exporting (default: read "
+                        "tensor by tensor while the weights are written, peak memory about the largest tensor)")
     p.add_argument("--seed", type=int, default=0, help="seed of random weights (no local weights)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--via", choices=("genai",),
@@ -157,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     from .quantize import INT4_ACCURACY_LEVEL
     from .weights import RandomWeightsWarning
 
+    if args.max_shard_size is not None:
+        from .external import parse_size
+
+        try:
+            parse_size(args.max_shard_size)
+        except ValueError as exc:
+            build_parser().error(f"--max-shard-size: {exc}")
     if args.weights != "int4" and (args.int4_lm_head is not None or args.int4_accuracy_level is not None):
         build_parser().error("--int4-lm-head / --no-int4-lm-head / --int4-accuracy-level need --weights int4")
     extras = {e.strip() for e in args.extra_inputs.split(",") if e.strip()}
@@ -176,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                             seed=args.seed, weights=args.weights, calibration=args.calibration,
                             percentile=args.calibration_percentile,
                             int4_lm_head=args.int4_lm_head is not False,
+                            max_shard_size=args.max_shard_size, stream=args.stream,
                             int4_accuracy_level=(INT4_ACCURACY_LEVEL if args.int4_accuracy_level is None
                                                  else args.int4_accuracy_level))
     except ExportError as exc:  # the export ran, its result failed the checker / validator
