@@ -106,10 +106,15 @@ def export_tp_model(hf_model: torch.nn.Module, output_dir: str | os.PathLike, op
 def export_tp(model: str | os.PathLike, output_dir: str | os.PathLike, opts: ExportOptions | None = None, *,
               tp: int, num_layers: int | None = None, num_experts: int | None = None, seed: int = 0,
               weights: str = "fp16", calibration=None, percentile: float = 100.0, validate: bool = True,
-              int4_lm_head: bool = True, int4_accuracy_level: int = INT4_ACCURACY_LEVEL) -> ExportResult:
-    """`paged-export --tp N`'s work: load (as `export.export`), cut, export every rank, check, summarize."""
+              int4_lm_head: bool = True, int4_accuracy_level: int = INT4_ACCURACY_LEVEL,
+              max_shard_size: str | int | None = None, stream: bool = True) -> ExportResult:
+    """`paged-export --tp N`'s work: load (as `export.export`), cut, export every rank, check, summarize.
+    The checkpoint is loaded in memory (streaming a tensor-parallel export is planned: `stream` has no effect
+    here); a rank's weights go to one external-data file (`max_shard_size` is refused)."""
     from ..weights import load_model
 
+    if max_shard_size is not None:
+        raise ValueError("--max-shard-size: not supported with --tp yet (each rank writes one external-data file)")
     opts = opts or ExportOptions()
     check_options(opts)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[opts.dtype]
