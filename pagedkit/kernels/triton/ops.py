@@ -2,9 +2,7 @@
 torch.compile / export see them as opaque ops with known output shapes and the cache mutation declared:
 
 - `pagedkit::write_kv`     -> q [N, H, D] (T); mutates key_cache, value_cache, k/v_scale_cache in place;
-- `pagedkit::paged_decode` -> (output [N, H*Dv] (T), output_qk [H, N, C] float32, or [0] when qk_output 0);
-- `pagedkit::write_decode` -> output [N, H*D] (T): a decode step's cache write fused into the attention launch
-  (decode.FusedWrite); mutates key_cache, value_cache in place.
+- `pagedkit::paged_decode` -> (output [N, H*Dv] (T), output_qk [H, N, C] float32, or [0] when qk_output 0).
 
 Cache side formats travel as ints (common.FMT_* / SCALE_*; -1 = no V side, LATENT).
 `torch.library.opcheck` runs over both (tests/test_triton_paged.py).
@@ -118,42 +116,6 @@ def _paged_decode_fake(q, key_cache, value_cache, cumulative_sequence_length, pa
     else:
         qk = q.new_empty((0,), dtype=torch.float32)
     return out, qk
-
-
-@torch.library.custom_op("pagedkit::write_decode", mutates_args=("key_cache", "value_cache"))
-def _write_decode(query: Tensor, key: Tensor, value: Tensor, cumulative_sequence_length: Tensor,
-                  past_seqlens: Tensor, block_table: Tensor, key_cache: Tensor, value_cache: Tensor,
-                  cos_cache: Optional[Tensor], sin_cache: Optional[Tensor], head_sink: Optional[Tensor],
-                  attention_bias: Optional[Tensor], num_heads: int, kv_num_heads: int, head_size: int,
-                  scale: float, softcap: float, local_window_size: int, is_causal: bool, rotary_interleaved: bool,
-                  rotary_offset: int, max_query_len: int, max_kv_len: int) -> Tensor:
-    from .common import FMT_FLOAT, SCALE_NONE, SideFormat
-    from .decode import FusedWrite, paged_decode
-
-    flt = SideFormat(FMT_FLOAT, SCALE_NONE)
-    out, _ = paged_decode(
-        query, key_cache=key_cache, value_cache=value_cache, k_format=flt, v_format=flt,
-        cumulative_sequence_length=cumulative_sequence_length, past_seqlens=past_seqlens, block_table=block_table,
-        num_heads=num_heads, kv_num_heads=kv_num_heads, head_size=head_size, v_head_size=head_size, scale=scale,
-        softcap=softcap, local_window_size=local_window_size, is_causal=is_causal, head_sink=head_sink,
-        attention_bias=attention_bias, max_query_len=max_query_len, max_kv_len=max_kv_len,
-        fused=FusedWrite(key, value, cos_cache, sin_cache, rotary_interleaved, rotary_offset))
-    return out
-
-
-@_write_decode.register_fake
-def _write_decode_fake(query, key, value, cumulative_sequence_length, past_seqlens, block_table, key_cache,
-                       value_cache, cos_cache, sin_cache, head_sink, attention_bias, num_heads, kv_num_heads,
-                       head_size, scale, softcap, local_window_size, is_causal, rotary_interleaved, rotary_offset,
-                       max_query_len, max_kv_len):
-    return query.new_empty((query.shape[0], num_heads * head_size))
-
-
-def write_decode(query, key, value, csl, past, block_table, key_cache, value_cache, cos_cache, sin_cache,
-                 head_sink, attention_bias, **kw) -> Tensor:
-    """pagedkit::write_decode (positional tensors in the op's order, attributes by keyword)."""
-    return torch.ops.pagedkit.write_decode(query, key, value, csl, past, block_table, key_cache, value_cache,
-                                           cos_cache, sin_cache, head_sink, attention_bias, **kw)
 
 
 def write_kv(query, key, value, csl, past, block_table, key_cache, value_cache, slot_mapping, query_positions,
