@@ -70,7 +70,7 @@ def _bounds(meta: torch.Tensor | None) -> tuple[int, int]:
     if meta.device.type != "cpu":
         raise ValueError("input 'attention_metadata': expected a CPU (host) tensor, got one on "
                          f"{meta.device} (reading it would sync with the device)")
-    vals = [int(v) for v in meta.reshape(-1).tolist()]
+    vals = [int(v) for v in (meta.tolist() if meta.dim() == 1 else meta.reshape(-1).tolist())]
     if len(vals) not in (2, 3) or min(vals) < 0:
         raise ValueError(f"input 'attention_metadata': expected 2 or 3 entries >= 0, got {vals}")
     return vals[0], vals[1]
