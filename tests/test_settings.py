@@ -271,10 +271,6 @@ CASES = [  # (variable, value in the environment or None (unset), what the code 
     ("PAGEDKIT_PDL", None, True), ("PAGEDKIT_PDL", "0", False), ("PAGEDKIT_PDL", "no", True),
     ("PAGEDKIT_PDL_MAX_PROGRAMS", None, 0), ("PAGEDKIT_PDL_MAX_PROGRAMS", "8", 8),
     ("PAGEDKIT_PDL_LATE", None, True), ("PAGEDKIT_PDL_LATE", "0", False), ("PAGEDKIT_PDL_LATE", "1", True),
-    ("PAGEDKIT_REDUCE_EARLY", "1", True), ("PAGEDKIT_REDUCE_EARLY", "true", False),
-    ("PAGEDKIT_REDUCE_EARLY", None, False), ("PAGEDKIT_FUSED_WRITE", "1", True),
-    ("PAGEDKIT_FUSED_WRITE", "yes", False), ("PAGEDKIT_SPLITK_NORM", "1", True),
-    ("PAGEDKIT_SPLITK_NORM", None, False),
     ("PAGEDKIT_BLAS", "cublaslt", "cublaslt"), ("PAGEDKIT_BLAS", "", None), ("PAGEDKIT_BLAS", None, None),
     ("TRITON_INTERPRET", "1", True), ("TRITON_INTERPRET", "true", False), ("TRITON_INTERPRET", None, False),
 ]
@@ -330,10 +326,9 @@ def test_quant_asm_names_the_kernels_formats():
 
 _IMPORT_TIME = """
 import json
-from pagedkit.kernels.triton import common, decode, paged
-from pagedkit.runtime import fuse
+from pagedkit.kernels.triton import common, decode
 print(json.dumps([decode.DECODE_TILE, decode.QUANT_DECODE_TILE, decode.QUANT_ASM, decode.INT8_MMA, common.PDL,
-                  common.PDL_EARLY_RELEASE, common.REDUCE_EARLY_RELEASE, paged.FUSED_WRITE, fuse.SPLITK_DEVICES]))
+                  common.PDL_EARLY_RELEASE]))
 """
 
 
@@ -342,13 +337,12 @@ def test_import_time_variables_reach_the_module_constants():
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDKIT_")} | {
         "PAGEDKIT_DECODE_TILE": "64x4", "PAGEDKIT_QUANT_DECODE_TILE": "0", "PAGEDKIT_QUANT_ASM": "int8:v,fp8:0",
-        "PAGEDKIT_INT8_MMA": "1", "PAGEDKIT_PDL": "0", "PAGEDKIT_PDL_LATE": "0", "PAGEDKIT_REDUCE_EARLY": "1",
-        "PAGEDKIT_FUSED_WRITE": "1", "PAGEDKIT_SPLITK_NORM": "1"}
+        "PAGEDKIT_INT8_MMA": "1", "PAGEDKIT_PDL": "0", "PAGEDKIT_PDL_LATE": "0"}
     out = subprocess.run([sys.executable, "-c", _IMPORT_TIME], capture_output=True, text=True, env=env, cwd=REPO,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == [[64, 4], None, {"1": "v", "2": "", "3": "kv"}, "kv", False, True, True, True, ["cuda"]]
+    assert got == [[64, 4], None, {"1": "v", "2": "", "3": "kv"}, "kv", False, True]
 
 
 def test_per_call_variables_are_read_at_each_use(monkeypatch, capsys):
