@@ -95,7 +95,7 @@ def test_export_from_checkpoint_on_meta_equals_in_memory(name, tmp_path):
 
     from pagedkit.exporters.export import build_model
     from pagedkit.exporters.families.base import ExportOptions
-    from pagedkit.exporters.lazy import checkpoint_parameters
+    from pagedkit.exporters.checkpoint import checkpoint_parameters
 
     cls, kw = STREAMED[name]
     hf = tiny_model(cls, seed=7, **kw)
@@ -122,7 +122,8 @@ def test_per_expert_checkpoint_is_merged_as_transformers_loads_it(tmp_path):
     import transformers
     from safetensors.torch import load_file, save_file
 
-    from pagedkit.exporters.lazy import checkpoint_parameters, materialize
+    from pagedkit.exporters.checkpoint import checkpoint_parameters
+    from pagedkit.exporters.lazy import materialize
 
     hf = tiny_model("MixtralConfig", seed=1, num_local_experts=4, num_experts_per_tok=2)
     hf.save_pretrained(tmp_path)
@@ -144,7 +145,7 @@ def test_per_expert_checkpoint_is_merged_as_transformers_loads_it(tmp_path):
 def test_checkpoint_missing_tensor_is_named(tmp_path):
     import transformers
 
-    from pagedkit.exporters.lazy import checkpoint_parameters
+    from pagedkit.exporters.checkpoint import checkpoint_parameters
 
     hf = tiny_model("LlamaConfig", seed=1)
     hf.save_pretrained(tmp_path)

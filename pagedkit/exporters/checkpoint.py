@@ -18,11 +18,12 @@ A parameter the checkpoint lacks is an error naming it (from_pretrained would in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -341,3 +342,19 @@ def streamed_model(folder: str | Path, config, dtype: torch.dtype):
 
 def nbytes(t: torch.Tensor) -> int:
     return math.prod(t.shape) * t.element_size()
+
+
+@contextlib.contextmanager
+def checkpoint_parameters(model: torch.nn.Module, folder) -> Iterator[torch.nn.Module]:
+    """Within the block, every parameter and buffer of `model` (typically built on the meta device: no memory)
+    that the safetensors checkpoint in `folder` holds is a LazyTensor reading that one tensor from the file when
+    evaluated (single file or sharded with model.safetensors.index.json), cast to the model's dtype, its rows
+    readable alone (slicing.py). Checkpoint keys map to parameters as transformers maps them (renamings,
+    per-expert MoE tensors merged into [E, ...] parameters), FP8 block-quantized and GPTQ / AWQ forms included
+    (checkpoint.py). Tied parameters (one object under two names) read the first name the checkpoint has. A
+    parameter the checkpoint does not hold raises KeyError naming it."""
+    swapped = install(model, checkpoint_tensors(model, folder), folder)
+    try:
+        yield model
+    finally:
+        restore(swapped)

@@ -135,21 +135,3 @@ def lazy_parameters(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     finally:
         for module, name, p in swapped:
             module._parameters[name] = p
-
-
-@contextlib.contextmanager
-def checkpoint_parameters(model: torch.nn.Module, folder) -> Iterator[torch.nn.Module]:
-    """Within the block, every parameter and buffer of `model` (typically built on the meta device: no memory)
-    that the safetensors checkpoint in `folder` holds is a LazyTensor reading that one tensor from the file when
-    evaluated (single file or sharded with model.safetensors.index.json), cast to the model's dtype, its rows
-    readable alone (slicing.py). Checkpoint keys map to parameters as transformers maps them (renamings,
-    per-expert MoE tensors merged into [E, ...] parameters), FP8 block-quantized and GPTQ / AWQ forms included
-    (checkpoint.py). Tied parameters (one object under two names) read the first name the checkpoint has. A
-    parameter the checkpoint does not hold raises KeyError naming it."""
-    from .checkpoint import checkpoint_tensors, install, restore
-
-    swapped = install(model, checkpoint_tensors(model, folder), folder)
-    try:
-        yield model
-    finally:
-        restore(swapped)

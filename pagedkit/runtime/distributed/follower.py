@@ -43,7 +43,7 @@ def serve(g) -> None:
     """The message loop of a follower in set `g` (group.Group)."""
     from ..session import InferenceSession, SessionOptions
     from . import messages as M
-    from .launch import rank_model_path
+    from .folder import rank_model_path
 
     sessions, caches = {}, {}
     while True:
