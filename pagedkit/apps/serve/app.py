@@ -35,7 +35,7 @@ from .generation import ClientGone, EngineFailure, Generation, Server
 from .limits import BodyReader, ServeLimits, error_response
 from .security import Gate, HostCheck
 from .structured import Spec, json_spec, parse_response_format, require_library
-from .tools import ToolOutput, Tools, parse_tools, template_takes_tools
+from .tools import ToolOutput, Tools, parse_tools, template_takes_tools, with_history_fields
 from .worker import EngineDown
 
 log = logging.getLogger("uvicorn.error")
@@ -75,7 +75,7 @@ async def _prompt(srv: Server, body: dict, chat: bool) -> tuple[P.Sampling, list
     P.check_common(body, srv.model_name)
     spec, tools = parse_response_format(body), None
     if chat:
-        messages = P.chat_messages(body)
+        messages = with_history_fields(P.chat_messages(body), body["messages"])
         tools, spec = _tools(srv, body, spec)
         s = P.parse_sampling(body, ("max_completion_tokens", "max_tokens"), limits)
         defs = {"tools": tools.tools} if tools is not None else {}

@@ -212,10 +212,8 @@ def check_completion_fields(body: dict) -> None:
 
 
 def chat_messages(body: dict) -> list[dict]:
-    """messages: a non-empty list of {role, content}; content a string or a list of text parts; an assistant's
-    tool_calls and a tool message's tool_call_id are kept (tools.history_fields)."""
-    from .tools import history_fields
-
+    """messages: a non-empty list of {role, content}; content a string or a list of text parts (the tool fields
+    of the history: tools.with_history_fields)."""
     _unsupported(body, "logprobs", (None, False), "logprobs")
     _unsupported(body, "top_logprobs", (None, 0), "top_logprobs")
     messages = body.get("messages")
@@ -247,7 +245,7 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(content, str):
             raise RequestError(f"{where}.content: expected a string or a list of text parts, got {content!r}",
                                "messages")
-        out.append({"role": role, "content": content} | history_fields(m, where))  # tools.py: tool calls / results
+        out.append({"role": role, "content": content})
     return out
 
 

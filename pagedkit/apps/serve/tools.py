@@ -164,6 +164,11 @@ def history_fields(m: dict, where: str) -> dict:
     return out
 
 
+def with_history_fields(messages: list[dict], raw: list) -> list[dict]:
+    """protocol.chat_messages' messages with the tool fields of the request's messages (`raw`) added."""
+    return [m | history_fields(r, f"messages[{i}]") for i, (m, r) in enumerate(zip(messages, raw))]
+
+
 # -- parsers: text -> (content or None, [(name, arguments JSON string)]) ; no call found: (text, []) ---------------
 
 def _call(obj, params_keys=("arguments", "parameters")) -> tuple[str, str]:
@@ -197,10 +202,13 @@ def parse_hermes(text: str):
     start = text.find("<tool_call>")
     if start < 0:
         return text, []
-    calls = []
-    for chunk in text[start:].split("<tool_call>")[1:]:
-        body = chunk.split("</tool_call>", 1)[0]
-        calls.append(_call(json.loads(body)))
+    dec, calls, i = json.JSONDecoder(), [], start
+    while (i := text.find("<tool_call>", i)) >= 0:  # each call's JSON read whole: "</tool_call>" may be inside it
+        i += len("<tool_call>")
+        while i < len(text) and text[i].isspace():
+            i += 1
+        obj, i = dec.raw_decode(text, i)
+        calls.append(_call(obj))
     return _content(text[:start]), calls
 
 
