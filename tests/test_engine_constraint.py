@@ -341,3 +341,39 @@ def test_complete_constraint_stops_without_eos_even_with_ignore_eos():
     rid = eng.add_request([5, 6], SamplingParams(max_new_tokens=10, ignore_eos=True, constraint=lambda: Two(5)))
     outs = drive(eng)
     assert outs[rid][-1].finish_reason == "stop" and len(outs[rid][-1].token_ids) == 2
+
+
+# -- on CUDA (the device; CI deselects `gpu`) -------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_apply_on_cuda_makes_no_host_sync():
+    """The masks' copy (pinned, non-blocking) and the masking run with CUDA's sync debug mode set to error."""
+    rng = np.random.default_rng(1)
+    vocab = 50_000
+    logits = torch.from_numpy(rng.normal(size=(6, vocab)).astype(np.float32))
+    sets = {1: rng.choice(vocab, 300, replace=False).tolist(), 4: [0, vocab - 1]}
+    masks = {r: pack(s, vocab) for r, s in sets.items()}
+    dev = logits.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = C.apply(dev, masks)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want = logits.numpy().copy()
+    for r, s in sets.items():
+        want[r, np.setdiff1d(np.arange(vocab), s)] = -np.inf
+    np.testing.assert_array_equal(out.cpu().numpy(), want)
+
+
+@pytest.mark.gpu
+def test_constrained_requests_on_cuda_with_graphs_and_overlap():
+    eng = Engine(TINY_PAGED, device="cuda", max_batch_size=4, max_num_tokens=128)
+    assert eng.overlap
+    ids = [eng.add_request([5, 9, 11 + i], SamplingParams(max_new_tokens=20, temperature=0.7 * (i % 2), seed=i,
+                                                         constraint=lambda: Walk(12))) for i in range(3)]
+    free = eng.add_request([7, 8], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    outs = drive(eng)
+    assert_pool_free(eng)
+    assert [outs[r][-1].finish_reason for r in ids] == ["stop"] * 3  # every token allowed (Walk raises otherwise)
+    assert len(check_stream(outs[free])) == 40 and eng.stats.overlapped_steps > 0

@@ -251,3 +251,31 @@ def test_a_tokenizer_llguidance_cannot_read_is_a_400(tmp_path):
         for _ in range(2):  # the failure is remembered, not retried (and never a 5xx)
             r = httpx.post(f"{base}/v1/completions", json={"prompt": "hello", "response_format": {"type": "json_object"}})
             assert r.status_code == 400 and "cannot use its tokenizer" in r.json()["error"]["message"], r.text
+
+
+# -- junk in the new fields: never a 5xx ---------------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6) | st.sampled_from(
+    ["json_object", "json_schema", "grammar", "regex", "function", "required", "auto", "\ud800", "start: \"a\""])
+JUNK = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.sampled_from(["type", "json_schema", "schema", "grammar", "regex", "function", "name", "parameters",
+                     "properties", "arguments", "id", "x"]), inner, max_size=3), max_leaves=10)
+FIELDS = st.dictionaries(st.sampled_from(["response_format", "tools", "tool_choice", "parallel_tool_calls"]), JUNK,
+                         min_size=1, max_size=3)
+HISTORY = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool"])},
+                                         optional={"content": st.text(max_size=5) | st.none(), "tool_calls": JUNK,
+                                                   "tool_call_id": JUNK, "name": JUNK}), min_size=1, max_size=3)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(fields=FIELDS, history=HISTORY, chat=st.booleans())
+def test_junk_in_the_structured_and_tool_fields_is_never_a_5xx(url, fields, history, chat):
+    body = {"max_tokens": 4} | fields | ({"messages": history} if chat else {"prompt": "q"})
+    r = httpx.post(f"{url}/v1/{'chat/completions' if chat else 'completions'}", content=json.dumps(body).encode(),
+                   headers={"Content-Type": "application/json"}, timeout=60)  # ASCII JSON: surrogates escaped
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code != 200:
+        assert r.json()["error"]["param"], r.text

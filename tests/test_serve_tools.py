@@ -270,3 +270,16 @@ def test_bad_tool_fields_are_400s(served, body, param, words):
         client.chat.completions.create(**({"model": fmt, "messages": [{"role": "user", "content": "x"}]} | body))
     e = err.value.body
     assert e["param"] == param and words in e["message"], e
+
+
+def test_history_arguments_that_are_not_json_objects_are_kept_as_text(served):
+    """Arguments that do not parse (deep nesting json cannot read, a 1500-digit integer, plain text) reach the
+    template as the strings the client sent: a 200, never a 5xx."""
+    fmt, client, prompts = served
+    for args in ("[" * 1500, "1" * 1500, "not json"):
+        call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": args}}
+        r = client.chat.completions.create(model=fmt, tools=TOOLS, messages=[
+            {"role": "user", "content": "hello"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}, {"role": "user", "content": "hello"}])
+        assert r.choices[0].finish_reason == "stop"
+        assert args[:20] in prompts[-1][1]

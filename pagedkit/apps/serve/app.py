@@ -75,11 +75,16 @@ async def _prompt(srv: Server, body: dict, chat: bool) -> tuple[P.Sampling, list
     P.check_common(body, srv.model_name)
     spec, tools = parse_response_format(body), None
     if chat:
-        messages = with_history_fields(P.chat_messages(body), body["messages"])
+        messages = P.chat_messages(body)
         tools, spec = _tools(srv, body, spec)
         s = P.parse_sampling(body, ("max_completion_tokens", "max_tokens"), limits)
         defs = {"tools": tools.tools} if tools is not None else {}
-        prompt_ids = await srv.in_thread(lambda: P.check_token_ids(srv.tok.chat(messages, **defs), "messages", vocab))
+
+        def render() -> list[int]:  # in the pool: the history's tool calls are JSON to read, then the template
+            history = with_history_fields(messages, body["messages"])
+            return P.check_token_ids(srv.tok.chat(history, **defs), "messages", vocab)
+
+        prompt_ids = await srv.in_thread(render)
         max_tokens = P.resolve_max_tokens(s.max_tokens, None, len(prompt_ids), srv.engine.max_seq_len, "messages",
                                           s.max_tokens_param, srv.pool_tokens)
     else:
@@ -110,7 +115,7 @@ def _tools(srv: Server, body: dict, spec: Spec | None) -> tuple[Tools | None, Sp
         raise P.RequestError("response_format: not with a \"required\" or named tool_choice (the tool call's "
                              "arguments have their own schema)", "response_format")
     require_library("tool_choice", f"tool_choice {tools.choice!r}")
-    return tools, json_spec(forced, "tool_choice")
+    return tools, json_spec(forced, "tools")  # a schema llguidance refuses is one of the tools' parameters
 
 
 def create_app(engine, tokenizer, model_name: str, *, sampling_params_cls=None, limits: ServeLimits | None = None,

@@ -76,7 +76,9 @@ def parse_response_format(body: dict) -> Spec | None:
             raise RequestError(f"response_format.json_schema: expected an object {{\"name\", \"schema\", \"strict\"}}, "
                                f"got {inner!r}"[:300], "response_format")
         schema = inner.get("schema", {})
-        if not isinstance(schema, (dict, bool)):
+        if schema is True:  # JSON schema's "anything"
+            schema = {}
+        if not isinstance(schema, dict):
             raise RequestError(f"response_format.json_schema.schema: expected a JSON schema (an object), got "
                                f"{schema!r}"[:300], "response_format")
         spec = json_spec(schema)

@@ -149,7 +149,7 @@ def history_fields(m: dict, where: str) -> dict:
                                    f"{{\"name\", \"arguments\": a JSON string}}}}, got {c!r}"[:300], "messages")
             try:
                 args = json.loads(f["arguments"])
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or nested too deep for json
                 args = f["arguments"]  # kept as the string the client sent
             out["tool_calls"].append({"id": str(c.get("id", "")), "type": "function",
                                       "function": {"name": f["name"], "arguments": args}})
@@ -297,7 +297,7 @@ class ToolOutput:
                 calls = [(self.forced.name, json.dumps(value, ensure_ascii=False))]
             else:
                 calls = [_call(v, ("parameters", "arguments")) for v in value]
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RecursionError):
             return self.text, []
         return None, [{"id": call_id(self.parser), "type": "function", "function": {"name": n, "arguments": a}}
                       for n, a in calls]
