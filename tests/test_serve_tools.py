@@ -125,7 +125,9 @@ HISTORY = ("{% for m in messages %}{% if m.role == 'tool' %}{TOOL_RESULT}"
 TEMPLATES = {
     "hermes": "{% if tools %}Tools:{% for t in tools %} {{ t.function | tojson }}{% endfor %}\nCall them as "
               "<tool_call>{\"name\", \"arguments\"}</tool_call>\n{% endif %}" + HISTORY.replace(
-                  "{TOOL_RESULT}", "<tool_response id=\"{{ m.tool_call_id }}\">{{ m.content }}</tool_response>\n").replace(
+                  "{TOOL_RESULT}", "{% if m.name is not defined %}{{ raise_exception('a tool message needs its name') }}"
+                                   "{% endif %}<tool_response id=\"{{ m.tool_call_id }}\" name=\"{{ m.name }}\">"
+                                   "{{ m.content }}</tool_response>\n").replace(
                   "{CALL}", "<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
                             "{{ c.function.arguments | tojson }}}</tool_call>"),
     "mistral": "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]\n{% endif %}" + HISTORY.replace(
@@ -213,6 +215,7 @@ def round_trip(fmt, client, prompts):
     assert not r2.choices[0].message.tool_calls
     prompt = prompts[-1][1]
     assert "21 C" in prompt and call.id in prompt, prompt  # the tool result, with the id of its call
+    assert fmt != "hermes" or 'name="get_weather"' in prompt  # and the name of the function (taken from the call)
     args = json.dumps(ARGS)  # the call, its arguments an object again (templates write them with tojson)
     assert {"hermes": f'<tool_call>{{"name": "get_weather", "arguments": {args}}}</tool_call>',
             "mistral": f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {args}, "id": "{call.id}"}}]',

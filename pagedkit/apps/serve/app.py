@@ -10,7 +10,8 @@ first request when the app runs without one); generation.py turns each request's
 In front of the routes, outermost first: the Host check (security.HostCheck, loopback binds), CORS (only
 with allowed_origins), the API key and JSON-only bodies (security.Gate), the body read whole within its
 limits (limits.BodyReader). Every error is an OpenAI error object (404 / 405 too); a client that
-disconnects aborts its engine request, streaming or not. Field checks: protocol.py; docs/serve.md.
+disconnects aborts its engine request, streaming or not. Field checks: protocol.py; response_format:
+structured.py (llguidance); tools and tool calls: tools.py; docs/serve.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ generated text, and tool calls / tool results carried into the history through t
 
 The chat template receives `tools=` (OpenAI's tool objects) and the history as OpenAI sends it: an assistant
 message's `tool_calls` (their `arguments` JSON strings turned into objects, which templates write with
-`tojson`) and `tool` messages with their `tool_call_id` (and `name`). A template that never mentions `tools`
+`tojson`) and `tool` messages with their `tool_call_id` and `name` (by default the name of the call they answer). A template that never mentions `tools`
 cannot take them: 400.
 
 The model writes its calls in its own format; the parser is chosen from the chat template (`choose_parser`;
@@ -165,8 +165,17 @@ def history_fields(m: dict, where: str) -> dict:
 
 
 def with_history_fields(messages: list[dict], raw: list) -> list[dict]:
-    """protocol.chat_messages' messages with the tool fields of the request's messages (`raw`) added."""
-    return [m | history_fields(r, f"messages[{i}]") for i, (m, r) in enumerate(zip(messages, raw))]
+    """protocol.chat_messages' messages with the tool fields of the request's messages (`raw`) added; a tool
+    message without a `name` gets the name of the call it answers (Hermes-style templates require it)."""
+    out, names = [], {}
+    for i, (m, r) in enumerate(zip(messages, raw)):
+        m = m | history_fields(r, f"messages[{i}]")
+        for call in m.get("tool_calls", ()):
+            names[call["id"]] = call["function"]["name"]
+        if m["role"] == "tool" and "name" not in m and m.get("tool_call_id") in names:
+            m["name"] = names[m["tool_call_id"]]
+        out.append(m)
+    return out
 
 
 # -- parsers: text -> (content or None, [(name, arguments JSON string)]) ; no call found: (text, []) ---------------
