@@ -203,7 +203,9 @@ def test_client_disconnect_aborts_the_request(tok_dir):
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages", "role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, "n", "expected 1"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     "tools", "not supported"),
+     "tools", "expected {\"type\": \"function\""),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "does not take tools"),
 ])
 def test_bad_requests_name_the_field(shared_url, path, body, param, words):
     r = httpx.post(shared_url + path, json=body)

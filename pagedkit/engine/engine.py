@@ -20,7 +20,8 @@ Scheduling policy of one step (see docs/engine.md):
    recently admitted running request is preempted (its blocks freed, it is requeued at the front with
    prompt + generated tokens as its new prefill: recompute); a request that cannot fit even alone ends
    with finish_reason "abort" and a reason;
-5. the step runs; each sequence whose prompt is fully cached samples its next token (speculative
+5. the step runs; each sequence whose prompt is fully cached samples its next token (a request's token
+   constraint, SamplingParams.constraint, first masks its logits: constraint.py; speculative
    entries verify their drafts: the longest matching prefix plus the target's own next token is kept,
    the rejected drafts are rolled back in the cache with KVCacheManager.accept).
 """
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from ..runtime.kv.cache import KVCacheExhausted
+from . import constraint
 from .model import PagedModel
 from .overlap import HostRing, Inflight, advance, greedy_decode
 from .params import RequestOutput, SamplingParams
@@ -330,25 +332,33 @@ class Engine:
         ids = [t for e in entries for t in e.ids]
         wanted, starts, flat = [], [], 0  # the flat positions whose logits are sampled, per entry
         params = []  # the sampling params of each sampled row
+        picks = []  # (request, first row, drafts) of the entries that sample (their token constraints' masks)
         for e in entries:
             starts.append(len(wanted))
             n = len(e.ids)
             if e.drafts:
+                picks.append((e.req, len(wanted), e.ids[1:]))
                 wanted += range(flat, flat + n)  # every position verifies a draft or gives the next token
                 params += [e.req.params] * n
             elif e.req.num_computed + n == len(e.req.tokens):
+                picks.append((e.req, len(wanted), []))
                 wanted.append(flat + n - 1)  # the prompt (+ generated) is now all cached: sample
                 params.append(e.req.params)
             flat += n
         graphed = self.model.graphs is not None and self.model.graphs.serves(plan)
         logits = self.model.run(plan, ids, wanted)
         self.kv.commit(plan)  # host bookkeeping while the device runs the step
+        masks, failed = constraint.step_masks(picks, logits.shape[-1])  # token constraints: host work, no device read
+        logits = constraint.apply(logits, masks)
         rows = Choices(logits, params)  # greedy rows: one argmax on the device, one small copy (waits for it)
         self._count(entries, graphed)
         outputs = []
         for e, start in zip(entries, starts):
             r, n = e.req, len(e.ids)
-            if e.drafts:
+            if id(r) in failed:
+                r.finish("abort", failed[id(r)])
+                log.warning("request %s aborted: %s", r.request_id, r.reason)
+            elif e.drafts:
                 toks = verify(e, rows, start)
                 accepted = len(toks) - 1
                 self.kv.accept(r.request_id, accepted)
@@ -358,10 +368,11 @@ class Engine:
             else:
                 r.num_computed += n
                 toks = [rows.token(start, r.generator)] if r.num_computed == len(r.tokens) else []
-            self._check_length(r, r.num_computed)
-            for t in toks:
-                if r.append(t):
-                    break
+            if not r.finished:
+                self._check_length(r, r.num_computed)
+                for t in toks:
+                    if r.append(t):
+                        break
             if r.finished:
                 self._retire(r)
             out = r.emit()

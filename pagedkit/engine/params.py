@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -42,6 +43,9 @@ class SamplingParams:
     may start a stop sequence are held back until they cannot).
     num_draft_tokens: k > 0 -> speculative decoding with up to k draft tokens a step (n-gram prompt
     lookup, or the request's drafter); the output equals non-speculative decoding.
+    constraint: None, or a factory called once per request that returns its token constraint (a grammar state:
+    mask() / accept(token) / rollback(n), engine/constraint.py): the logits of the tokens it disallows are set to
+    -inf before the choice (greedy and sampled), and the request finishes with "stop" once it is complete.
     """
 
     max_new_tokens: int = 16
@@ -53,6 +57,7 @@ class SamplingParams:
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     ignore_eos: bool = False
     num_draft_tokens: int = 0
+    constraint: Callable[[], object] | None = None
 
     def __post_init__(self):
         _int(self.max_new_tokens, "max_new_tokens", 1)
@@ -68,6 +73,9 @@ class SamplingParams:
             _int(self.seed, "seed", 0)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.constraint is not None and not callable(self.constraint):
+            raise ValueError("SamplingParams.constraint must be None or a callable returning a token constraint, "
+                             f"got {type(self.constraint).__name__}")
         self.stop_token_ids = _token_ids(self.stop_token_ids, "stop_token_ids")
         try:
             seqs = tuple(self.stop_sequences)

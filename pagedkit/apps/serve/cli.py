@@ -4,6 +4,7 @@ folder, on pagedkit's engine (continuous batching) with starlette + uvicorn.
     paged-serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--device cpu|cuda]
                           [--max-batch-size N] [--max-num-tokens N] [--num-blocks N] [--kv-memory-fraction F]
                           [--api-key KEY] [--allowed-hosts NAME ...] [--allowed-origins ORIGIN ...]
+                          [--tool-call-parser hermes|llama3_json|mistral]
                           [limits: --max-body-bytes, --request-timeout, --max-queue-len, ... (docs/serve.md)]
 
 MODEL_DIR holds model.onnx, genai_config.json and the tokenizer (tokenizer.json, tokenizer_config.json
@@ -69,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                         "another address checks Host only when this is given)")
     p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                    help="CORS origins allowed (e.g. http://localhost:3000); default: none, no CORS headers")
+    p.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"],
+                   help="the format of the model's tool calls (default: chosen from the chat template; docs/serve.md)")
     for flag, field, kind, lo, text in LIMIT_FLAGS:
         p.add_argument(flag, type=kind, default=getattr(_DEFAULTS, field), dest=field,
                        help=f"{text} (default {getattr(_DEFAULTS, field)})")
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     api_key = args.api_key or api_key_from_env()
     app = create_app(engine, tokenizer, name, limits=limits, api_key=api_key,
                      allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
-                     allowed_origins=args.allowed_origins)
+                     allowed_origins=args.allowed_origins, tool_call_parser=args.tool_call_parser)
     print(f"{PROG}: {engine.model.pool_summary()}", file=sys.stderr)
     print(f"{PROG}: serving {name!r} ({model_dir}) on http://{args.host}:{args.port}/v1 ({args.device}"
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)

@@ -1,6 +1,7 @@
 """One request's generation, from the engine's outputs to text (used by app.py).
 
-`Server` is what the endpoints share: the engine's worker thread, the tokenizer, a small thread pool where
+`Server` is what the endpoints share: the engine's worker thread, the tokenizer (and what structured output and
+tool calls need of it: structured.py, tools.py), a small thread pool where
 tokenization, chat templating, detokenization and the parsing of large bodies run (never on the event loop),
 the limits and the count of requests in progress. `Generation` is one request: submitted to the worker, it
 reads the request's RequestOutputs from its asyncio queue, turns tokens into text with a `TextStream` (in the
@@ -18,8 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from . import protocol as P
 from .limits import ServeLimits, parse_body
+from .structured import Structured
 from .textstream import TextStream
 from .tokenizer import as_serve_tokenizer
+from .tools import ToolOutput, choose_parser
 from .worker import EngineWorker
 
 CLIENT_GONE, DEADLINE = object(), object()  # queue items from the app itself (the engine's are RequestOutputs)
@@ -37,7 +40,8 @@ class ClientGone(Exception):
 class Server:
     """What the endpoints share: the engine's worker, the tokenizer, the model's name and limits."""
 
-    def __init__(self, engine, tokenizer, model_name: str, sampling_params_cls, limits: ServeLimits):
+    def __init__(self, engine, tokenizer, model_name: str, sampling_params_cls, limits: ServeLimits,
+                 tool_call_parser: str | None = None):
         self.engine = engine
         self.worker = EngineWorker(engine)
         self.tok = as_serve_tokenizer(tokenizer)
@@ -49,6 +53,9 @@ class Server:
         self.active = 0  # requests past the queue check and not finished (parsing, waiting, generating)
         self.pool_tokens = getattr(engine, "max_pool_tokens", None)  # most tokens one request's cache can hold
         self.capacity = getattr(engine, "max_batch_size", 0) + limits.max_queue_len
+        self.structured = Structured(self.tok.tok, getattr(engine, "vocab_size", None),
+                                     getattr(engine, "eos_token_ids", ()))  # response_format
+        self.tool_parser = choose_parser(self.tok.chat_template, tool_call_parser)  # tools.py
 
     async def in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -59,8 +66,9 @@ class Server:
         return parse_body(raw, self.limits.max_json_depth)
 
     def params(self, s: P.Sampling, max_tokens: int):
+        extra = {"constraint": s.constraint} if s.constraint is not None else {}
         return self.params_cls(max_new_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                               seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+                               seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos, **extra)
 
     def usage(self, prompt_len: int, text: TextStream) -> dict:
         return {"prompt_tokens": prompt_len, "completion_tokens": text.num_tokens,
@@ -72,9 +80,12 @@ class Generation:
     reason is set; `close()` (idempotent) aborts it if it has not ended. `receive`: the ASGI receive whose
     `http.disconnect` aborts the request (None: not watched; `stop_watching()` ends the watch)."""
 
-    def __init__(self, srv: Server, prompt_ids: list[int], s: P.Sampling, max_tokens: int, receive=None):
+    def __init__(self, srv: Server, prompt_ids: list[int], s: P.Sampling, max_tokens: int, receive=None,
+                 tools: ToolOutput | None = None):
         self.srv, self.prompt_ids, self.s, self.max_tokens, self.receive = srv, prompt_ids, s, max_tokens, receive
-        self.text = TextStream(srv.tok.decode, s.stop)
+        self.tools = tools  # the answer's tool calls (tools.py), None without tools
+        keep = tools.keep if tools is not None else frozenset()
+        self.text = TextStream((lambda ids: srv.tok.decode_keeping(ids, keep)) if keep else srv.tok.decode, s.stop)
         self.request_id: str | None = None
         self.done = False
         self.seen_output = False

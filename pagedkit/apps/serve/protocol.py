@@ -3,7 +3,7 @@
 A bad field raises `RequestError` (HTTP 400 with OpenAI's error JSON `{"error": {"message", "type",
 "param", "code"}}`); the message names the field, what was given and what is expected. Fields OpenAI
 clients commonly send with their neutral value (`n: 1`, `echo: false`, `logprobs: null`,
-`presence_penalty: 0`...) are accepted; a feature paged-serve does not implement (n > 1, logprobs, tools,
+`presence_penalty: 0`...) are accepted; a feature paged-serve does not implement (n > 1, logprobs,
 logit_bias...) is refused, never silently ignored. Unknown fields (`user`, `metadata`...) are ignored.
 """
 
@@ -39,6 +39,7 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    constraint: object | None = None  # the engine's SamplingParams.constraint (structured output: structured.py)
     stream: bool = False
     include_usage: bool = False
     max_time: float | None = None  # seconds this request may run (the server's request timeout at most)
@@ -211,16 +212,10 @@ def check_completion_fields(body: dict) -> None:
 
 
 def chat_messages(body: dict) -> list[dict]:
-    """messages: a non-empty list of {role, content}; content a string or a list of text parts."""
+    """messages: a non-empty list of {role, content}; content a string or a list of text parts (the tool fields
+    of the history: tools.with_history_fields)."""
     _unsupported(body, "logprobs", (None, False), "logprobs")
     _unsupported(body, "top_logprobs", (None, 0), "top_logprobs")
-    for name in ("tools", "functions"):
-        _unsupported(body, name, (None, []), f"{name} (tool calling)")
-    _unsupported(body, "tool_choice", (None, "none"), "tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise RequestError(f"response_format: only {{\"type\": \"text\"}} is supported, got {fmt!r}",
-                           "response_format")
     messages = body.get("messages")
     if messages is None:
         raise RequestError("messages: this field is required (a list of {\"role\", \"content\"} objects)",
