@@ -23,7 +23,7 @@ import httpx
 import pytest
 import torch
 
-from pagedkit.apps.serve import app as app_mod
+from pagedkit.apps.serve import generation as app_mod  # Server: the request -> SamplingParams conversion
 from pagedkit.apps.serve import create_app
 from pagedkit.apps.serve.tokenizer import ServeTokenizer, load_tokenizer
 from pagedkit.engine import SamplingParams
@@ -93,8 +93,8 @@ def test_every_forwarded_field_reaches_the_engine(fake, tok):
 
 
 def dropping(field: str):
-    """_Server.params with one field left at SamplingParams' default (the conversion forgot it)."""
-    real = app_mod._Server.params
+    """Server.params with one field left at SamplingParams' default (the conversion forgot it)."""
+    real = app_mod.Server.params
 
     def params(self, s, max_tokens):
         p = real(self, s, max_tokens)
@@ -106,7 +106,7 @@ def dropping(field: str):
 
 @pytest.mark.parametrize("field", FORWARDED)
 def test_teeth_a_dropped_field_is_caught(fake, tok, monkeypatch, field):
-    monkeypatch.setattr(app_mod._Server, "params", dropping(field))
+    monkeypatch.setattr(app_mod.Server, "params", dropping(field))
     with pytest.raises(AssertionError, match=f"the engine got {field}="):
         check_fields(*fake, tok)
 
@@ -181,14 +181,14 @@ def test_top_k_top_p_seed_through_the_engine(real):
 
 @pytest.mark.parametrize("field", ["ignore_eos", "stop_token_ids"])
 def test_teeth_eos_behaviour_needs_the_field(real, tok, monkeypatch, field):
-    monkeypatch.setattr(app_mod._Server, "params", dropping(field))
+    monkeypatch.setattr(app_mod.Server, "params", dropping(field))
     with pytest.raises(AssertionError, match=field):
         check_eos_behaviour(real[1], tok)
 
 
 @pytest.mark.parametrize("field", ["top_k", "top_p", "seed", "temperature"])
 def test_teeth_sampling_behaviour_needs_the_field(real, monkeypatch, field):
-    monkeypatch.setattr(app_mod._Server, "params", dropping(field))
+    monkeypatch.setattr(app_mod.Server, "params", dropping(field))
     with pytest.raises(AssertionError):
         check_sampling_behaviour(real[1])
 
