@@ -9,8 +9,7 @@ the attribute's default where the op has one), against float64 oracles written h
   SkipLayerNormalization, SkipSimplifiedLayerNormalization, both routes (torch's fused norms when no statistics
   are asked for, the composition otherwise), the statistics outputs too; onnxruntime CPU on the same one-node
   models against the same oracle (the oracle's reading of each op's epsilon and default is onnxruntime's);
-- the Triton norm (kernels/triton/norm.py rms_norm, and rms_norm_acc after splitk's fixed-point product) in the
-  interpreter;
+- the Triton norm (kernels/triton/norm.py rms_norm) in the interpreter;
 - QK-norm: PagedAttention's qk_norm_epsilon in the loop reference, torch_sdpa, torch_planned, the Triton write
   (side_rows) and the standard-ONNX decomposition (onnxruntime CPU); GroupQueryAttention's q_norm_epsilon /
   k_norm_epsilon (distinct) in the reference and the Triton GQA; oracles tests/paged_oracle.py `oracle` and
@@ -269,29 +268,6 @@ def test_triton_rms_norm_on_small_rows(dtype, eps):
     assert _rel(y2, rms64(_f64(x), _f64(gamma), eps)) <= TOL[dtype]
 
 
-def _splitk_small(seed=0, rows=4, k=1024, n=64):
-    """a [rows, k] @ b [k, n] + skip with small products: the fused MatMulSkipNorm operands (float16)."""
-    g = torch.Generator().manual_seed(seed)
-    a = (torch.randn(rows, k, generator=g) * torch.from_numpy(ROW_SCALES[np.arange(rows) % 4])[:, None]).half()
-    b = (torch.randn(k, n, generator=g) / k ** 0.5).half()
-    skip = small_rows(seed + 1, rows, n, torch.float16)
-    gamma = _gamma(seed + 2, n, torch.float16)
-    return a, b, skip, gamma
-
-
-@pytest.mark.parametrize("eps", [1e-6, 2e-5])
-def test_triton_rms_norm_acc_on_small_rows(eps):
-    """The split-K product's fixed-point accumulator (2**-28 units) read by the norm: small sums keep their
-    digits and the epsilon its weight."""
-    from pagedkit.kernels.triton import norm, splitk
-
-    a, b, skip, gamma = _splitk_small()
-    s = _f64(a) @ _f64(b) + _f64(skip)
-    y, total = norm.rms_norm_acc(splitk.accumulate(a, b), gamma, eps, skip=skip, want_sum=True)
-    assert _rel(y, rms64(s, _f64(gamma), eps)) <= TOL[torch.float16]
-    assert _rel(total, s) <= TOL[torch.float16]
-
-
 _TRITON_INV = "inv = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / H + eps)"
 TRITON_NORM_MUTANTS = {
     "eps dropped": (_TRITON_INV, _TRITON_INV.replace(" + eps", "")),
@@ -301,16 +277,13 @@ TRITON_NORM_MUTANTS = {
 
 @pytest.mark.parametrize("mutation", list(TRITON_NORM_MUTANTS))
 def test_teeth_triton_norm(mutation, tmp_path, monkeypatch):
-    from pagedkit.kernels.triton import norm, splitk
+    from pagedkit.kernels.triton import norm
 
     bad = mutant(norm, [TRITON_NORM_MUTANTS[mutation]], tmp_path, monkeypatch)
     case = NormCase("SkipSimplifiedLayerNormalization", torch.float16, 1e-6, stats=False)
     x, sk, gamma, bias = case.inputs
     y, _ = bad.rms_norm(x, gamma, 1e-6, skip=sk, bias=bias)
     assert _rel(y, case.want[0]) > 10 * TOL[torch.float16]
-    a, b, skip, gamma = _splitk_small()
-    y, _ = bad.rms_norm_acc(splitk.accumulate(a, b), gamma, 1e-6, skip=skip)
-    assert _rel(y, rms64(_f64(a) @ _f64(b) + _f64(skip), _f64(gamma), 1e-6)) > 10 * TOL[torch.float16]
 
 
 # --- QK-norm: PagedAttention ------------------------------------------------------------------------------------

@@ -217,7 +217,9 @@ def test_client_disconnect_aborts_the_request(tok_dir):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
      "top_logprobs", "<= 20"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     "tools", "not supported"),
+     "tools", "expected {\"type\": \"function\""),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "does not take tools"),
 ])
 def test_bad_requests_name_the_field(shared_url, path, body, param, words):
     r = httpx.post(shared_url + path, json=body)

@@ -20,7 +20,8 @@ Scheduling policy of one step (see docs/engine.md):
    recently admitted running request is preempted (its blocks freed, it is requeued at the front with
    prompt + generated tokens as its new prefill: recompute); a request that cannot fit even alone ends
    with finish_reason "abort" and a reason;
-5. the step runs; each sequence whose prompt is fully cached samples its next token (speculative
+5. the step runs; each sequence whose prompt is fully cached samples its next token (a request's token
+   constraint, SamplingParams.constraint, first masks its logits: constraint.py; speculative
    entries verify their drafts: the longest matching prefix plus the target's own next token is kept,
    the rejected drafts are rolled back in the cache with KVCacheManager.accept).
 """
@@ -36,6 +37,7 @@ from typing import Callable, Iterator, Sequence
 
 from ..runtime.kv.cache import KVCacheExhausted
 from . import group as grp
+from . import constraint
 from .model import PagedModel
 from .overlap import HostRing, Inflight, advance, greedy_decode
 from .params import RequestOutput, SamplingParams
@@ -81,19 +83,21 @@ class Engine:
     decode steps as CUDA-graph replays per batch bucket (graphs.py), None = on for CUDA; "padded" plans decode
     steps as the graphs do (batch buckets, replay-wide bounds) but runs them eagerly, on any device; overlap:
     greedy decode steps run one step ahead of the host (overlap.py: tokens come out one step() later), None =
-    on with CUDA-graph replays; needs cuda_graphs (True or "padded").
+    on with CUDA-graph replays; needs cuda_graphs (True or "padded"). tp: the model folder is a tensor-parallel
+    export of tp ranks (`paged-export --tp N`; None: whatever the folder is): this process becomes rank 0 (scheduler,
+    KV manager, sampling) of a set it starts (runtime/distributed), eager steps only; `close()` stops it.
     add_request / abort may be called from any thread; step() from one thread at a time."""
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", *, max_batch_size: int = 16,
                  max_num_tokens: int = 512, num_blocks: int | None = None, block_size: int | None = None,
                  enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
-                 overlap: bool | None = None, memory_fraction: float | None = None):
+                 overlap: bool | None = None, memory_fraction: float | None = None, tp: int | None = None):
         if overlap not in (None, True, False):
             raise ValueError(f"Engine: overlap must be None (on with CUDA graphs), True or False, got {overlap!r}")
         self.model = PagedModel(model_dir, device, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                                 num_blocks=num_blocks, block_size=block_size,
                                 enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
-                                memory_fraction=memory_fraction)
+                                memory_fraction=memory_fraction, tp=tp)
         self.kv = self.model.mgr
         self.eos_token_ids: list[int] = list(self.model.config.eos_token_ids)
         self.vocab_size: int | None = self.model.config.vocab_size
@@ -124,6 +128,10 @@ class Engine:
         full-attention pool's blocks x block_size, at most max_seq_len (a request above is aborted, _never_fits)."""
         full = self.model.groups.get("full")
         return self.max_seq_len if full is None else min(self.max_seq_len, full.num_blocks * full.block_size)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers of a tp > 1 engine (nothing to do otherwise)."""
+        self.model.close()
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
@@ -357,25 +365,33 @@ class Engine:
         ids = [t for e in entries for t in e.ids]
         wanted, starts, flat = [], [], 0  # the flat positions whose logits are sampled, per entry
         params = []  # the sampling params of each sampled row
+        picks = []  # (request, first row, drafts) of the entries that sample (their token constraints' masks)
         for e in entries:
             starts.append(len(wanted))
             n = len(e.ids)
             if e.drafts:
+                picks.append((e.req, len(wanted), e.ids[1:]))
                 wanted += range(flat, flat + n)  # every position verifies a draft or gives the next token
                 params += [e.req.params] * n
             elif e.req.num_computed + n == len(e.req.tokens):
+                picks.append((e.req, len(wanted), []))
                 wanted.append(flat + n - 1)  # the prompt (+ generated) is now all cached: sample
                 params.append(e.req.params)
             flat += n
         graphed = self.model.graphs is not None and self.model.graphs.serves(plan)
         logits = self.model.run(plan, ids, wanted)
         self.kv.commit(plan)  # host bookkeeping while the device runs the step
+        masks, failed = constraint.step_masks(picks, logits.shape[-1])  # token constraints: host work, no device read
+        logits = constraint.apply(logits, masks)
         rows = Choices(logits, params)  # greedy rows: one argmax on the device, one small copy (waits for it)
         self._count(entries, graphed)
         outputs = []
         for e, start in zip(entries, starts):
             r, n = e.req, len(e.ids)
-            if e.drafts:
+            if id(r) in failed:
+                r.finish("abort", failed[id(r)])
+                log.warning("request %s aborted: %s", r.request_id, r.reason)
+            elif e.drafts:
                 toks = verify(e, rows, start)
                 accepted = len(toks) - 1
                 self.kv.accept(r.request_id, accepted)
@@ -385,12 +401,13 @@ class Engine:
             else:
                 r.num_computed += n
                 toks = [rows.token(start, r.generator, r.tokens, len(r.prompt))] if r.num_computed == len(r.tokens) else []
-            self._check_length(r, r.num_computed)
-            for k, t in enumerate(toks):
-                if r.append(t, rows.logprobs(start + k, t)):
-                    break
-            if r.siblings and toks:
-                grp.fork_siblings(self, r, rows, start, outputs)
+            if not r.finished:
+                self._check_length(r, r.num_computed)
+                for k, t in enumerate(toks):
+                    if r.append(t, rows.logprobs(start + k, t)):
+                        break
+                if r.siblings and toks:
+                    grp.fork_siblings(self, r, rows, start, outputs)
             if r.finished:
                 self._retire(r)
             out = r.emit()

@@ -11,7 +11,8 @@ The steps of one sampled row, in vLLM's order (sampling.Choices calls them):
 
 `token_logprobs` gives a chosen token's log-probability and the k most likely tokens' from log_softmax of the
 row's RAW logits: before logit_bias, penalties and temperature (vLLM's default, "raw_logprobs"), so a logprob
-says what the model thinks, whatever the request did to the choice.
+says what the model thinks, whatever the request did to the choice. A token constraint's mask (constraint.py)
+applies before all of this (its forbidden tokens are -inf here too, as in vLLM).
 
 A row needs the host (`needs_host`) when any of these apply: the greedy rows without them are chosen on the
 device (sampling.Choices) and may run one step ahead (overlap.py).

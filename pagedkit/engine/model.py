@@ -29,6 +29,7 @@ from ..interface import names as N
 from ..interface.paths import inside_folder
 from ..validators.contract import block_size_error
 from ..runtime.generate import DecoderConfig, layer_cache_spec, read_config, resolve_block_size, step_feeds
+from ..runtime.distributed.launch import TensorParallel, resolve_world
 from ..runtime.kv.cache import KVCacheManager
 from ..runtime.kv.config import GroupConfig, KVCacheConfig
 from ..runtime.kv.plan import StepPlan
@@ -83,7 +84,7 @@ def pool_blocks(free_bytes: int, fraction: float, bytes_per_block: int, cap: int
 class PagedModel:
     def __init__(self, model_dir: str | Path, device: str, *, max_batch_size: int, max_num_tokens: int,
                  num_blocks: int | None, block_size: int | None, enable_prefix_caching: bool,
-                 cuda_graphs: bool | None = None, memory_fraction: float | None = None):
+                 cuda_graphs: bool | None = None, memory_fraction: float | None = None, tp: int | None = None):
         for name, v in (("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Engine: {name} must be an integer >= 1, got {v!r}")
@@ -111,8 +112,22 @@ class PagedModel:
                 "with pagedkit.runtime.generate.Generator")
         providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
         path = inside_folder(model_dir, cfg.filename, "model.decoder.filename", str(Path(model_dir) / "genai_config.json"))
-        self.session = InferenceSession(str(path), None, providers=providers,
-                                        cpu_backend=_cpu_backend(None, "auto"))
+        self.tp = None
+        world = resolve_world(model_dir, tp, "Engine: ")
+        if world > 1:  # this process is rank 0 of a set it starts (runtime/distributed): eager steps only
+            if cuda_graphs not in (None, False):
+                raise ValueError("Engine: cuda_graphs with tensor parallelism is not built yet (each rank would "
+                                 "capture its own graphs in lockstep); leave cuda_graphs None or False")
+            cuda_graphs = False
+            self.tp = TensorParallel(world, device)
+            try:
+                self.session = self.tp.session(model_dir, cpu_backend=_cpu_backend(None, "auto"))
+            except BaseException:
+                self.tp.close()
+                raise
+        else:
+            self.session = InferenceSession(str(path), None, providers=providers,
+                                            cpu_backend=_cpu_backend(None, "auto"))
         self.max_seq_len = cfg.context_length
         self.logits_name = cfg.outputs.get(N.LOGITS) or N.LOGITS
         args = {a.name: a for a in self.session.get_inputs()}
@@ -154,6 +169,8 @@ class PagedModel:
             pad_block=graphs,
             names={k: past for k, (past, _) in cfg.caches.items()},
             present_names={k: pres for k, (_, pres) in cfg.caches.items()}))
+        if self.tp is not None:
+            self.session.mirror_copies(self.mgr)  # copy-on-write of shared blocks made on every rank's caches
         self.groups = {g.name: g for g in groups}
         self.renames = {k: cfg.input(k) for k in N.STEP_INPUTS}
         self.input_names = set(args)
@@ -171,6 +188,11 @@ class PagedModel:
             parts.append(f"{g.name} {g.num_blocks} blocks{ring} x {g.block_size} tokens = "
                          f"{g.num_blocks * g.block_size} tokens, {size / 2 ** 20:.1f} MiB")
         return f"KV cache: {'; '.join(parts)}; sized by {self.pool_sizing}"
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers, if any (the session stays usable only without them)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def blocks_needed(self, num_tokens: int) -> dict[str, int]:
         """Blocks of each group one sequence of num_tokens cached tokens holds."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -49,6 +50,9 @@ class SamplingParams:
     logits), then min_p (0 = off: drop tokens whose probability is below min_p x the largest), top_k, top_p.
     logprobs: None -> none; k >= 0 -> each generated token's log-probability and the k most likely tokens'
     (RequestOutput.new_logprobs), from log_softmax of the model's raw logits (before any processing).
+    constraint: None, or a factory called once per request that returns its token constraint (a grammar state:
+    mask() / accept(token) / rollback(n), engine/constraint.py): the logits of the tokens it disallows are set to
+    -inf before the choice (greedy and sampled), and the request finishes with "stop" once it is complete.
     """
 
     max_new_tokens: int = 16
@@ -66,6 +70,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_p: float = 0.0
     logprobs: int | None = None
+    constraint: Callable[[], object] | None = None
 
     def __post_init__(self):
         _int(self.max_new_tokens, "max_new_tokens", 1)
@@ -81,6 +86,9 @@ class SamplingParams:
             _int(self.seed, "seed", 0)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.constraint is not None and not callable(self.constraint):
+            raise ValueError("SamplingParams.constraint must be None or a callable returning a token constraint, "
+                             f"got {type(self.constraint).__name__}")
         self.stop_token_ids = _token_ids(self.stop_token_ids, "stop_token_ids")
         try:
             seqs = tuple(self.stop_sequences)

@@ -31,6 +31,7 @@ class Request:
     stop_ids: frozenset[int]  # eos (unless ignore_eos) + stop_token_ids
     max_total: int  # most tokens prompt + generated may reach (max_seq_len + 1)
     drafter: Callable[[list[int]], list[int]] | None = None
+    constraint: object | None = None  # the request's token constraint (SamplingParams.constraint's product)
     tokens: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_emitted: int = 0
@@ -68,6 +69,11 @@ class Request:
         """Add one generated token (and its logprobs entry, when the request asks for them); True when it
         finishes the request (finish_reason set)."""
         self.tokens.append(int(token))
+        if self.constraint is not None:
+            try:
+                complete = self.constraint.accept(int(token))
+            except Exception as exc:
+                return self.finish("abort", f"the request's token constraint failed: {type(exc).__name__}: {exc}"[:500])
         if self.params.logprobs is not None:
             if self.logprobs is None:
                 self.logprobs = []
@@ -81,7 +87,7 @@ class Request:
                     del self.logprobs[-n:]
                 self.num_emitted = min(self.num_emitted, self.num_output)
                 return self.finish("stop")
-        if token in self.stop_ids:
+        if token in self.stop_ids or (self.constraint is not None and complete):
             return self.finish("stop")
         if out_len >= self.params.max_new_tokens or len(self.tokens) >= self.max_total:
             return self.finish("length")
@@ -147,5 +153,9 @@ def new_request(prompt: Sequence[int], params: SamplingParams | None, request_id
     elif not isinstance(request_id, str) or not request_id:
         raise ValueError(f"request_id must be a non-empty str or None, got {request_id!r}")
     stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    try:
+        constraint = params.constraint() if params.constraint is not None else None
+    except Exception as exc:
+        raise ValueError(f"params.constraint: the factory failed ({type(exc).__name__}: {exc})"[:500]) from None
     return Request(request_id, [int(t) for t in prompt], params, request_generator(params.seed), frozenset(stop),
-                   max_total=max_seq_len + 1, drafter=drafter)
+                   max_total=max_seq_len + 1, drafter=drafter, constraint=constraint)

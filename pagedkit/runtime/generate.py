@@ -213,6 +213,8 @@ class _PagedState:
         self.mgr = KVCacheManager(KVCacheConfig(tuple(groups), max_batch_size=1, max_num_tokens=self.max_seq_len,
                                                 max_seq_len=self.max_seq_len, device=str(gen.session.device),
                                                 names=names, present_names=present))
+        if hasattr(gen.session, "mirror_copies"):  # a tensor-parallel session: every rank makes the block copies
+            gen.session.mirror_copies(self.mgr)
         if shuffle_seed is not None:  # block ids out of order and non-contiguous, as in a busy engine
             for pool in self.mgr.pools.values():
                 free = list(pool.free)
@@ -320,6 +322,10 @@ class Generator:
         if block_size is not None and block_size_error(block_size):
             raise ValueError(block_size_error(block_size))
         self.config = read_config(model_dir)
+        world = (self.config.pagedkit.get("tensor_parallel") or {}).get("world_size", 1)
+        if session is None and world != 1:
+            raise ValueError(f"{model_dir} is a tensor-parallel export of {world} ranks: run it with --tp {world} "
+                             "(paged-run), or pass the session of a pagedkit.runtime.distributed.TensorParallel set")
         providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
         model_path = inside_folder(model_dir, self.config.filename, "model.decoder.filename",
                                    str(Path(model_dir) / "genai_config.json"))

@@ -12,16 +12,18 @@ responses.py into the response's JSON or its SSE chunks (n choices, logprobs).
 In front of the routes, outermost first: the Host check (security.HostCheck, loopback binds), CORS (only
 with allowed_origins), the API key and JSON-only bodies (security.Gate), the body read whole within its
 limits (limits.BodyReader). Every error is an OpenAI error object (404 / 405 too); a client that
-disconnects aborts its engine request, streaming or not. Field checks: protocol.py; docs/serve.md.
+disconnects aborts its engine request, streaming or not. Field checks: protocol.py; response_format:
+structured.py (llguidance); tools and tool calls: tools.py; docs/serve.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -37,6 +39,8 @@ from .limits import BodyReader, ServeLimits, error_response
 from .metrics import CONTENT_TYPE
 from .responses import chunks, complete
 from .security import Gate, HostCheck
+from .structured import Spec, json_spec, parse_response_format, require_library
+from .tools import ToolOutput, Tools, parse_tools, template_takes_tools, with_history_fields
 from .worker import EngineDown
 
 log = logging.getLogger("uvicorn.error")
@@ -78,40 +82,76 @@ def _check_engine_fields(srv: Server, s: P.Sampling) -> None:
                                  f"together), got {s.n}", "n")
 
 
-async def _prompt(srv: Server, body: dict, chat: bool) -> tuple[P.Sampling, list[int], int]:
-    """The request's sampling fields, prompt token ids (tokenized in the pool) and max_tokens."""
+async def _prompt(srv: Server, body: dict, chat: bool) -> tuple[P.Sampling, list[int], int, Callable | None]:
+    """The request's sampling fields (with its grammar, compiled in the pool), prompt token ids (tokenized in the
+    pool), max_tokens and, for a chat with tools, a factory of the shaping of one choice's tool calls."""
     limits, vocab = srv.limits.fields, srv.engine.vocab_size
     P.check_common(body, srv.model_name)
+    spec, tools = parse_response_format(body), None
     if chat:
         messages = P.chat_messages(body)
+        tools, spec = _tools(srv, body, spec)
         s = P.parse_sampling(body, ("max_completion_tokens", "max_tokens"), limits)
         P.chat_logprobs(body, s)
         _check_engine_fields(srv, s)
-        prompt_ids = await srv.in_thread(lambda: P.check_token_ids(srv.tok.chat(messages), "messages", vocab))
-        return s, prompt_ids, P.resolve_max_tokens(s.max_tokens, None, len(prompt_ids), srv.engine.max_seq_len,
-                                                   "messages", s.max_tokens_param, srv.pool_tokens)
-    P.check_completion_fields(body)
-    s = P.parse_sampling(body, limits=limits)
-    P.completion_logprobs(body, s)
-    _check_engine_fields(srv, s)
-    prompt_ids = await srv.in_thread(P.completion_prompt, body, srv.tok.encode, vocab)
-    return s, prompt_ids, P.resolve_max_tokens(s.max_tokens, P.DEFAULT_COMPLETION_MAX_TOKENS, len(prompt_ids),
-                                               srv.engine.max_seq_len, "prompt", pool_tokens=srv.pool_tokens)
+        defs = {"tools": tools.tools} if tools is not None else {}
+
+        def render() -> list[int]:  # in the pool: the history's tool calls are JSON to read, then the template
+            history = with_history_fields(messages, body["messages"])
+            return P.check_token_ids(srv.tok.chat(history, **defs), "messages", vocab)
+
+        prompt_ids = await srv.in_thread(render)
+        max_tokens = P.resolve_max_tokens(s.max_tokens, None, len(prompt_ids), srv.engine.max_seq_len, "messages",
+                                          s.max_tokens_param, srv.pool_tokens)
+    else:
+        P.check_completion_fields(body)
+        s = P.parse_sampling(body, limits=limits)
+        P.completion_logprobs(body, s)
+        _check_engine_fields(srv, s)
+        prompt_ids = await srv.in_thread(P.completion_prompt, body, srv.tok.encode, vocab)
+        max_tokens = P.resolve_max_tokens(s.max_tokens, P.DEFAULT_COMPLETION_MAX_TOKENS, len(prompt_ids),
+                                          srv.engine.max_seq_len, "prompt", pool_tokens=srv.pool_tokens)
+    if spec is not None:
+        s.constraint = await srv.in_thread(srv.structured.guide, spec)
+    # one ToolOutput per choice (each holds its own text)
+    shaping = None if tools is None else functools.partial(ToolOutput, srv.tool_parser,
+                                                           tools if tools.choice != "auto" else None)
+    return s, prompt_ids, max_tokens, shaping
+
+
+def _tools(srv: Server, body: dict, spec: Spec | None) -> tuple[Tools | None, Spec | None]:
+    """A chat request's tools (tools.py) and the grammar of its answer: response_format's, or the JSON schema
+    forcing a tool call (tool_choice "required" / a named function)."""
+    tools = parse_tools(body)
+    if tools is None:
+        return None, spec
+    if not template_takes_tools(srv.tok.chat_template):
+        raise P.RequestError("tools: this model's chat template does not take tools (it never mentions them); "
+                             "describe the tools in a message instead", "tools")
+    forced = tools.forced_schema()
+    if forced is None:
+        return tools, spec
+    if spec is not None:
+        raise P.RequestError("response_format: not with a \"required\" or named tool_choice (the tool call's "
+                             "arguments have their own schema)", "response_format")
+    require_library("tool_choice", f"tool_choice {tools.choice!r}")
+    return tools, json_spec(forced, "tools")  # a schema llguidance refuses is one of the tools' parameters
 
 
 def create_app(engine, tokenizer, model_name: str, *, sampling_params_cls=None, limits: ServeLimits | None = None,
                api_key: str | None = None, allowed_hosts: Sequence[str] | None = None,
-               allowed_origins: Sequence[str] = ()) -> Starlette:
+               allowed_origins: Sequence[str] = (), tool_call_parser: str | None = None) -> Starlette:
     """The Starlette app serving `engine` (pagedkit.engine.Engine or one with its interface).
 
     tokenizer: a transformers PreTrainedTokenizerFast (see tokenizer.load_tokenizer) or a ServeTokenizer.
     sampling_params_cls: the SamplingParams class handed to engine.add_request (default: the engine's).
     limits: ServeLimits (default: the CLI's defaults). api_key: required as `Authorization: Bearer` on /v1/.
     allowed_hosts: the Host names served (None: any; security.allowed_hosts_for gives a bind's).
-    allowed_origins: CORS origins (none: no CORS headers)."""
+    allowed_origins: CORS origins (none: no CORS headers). tool_call_parser: the tool-call format (tools.PARSERS;
+    None: chosen from the chat template)."""
     if sampling_params_cls is None:
         from ...engine import SamplingParams as sampling_params_cls
-    srv = Server(engine, tokenizer, model_name, sampling_params_cls, limits or ServeLimits())
+    srv = Server(engine, tokenizer, model_name, sampling_params_cls, limits or ServeLimits(), tool_call_parser)
 
     async def health(request: Request) -> Response:
         state = {"model": srv.model_name, "pending_requests": srv.worker.pending()}
@@ -155,8 +195,8 @@ def create_app(engine, tokenizer, model_name: str, *, sampling_params_cls=None, 
                 job.close()
 
         try:
-            s, prompt_ids, max_tokens = await _prompt(srv, await srv.parse(await request.body()), chat)
-            job = Job(srv, prompt_ids, s, max_tokens, request.receive, arrival)
+            s, prompt_ids, max_tokens, shaping = await _prompt(srv, await srv.parse(await request.body()), chat)
+            job = Job(srv, prompt_ids, s, max_tokens, request.receive, arrival, shaping)
             try:
                 job.start()
             except ValueError as exc:  # add_request / add_group refused it

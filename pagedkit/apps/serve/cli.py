@@ -4,6 +4,7 @@ folder, on pagedkit's engine (continuous batching) with starlette + uvicorn.
     paged-serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--device cpu|cuda]
                           [--max-batch-size N] [--max-num-tokens N] [--num-blocks N] [--kv-memory-fraction F]
                           [--api-key KEY] [--allowed-hosts NAME ...] [--allowed-origins ORIGIN ...]
+                          [--tool-call-parser hermes|llama3_json|mistral]
                           [limits: --max-body-bytes, --request-timeout, --max-queue-len, ... (docs/serve.md)]
 
 MODEL_DIR holds model.onnx, genai_config.json and the tokenizer (tokenizer.json, tokenizer_config.json
@@ -58,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="fraction of the free memory the default KV pool may take (default: 0.25 of the available "
                         "RAM on cpu, 0.9 of the free GPU memory on cuda)")
     p.add_argument("--model-name", help="the model's id in the API (default: the folder's name)")
+    p.add_argument("--tp", type=int, metavar="N",
+                   help="serve a tensor-parallel export (paged-export --tp N) on N ranks started here: this process "
+                        "(HTTP server, scheduler, tokenizer) is rank 0 (default: the folder's own world size)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ (default: $PAGEDKIT_API_KEY; "
                                      "none: no authentication)")
@@ -66,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                         "another address checks Host only when this is given)")
     p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                    help="CORS origins allowed (e.g. http://localhost:3000); default: none, no CORS headers")
+    p.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"],
+                   help="the format of the model's tool calls (default: chosen from the chat template; docs/serve.md)")
     for flag, field, kind, lo, text in LIMIT_FLAGS:
         p.add_argument(flag, type=kind, default=getattr(_DEFAULTS, field), dest=field,
                        help=f"{text} (default {getattr(_DEFAULTS, field)})")
@@ -91,7 +97,7 @@ def _listen_problem(host: str, port: int) -> str | None:
 def _check_args(args) -> str | None:
     if not 0 <= args.port <= 65535:
         return f"--port: expected 0..65535, got {args.port}"
-    for name in ("max_batch_size", "max_num_tokens", "num_blocks"):
+    for name in ("max_batch_size", "max_num_tokens", "num_blocks", "tp"):
         value = getattr(args, name)
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')}: expected an integer >= 1, got {value}"
@@ -136,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = Engine(model_dir, device=args.device, max_batch_size=args.max_batch_size,
                     max_num_tokens=args.max_num_tokens, num_blocks=args.num_blocks,
-                    memory_fraction=args.kv_memory_fraction)
+                    memory_fraction=args.kv_memory_fraction, tp=args.tp)
     from .app import create_app
     from .connections import uvicorn_config
     from .security import allowed_hosts_for, api_key_from_env
@@ -146,11 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     api_key = args.api_key or api_key_from_env()
     app = create_app(engine, tokenizer, name, limits=limits, api_key=api_key,
                      allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
-                     allowed_origins=args.allowed_origins)
+                     allowed_origins=args.allowed_origins, tool_call_parser=args.tool_call_parser)
     print(f"{PROG}: {engine.model.pool_summary()}", file=sys.stderr)
     print(f"{PROG}: serving {name!r} ({model_dir}) on http://{args.host}:{args.port}/v1 ({args.device}"
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
-    uvicorn.Server(uvicorn_config(app, args.host, args.port, limits, args.log_level)).run()
+    try:
+        uvicorn.Server(uvicorn_config(app, args.host, args.port, limits, args.log_level)).run()
+    finally:
+        engine.close()  # a tensor-parallel engine's followers
     return 0
 
 

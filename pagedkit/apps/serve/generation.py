@@ -1,6 +1,7 @@
 """One request's generation, from the engine's outputs to text (used by app.py).
 
-`Server` is what the endpoints share: the engine's worker thread, the tokenizer, a small thread pool where
+`Server` is what the endpoints share: the engine's worker thread, the tokenizer (and what structured output and
+tool calls need of it: structured.py, tools.py), a small thread pool where
 tokenization, chat templating, detokenization and the parsing of large bodies run (never on the event loop),
 the limits, the metrics and the count of requests in progress. `Job` is one HTTP request: its `n` choices
 (`Generation`s: one engine request each; n > 1 goes to the engine as one group, `Engine.add_group`, whose
@@ -23,8 +24,10 @@ from typing import AsyncIterator
 from . import protocol as P
 from .limits import ServeLimits, parse_body
 from .metrics import ServeMetrics
+from .structured import Structured
 from .textstream import TextStream
 from .tokenizer import as_serve_tokenizer
+from .tools import ToolOutput, choose_parser
 from .worker import EngineWorker
 
 CLIENT_GONE, DEADLINE = object(), object()  # queue items from the app itself (the engine's are RequestOutputs)
@@ -52,7 +55,8 @@ class Piece:
 class Server:
     """What the endpoints share: the engine's worker, the tokenizer, the model's name, limits and metrics."""
 
-    def __init__(self, engine, tokenizer, model_name: str, sampling_params_cls, limits: ServeLimits):
+    def __init__(self, engine, tokenizer, model_name: str, sampling_params_cls, limits: ServeLimits,
+                 tool_call_parser: str | None = None):
         self.engine = engine
         self.limits = limits
         self.active = 0  # requests past the queue check and not finished (parsing, waiting, generating)
@@ -65,6 +69,9 @@ class Server:
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="paged-serve-text")
         self.pool_tokens = getattr(engine, "max_pool_tokens", None)  # most tokens one request's cache can hold
         self.capacity = getattr(engine, "max_batch_size", 0) + limits.max_queue_len
+        self.structured = Structured(self.tok.tok, getattr(engine, "vocab_size", None),
+                                     getattr(engine, "eos_token_ids", ()))  # response_format
+        self.tool_parser = choose_parser(self.tok.chat_template, tool_call_parser)  # tools.py
 
     async def in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -77,11 +84,12 @@ class Server:
     def params(self, s: P.Sampling, max_tokens: int, index: int = 0):
         """The engine's SamplingParams of choice `index` (a seeded request's choice i draws with seed + i)."""
         seed = None if s.seed is None else (s.seed + index) % (P.SEED_MAX + 1)
+        extra = {"constraint": s.constraint} if s.constraint is not None else {}
         return self.params_cls(max_new_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                seed=seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
                                presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                                repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias) or None,
-                               min_p=s.min_p, logprobs=s.logprobs)
+                               min_p=s.min_p, logprobs=s.logprobs, **extra)
 
     def usage(self, prompt_len: int, job: "Job") -> dict:
         done = sum(g.text.num_tokens for g in job.gens)
@@ -93,9 +101,11 @@ class Generation:
     """One choice: `await next()` -> Piece until its reason is set; `close()` (idempotent) aborts it if it has
     not ended. Job submits it (request_id, queue)."""
 
-    def __init__(self, srv: Server, s: P.Sampling, index: int = 0):
+    def __init__(self, srv: Server, s: P.Sampling, index: int = 0, tools: ToolOutput | None = None):
         self.srv, self.s, self.index = srv, s, index
-        self.text = TextStream(srv.tok.decode, s.stop)
+        self.tools = tools  # the answer's tool calls (tools.py), None without tools
+        keep = tools.keep if tools is not None else frozenset()
+        self.text = TextStream((lambda ids: srv.tok.decode_keeping(ids, keep)) if keep else srv.tok.decode, s.stop)
         self.request_id: str | None = None
         self.queue: asyncio.Queue | None = None
         self.done = False
@@ -180,10 +190,11 @@ class Job:
     ASGI receive whose `http.disconnect` aborts every choice (None: not watched; `stop_watching()` ends it)."""
 
     def __init__(self, srv: Server, prompt_ids: list[int], s: P.Sampling, max_tokens: int, receive=None,
-                 arrival: float | None = None):
+                 arrival: float | None = None, shaping=None):
+        """shaping: None, or a factory of one choice's tools.ToolOutput (a chat request with tools)."""
         self.srv, self.prompt_ids, self.s, self.max_tokens, self.receive = srv, prompt_ids, s, max_tokens, receive
         self.arrival = time.monotonic() if arrival is None else arrival
-        self.gens = [Generation(srv, s, i) for i in range(s.n)]
+        self.gens = [Generation(srv, s, i, shaping() if shaping is not None else None) for i in range(s.n)]
         self._timer: asyncio.TimerHandle | None = None
         self._watch: asyncio.Task | None = None
         self._tasks: dict[asyncio.Future, int] = {}  # pieces(): each running choice's next()

@@ -3,7 +3,7 @@
 A bad field raises `RequestError` (HTTP 400 with OpenAI's error JSON `{"error": {"message", "type",
 "param", "code"}}`); the message names the field, what was given and what is expected. Fields OpenAI
 clients commonly send with their neutral value (`echo: false`, `best_of: 1`...) are accepted; a feature
-paged-serve does not implement (best_of, echo, tools...) is refused, never silently ignored. Unknown fields
+paged-serve does not implement (best_of, echo, suffix...) is refused, never silently ignored. Unknown fields
 (`user`, `metadata`...) are ignored. Sampling extensions (vLLM's names): top_k, min_p, repetition_penalty,
 stop_token_ids, ignore_eos, max_time.
 """
@@ -42,6 +42,7 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    constraint: object | None = None  # the engine's SamplingParams.constraint (structured output: structured.py)
     stream: bool = False
     include_usage: bool = False
     max_time: float | None = None  # seconds this request may run (the server's request timeout at most)
@@ -265,14 +266,8 @@ def check_completion_fields(body: dict) -> None:
 
 
 def chat_messages(body: dict) -> list[dict]:
-    """messages: a non-empty list of {role, content}; content a string or a list of text parts."""
-    for name in ("tools", "functions"):
-        _unsupported(body, name, (None, []), f"{name} (tool calling)")
-    _unsupported(body, "tool_choice", (None, "none"), "tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise RequestError(f"response_format: only {{\"type\": \"text\"}} is supported, got {fmt!r}",
-                           "response_format")
+    """messages: a non-empty list of {role, content}; content a string or a list of text parts (the tool fields
+    of the history: tools.with_history_fields)."""
     messages = body.get("messages")
     if messages is None:
         raise RequestError("messages: this field is required (a list of {\"role\", \"content\"} objects)",

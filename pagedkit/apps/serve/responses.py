@@ -7,6 +7,9 @@ streamed) carries the entries of its tokens:
   sampled one: up to k + 1 entries), "text_offset" (of each token in the choice's text of token texts)};
 - chat (`logprobs: true`, `top_logprobs: k`): {"content": [{"token", "logprob", "bytes", "top_logprobs":
   [{"token", "logprob", "bytes"}] (k of them)}], "refusal": null}.
+A chat request with tools shapes each choice's text with its own tools.ToolOutput (the generation's `tools`):
+content from a call's marker on is held back, and the calls come as `tool_calls` (a message's, or one chunk's
+delta before the finish reason) with finish_reason "tool_calls".
 """
 
 from __future__ import annotations
@@ -66,11 +69,18 @@ async def complete(srv: Server, job: Job, it: AsyncIterator, first: tuple[int, P
             break
         index, piece = await it.__anext__()
     choices = []
-    for i in range(n):
+    for i, gen in enumerate(job.gens):
         lps = Logprobs(chat).format(entries[i]) if job.s.logprobs is not None else None
-        content = "".join(texts[i])
-        body = {"message": {"role": "assistant", "content": content}} if chat else {"text": content}
-        choices.append({"index": i} | body | {"logprobs": lps, "finish_reason": reasons[i]})
+        content, calls, reason = "".join(texts[i]), [], reasons[i]
+        if gen.tools is not None:
+            gen.tools.feed(content)
+            content, calls = gen.tools.result()
+            reason = "tool_calls" if calls else reason
+        if chat:
+            body = {"message": {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})}
+        else:
+            body = {"text": content}
+        choices.append({"index": i} | body | {"logprobs": lps, "finish_reason": reason})
     return JSONResponse(head | {"object": "chat.completion" if chat else "text_completion", "choices": choices,
                                 "usage": srv.usage(prompt_len, job)})
 
@@ -91,11 +101,25 @@ async def chunks(srv: Server, job: Job, it: AsyncIterator, first: tuple[int, Pie
             choice = {"index": i, "text": text, "logprobs": lps, "finish_reason": reason}
         return head | {"choices": [choice]} | ({"usage": None} if include_usage else {})
 
-    def events(i: int, piece: Piece) -> list[bytes]:
-        text, reason, entries = piece.text, piece.reason, piece.logprobs
+    def events(i: int, text: str, reason: str | None, entries=None) -> list[bytes]:
         if (text or entries) and reason:  # the last piece of text, then the finish reason on its own chunk
             return [sse(chunk(i, text, None, entries)), sse(chunk(i, "", reason))]
         return [sse(chunk(i, text, reason, entries))] if text or entries or reason else []
+
+    def shape(i: int, piece: Piece) -> list[bytes]:
+        tools = job.gens[i].tools
+        if tools is None:
+            return events(i, piece.text, piece.reason, piece.logprobs)
+        text = tools.feed(piece.text)  # content held back from a call's marker on
+        if piece.reason is None:
+            return events(i, text, None, piece.logprobs)
+        rest, calls = tools.finish()
+        if not calls:
+            return events(i, text + rest, piece.reason, piece.logprobs)
+        deltas = [{"index": k} | call for k, call in enumerate(calls)]
+        call_chunk = head | {"choices": [{"index": i, "delta": {"tool_calls": deltas}, "logprobs": None,
+                                          "finish_reason": None}]} | ({"usage": None} if include_usage else {})
+        return events(i, text + rest, None, piece.logprobs) + [sse(call_chunk)] + events(i, "", "tool_calls")
 
     try:
         if chat:
@@ -103,7 +127,7 @@ async def chunks(srv: Server, job: Job, it: AsyncIterator, first: tuple[int, Pie
                 yield sse(chunk(i, "", None, role=True))
         index, piece = first
         while True:
-            for event in events(index, piece):
+            for event in shape(index, piece):
                 yield event
             try:
                 index, piece = await it.__anext__()

@@ -2,14 +2,12 @@
 the float64 oracle (tests/paged_oracle.py: dense masked attention over each sequence's contiguous context, no
 pages, no tiles):
 
-- the fused cache write (decode.FusedWrite: each split writes and reads the tiles from the window's first tile
-  `f_lo`), and the unfused launches (write_kv, then the split-KV kernel from the chunk's first window tile
-  `t_lo`), at KV tiles smaller than, equal to and larger than the 32-token block (tile = the kernel's block_n),
-  one split and several; every launch's output also equals the other's bit for bit;
+- the Triton launches (write_kv, then the split-KV kernel from the chunk's first window tile `t_lo`), at KV tiles
+  smaller than, equal to and larger than the 32-token block (tile = the kernel's block_n), one split and several;
 - the torch variants (the loop reference, torch_sdpa's block ranges, torch_planned's per-item key ranges) at the
   block edges of the same steps;
-- teeth: copies of the kernel / variant modules with the window's first key moved by one (the fused range, the
-  unfused range, the key mask; torch_sdpa's first block, torch_planned's first key) each fail the comparison.
+- teeth: copies of the kernel / variant modules with the window's first key moved by one (the kernel's first
+  tile, the key mask; torch_sdpa's first block, torch_planned's first key) each fail the comparison.
 
 Each step holds decode sequences whose first row's first in-window key (past + 1 - W) is tile * k - 1, tile * k
 and tile * k + 1, a 3-token step starting at an edge, and a 3-token step whose LAST row starts at an edge."""
@@ -20,7 +18,6 @@ import math
 import os
 
 import pytest
-import torch
 
 from mutants import mutant
 from paged_oracle import Spec, build, clone_inputs, oracle, rel_err
@@ -48,8 +45,8 @@ def edge_spec(window: int, tile: int, seed: int = 0) -> Spec:
                 rotary="half", attrs={"local_window_size": window}, seed=seed)
 
 
-def _triton_step(case, *, fused: bool, tile: int, splits: int, kernels=None):
-    """One launch over the case (a copy of its caches): the fused write + attention, or write_kv then attention."""
+def _triton_step(case, *, tile: int, splits: int):
+    """write_kv then the attention over the case (a copy of its caches)."""
     x, a = clone_inputs(case.inputs), case.attrs
     h, hkv, d = a["num_heads"], a["kv_num_heads"], case.spec.head_size
     kw = dict(key_cache=x["key_cache"], value_cache=x["value_cache"], k_format=FLOAT, v_format=FLOAT,
@@ -60,15 +57,11 @@ def _triton_step(case, *, fused: bool, tile: int, splits: int, kernels=None):
               head_sink=None, attention_bias=None, qk_output=0, v_rotation=False, max_query_len=3, max_kv_len=0,
               num_splits=splits, block_n=tile)
     cos, sin = x["cos_cache"], x["sin_cache"]
-    launch = decode._paged_decode
-    if fused:
-        fw = decode.FusedWrite(x["key"], x["value"], cos, sin, False, 0)
-        return launch(x["query"], fused=fw, **kw)[0]
     q = write_kv(x["query"], x["key"], x["value"], num_heads=h, kv_num_heads=hkv, head_size=d,
                  cumulative_sequence_length=x["cumulative_sequence_length"], past_seqlens=x["past_seqlens"],
                  block_table=x["block_table"], key_cache=x["key_cache"], value_cache=x["value_cache"],
                  k_format=FLOAT, v_format=FLOAT, cos_cache=cos, sin_cache=sin, unique_slots=True)
-    return launch(q, **kw)[0]
+    return decode._paged_decode(q, **kw)[0]
 
 
 TRITON_CASES = [  # (window, tile, splits): tiles below, at and above the 32-token block
@@ -77,14 +70,11 @@ TRITON_CASES = [  # (window, tile, splits): tiles below, at and above the 32-tok
 
 
 @pytest.mark.parametrize("window,tile,splits", TRITON_CASES)
-def test_window_edge_fused_and_unfused_equal_the_oracle(window, tile, splits):
+def test_window_edge_triton_equals_the_oracle(window, tile, splits):
     case = build(edge_spec(window, tile, seed=window + tile))
     want = oracle(case)["output"]
-    fused = _triton_step(case, fused=True, tile=tile, splits=splits)
-    unfused = _triton_step(case, fused=False, tile=tile, splits=splits)
-    assert rel_err(fused, want) <= TOL, rel_err(fused, want)
-    assert rel_err(unfused, want) <= TOL, rel_err(unfused, want)
-    assert torch.equal(fused, unfused)
+    got = _triton_step(case, tile=tile, splits=splits)
+    assert rel_err(got, want) <= TOL, rel_err(got, want)
 
 
 TORCH_VARIANTS = {"reference": reference, "torch_sdpa": torch_sdpa, "torch_planned": torch_planned}
@@ -102,14 +92,12 @@ def test_window_edge_torch_variants_equal_the_oracle(variant, window):
 # --- teeth: the window's first key moved by one ---------------------------------------------------------------
 
 
-KERNEL_MUTANTS = {  # fused: f_lo; unfused: t_lo; both: the per-key mask
-    "fused first tile one key late": (True, "f_lo = tl.maximum(past - window + 1, 0) // BLOCK_N",
-                                      "f_lo = tl.maximum(past - window + 2, 0) // BLOCK_N"),
-    "unfused first tile one key late": (False, "2147483647 - window), 0) - window + 1, 0)",
-                                        "2147483647 - window), 0) - window + 2, 0)"),
-    "mask one key early": (True, "allowed = allowed & (kp[None, :] >= pos[:, None] - window + 1)",
+KERNEL_MUTANTS = {  # the first window tile t_lo; the per-key mask
+    "first tile one key late": ("2147483647 - window), 0) - window + 1, 0)",
+                                "2147483647 - window), 0) - window + 2, 0)"),
+    "mask one key early": ("allowed = allowed & (kp[None, :] >= pos[:, None] - window + 1)",
                            "allowed = allowed & (kp[None, :] >= pos[:, None] - window)"),
-    "mask one key late": (False, "allowed = allowed & (kp[None, :] >= pos[:, None] - window + 1)",
+    "mask one key late": ("allowed = allowed & (kp[None, :] >= pos[:, None] - window + 1)",
                           "allowed = allowed & (kp[None, :] >= pos[:, None] - window + 2)"),
 }
 
@@ -118,12 +106,12 @@ KERNEL_MUTANTS = {  # fused: f_lo; unfused: t_lo; both: the per-key mask
 def test_teeth_kernel_window_off_by_one(name, tmp_path, monkeypatch):
     import pagedkit.kernels.triton as pkg
 
-    fused, old, new = KERNEL_MUTANTS[name]
+    old, new = KERNEL_MUTANTS[name]
     window, tile, splits = 7, 16, 1
     case = build(edge_spec(window, tile, seed=window + tile))
     want = oracle(case)["output"]
     monkeypatch.setattr(pkg, "_decode_kernels", mutant(_decode_kernels, [(old, new)], tmp_path, monkeypatch))
-    got = _triton_step(case, fused=fused, tile=tile, splits=splits)
+    got = _triton_step(case, tile=tile, splits=splits)
     assert rel_err(got, want) > 10 * TOL, rel_err(got, want)
 
 
