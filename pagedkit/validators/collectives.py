@@ -108,7 +108,10 @@ def world_size(genai_config: Mapping | None) -> int | None:
         return None
     from ..interface.genai_config import read_pagedkit_section
 
-    tp = read_pagedkit_section(genai_config).get("tensor_parallel")
+    try:
+        tp = read_pagedkit_section(genai_config).get("tensor_parallel")
+    except ValueError:  # a malformed pagedkit section: the config checks report it (genai_schema)
+        return None
     return tp.get("world_size") if isinstance(tp, Mapping) else None
 
 

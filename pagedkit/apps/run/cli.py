@@ -107,6 +107,8 @@ def _session(args, model_dir: Path, sets: list):
     from ...runtime.distributed import TensorParallel, resolve_world
     from ...runtime.session import _cpu_backend
 
+    if args.tp is None:  # a tensor-parallel folder run without --tp is refused by Generator, after its folder checks
+        return None
     world = resolve_world(model_dir, args.tp, "paged-run: --tp: ")
     if world == 1:
         return None

@@ -17,7 +17,13 @@ def tp_section(folder: str | os.PathLike) -> dict | None:
     path = Path(folder) / "genai_config.json"
     if not path.is_file():
         return None
-    tp = read_pagedkit_section(read_genai_config(path)).get(TP_KEY)
+    try:
+        config = read_genai_config(path)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{path}: not a JSON genai_config ({type(exc).__name__})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: genai_config.json must hold a JSON object, got {type(config).__name__}")
+    tp = read_pagedkit_section(config).get(TP_KEY)
     if tp is not None and (not isinstance(tp, dict) or not isinstance(tp.get("world_size"), int)
                            or not isinstance(tp.get("ranks"), list) or len(tp["ranks"]) != tp["world_size"]):
         raise ValueError(f"{path}: pagedkit.{TP_KEY} must hold world_size and one file per rank (ranks)")
