@@ -198,13 +198,18 @@ def test_teeth_processing(monkeypatch, bug, rows):
 
 # ---- (b) greedy and (c) logprobs through Engine.step -----------------------------------------------------------
 
-def context_logits(req, context) -> torch.Tensor:
+def context_logits(req, context, scale: float = 2.0) -> torch.Tensor:
     """Logits that depend on the context (so penalties meet a history they change): a fixed random row plus a
     bump on the last token's neighbours."""
     g = torch.Generator().manual_seed(1000 + len(context) % 7)
-    row = torch.randn(VOCAB, generator=g) * 2.0
-    row[(context[-1] * 7 + 3) % VOCAB] += 1.5
+    row = torch.randn(VOCAB, generator=g) * scale
+    row[(context[-1] * 7 + 3) % VOCAB] += 1.5 * scale / 2
     return row
+
+
+def flat_logits(req, context) -> torch.Tensor:
+    """context_logits with small gaps: any one penalty or bias changes some argmax."""
+    return context_logits(req, context, scale=0.4)
 
 
 GREEDY = [
@@ -214,14 +219,23 @@ GREEDY = [
     SamplingParams(max_new_tokens=24, ignore_eos=True, presence_penalty=-2.0, frequency_penalty=2.0,
                    repetition_penalty=0.7, logprobs=4),
 ]
+ALONE = [  # one processing field each (a field that only counts when another one is set is caught)
+    SamplingParams(max_new_tokens=24, ignore_eos=True, frequency_penalty=0.8),
+    SamplingParams(max_new_tokens=24, ignore_eos=True, frequency_penalty=-2.0),
+    SamplingParams(max_new_tokens=24, ignore_eos=True, presence_penalty=0.9),
+    SamplingParams(max_new_tokens=24, ignore_eos=True, presence_penalty=-1.5),
+    SamplingParams(max_new_tokens=24, ignore_eos=True, repetition_penalty=1.5),
+    SamplingParams(max_new_tokens=24, ignore_eos=True, repetition_penalty=0.25),
+    SamplingParams(max_new_tokens=24, ignore_eos=True, logit_bias={40: 1.2}),
+]
 SAMPLED = [SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.8, logprobs=3, seed=5,
                           frequency_penalty=0.5, min_p=0.05),
            SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.3, logprobs=0, seed=6)]
 
 
-def run_scripted(params):
+def run_scripted(params, logits_fn=context_logits):
     engine = scripted_engine(max_batch_size=8, max_num_tokens=64)
-    ScriptedModel(engine, context_logits)
+    ScriptedModel(engine, logits_fn)
     prompts = {engine.add_request([1, 9 + i, 20, 9 + i], p): [1, 9 + i, 20, 9 + i] for i, p in enumerate(params)}
     outs = drive(engine)
     assert engine.stats.max_batch == len(params) and engine.num_free_blocks() == engine.num_blocks()
@@ -229,14 +243,22 @@ def run_scripted(params):
              [lp for o in outs[rid] for lp in (o.new_logprobs or [])]) for rid in prompts]
 
 
-def check_greedy():
-    for p, (prompt, toks, _) in zip(GREEDY, run_scripted(GREEDY)):
+def check_greedy(cases=GREEDY, logits_fn=context_logits):
+    for p, (prompt, toks, _) in zip(cases, run_scripted(cases, logits_fn)):
         assert len(toks) == 24
+        plain = []
         for k, t in enumerate(toks):
             ctx = prompt + toks[:k]
-            want = int(np.argmax(oracle_processed(context_logits(None, ctx).tolist(), p, ctx, len(prompt))))
+            want = int(np.argmax(oracle_processed(logits_fn(None, ctx).tolist(), p, ctx, len(prompt))))
             assert t == want, f"{p}: token {k} is {t}, the oracle's argmax is {want}"
-    assert set(run_scripted(GREEDY[2:3])[0][1]) == {17}
+            plain.append(int(np.argmax(logits_fn(None, ctx).numpy())))
+        assert toks != plain, f"{p}: the processing changed no token (not a test of it)"
+    if cases is GREEDY:
+        assert set(run_scripted(GREEDY[2:3])[0][1]) == {17}
+
+
+def test_greedy_of_each_field_alone():
+    check_greedy(ALONE, flat_logits)
 
 
 def test_greedy_of_processed_logits_equals_the_oracle():
