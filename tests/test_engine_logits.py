@@ -84,13 +84,13 @@ def oracle_logprobs(logits) -> np.ndarray:
 # ---- (a) distributions through Choices -----------------------------------------------------------------------
 
 L12 = [2.0, 1.2, 0.9, 0.3, -0.4, -1.0, -2.0, -3.0, 1.5, -0.2, 0.6, 1.1]
-PROMPT = [0, 3, 4, 9, 9]  # the history of every row: prompt (5 tokens) + generated
+PROMPT = [0, 3, 4, 9, 9, 6, 7]  # the history of every row: prompt (7 tokens) + generated
 OUT = [1, 8, 8, 8, 11, 4]
 HISTORY = PROMPT + OUT
 DIST_ROWS = [
     # frequency x count (token 8 thrice) + presence; prompt tokens 3, 9 unpenalised
     SamplingParams(temperature=0.9, frequency_penalty=0.7, presence_penalty=1.5),
-    # repetition over prompt + output: positive logits (0, 8, 11, 1) divided, negative (4, 9) multiplied
+    # repetition over prompt + output: positive logits (0, 8, 11, 1) divided, negative (4, 9, 6, 7) multiplied
     SamplingParams(temperature=1.2, repetition_penalty=1.8),
     # a bias promotes 3 and 10, bans 0; top-p over the biased distribution
     SamplingParams(temperature=1.0, top_p=0.9, logit_bias={3: 2.5, 0: -100.0, 10: 1.0}),
@@ -126,9 +126,9 @@ def test_oracle_cases_are_sensitive():
     min_p's support depends on temperature."""
     for p in DIST_ROWS[:-1]:  # the greedy row: its teeth test shows what it catches
         plain = SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
-        a, b = oracle_probs(L12, p, HISTORY, 5), oracle_probs(L12, plain, HISTORY, 5)
+        a, b = oracle_probs(L12, p, HISTORY, len(PROMPT)), oracle_probs(L12, plain, HISTORY, len(PROMPT))
         assert np.abs(a - b).max() > 0.05 or ((a > 0) != (b > 0)).any(), p
-    hot = oracle_probs(L12, DIST_ROWS[3], HISTORY, 5)
+    hot = oracle_probs(L12, DIST_ROWS[3], HISTORY, len(PROMPT))
     assert (hot > 0).sum() == 10 and (oracle_probs(L12, SamplingParams(temperature=1.0, min_p=0.1), [], 0) > 0).sum() == 8
 
 
@@ -224,7 +224,7 @@ ALONE = [  # one processing field each (a field that only counts when another on
     SamplingParams(max_new_tokens=24, ignore_eos=True, frequency_penalty=-2.0),
     SamplingParams(max_new_tokens=24, ignore_eos=True, presence_penalty=0.9),
     SamplingParams(max_new_tokens=24, ignore_eos=True, presence_penalty=-1.5),
-    SamplingParams(max_new_tokens=24, ignore_eos=True, repetition_penalty=1.5),
+    SamplingParams(max_new_tokens=24, ignore_eos=True, repetition_penalty=2.0),
     SamplingParams(max_new_tokens=24, ignore_eos=True, repetition_penalty=0.25),
     SamplingParams(max_new_tokens=24, ignore_eos=True, logit_bias={40: 1.2}),
 ]
