@@ -90,8 +90,8 @@ HISTORY = PROMPT + OUT
 DIST_ROWS = [
     # frequency x count (token 8 thrice) + presence; prompt tokens 3, 9 unpenalised
     SamplingParams(temperature=0.9, frequency_penalty=0.7, presence_penalty=1.5),
-    # repetition over prompt + output: positive logits (0, 8, 11, 1) divided, negative (4, 9, 6, 7) multiplied
-    SamplingParams(temperature=1.2, repetition_penalty=1.8),
+    # repetition 3 over prompt + output: positive logits (0, 8, 11, 1) divided, negative (4, 9, 6, 7) multiplied
+    SamplingParams(temperature=1.2, repetition_penalty=3.0),
     # a bias promotes 3 and 10, bans 0; top-p over the biased distribution
     SamplingParams(temperature=1.0, top_p=0.9, logit_bias={3: 2.5, 0: -100.0, 10: 1.0}),
     # min_p on the hot (T 1.6) distribution keeps 10 tokens; on the raw one (T 1) it keeps 8
