@@ -220,7 +220,7 @@ GREEDY = [
                    repetition_penalty=0.7, logprobs=4),
 ]
 ALONE = [  # one processing field each (a field that only counts when another one is set is caught)
-    SamplingParams(max_new_tokens=24, ignore_eos=True, frequency_penalty=0.8),
+    SamplingParams(max_new_tokens=24, ignore_eos=True, frequency_penalty=1.0),
     SamplingParams(max_new_tokens=24, ignore_eos=True, frequency_penalty=-2.0),
     SamplingParams(max_new_tokens=24, ignore_eos=True, presence_penalty=0.9),
     SamplingParams(max_new_tokens=24, ignore_eos=True, presence_penalty=-1.5),
