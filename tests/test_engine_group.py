@@ -186,3 +186,17 @@ def test_cached_prompt_tokens_reported():
     second, = engine.generate([PROMPT + [7]], p)  # 22 tokens: its first 16 (one full block) are cached
     assert first.num_cached_tokens == 0 and second.num_cached_tokens == 16
     assert engine.stats.prefix_hit_tokens == 16 and engine.stats.prefix_query_tokens == 21 + 22
+
+
+def test_a_sibling_aborted_before_the_fork_leaves_the_others():
+    """The middle request of a group aborted before the prompt is cached: the parent and the last sibling still
+    fork and run (a fork loop that stops at the aborted one leaves the last one waiting forever)."""
+    engine = scripted_engine(max_batch_size=4, max_num_tokens=64)
+    greedy = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    ref = engine.generate([PROMPT], greedy)[0].token_ids
+    ids = engine.add_group(PROMPT, [greedy] * 3)
+    engine.abort(ids[1])
+    outs = drive(engine, max_steps=50)
+    assert outs[ids[1]][-1].finish_reason == "abort"
+    assert tokens_of(outs, ids[0]) == tokens_of(outs, ids[2]) == ref
+    assert engine.num_free_blocks() == engine.num_blocks() and engine.check_invariants() == []

@@ -84,14 +84,14 @@ def oracle_logprobs(logits) -> np.ndarray:
 # ---- (a) distributions through Choices -----------------------------------------------------------------------
 
 L12 = [2.0, 1.2, 0.9, 0.3, -0.4, -1.0, -2.0, -3.0, 1.5, -0.2, 0.6, 1.1]
-PROMPT = [0, 3, 4, 9, 9]  # the history of every row: prompt (5 tokens) + generated
+PROMPT = [0, 3, 4, 9, 9, 6, 7]  # the history of every row: prompt (7 tokens) + generated
 OUT = [1, 8, 8, 8, 11, 4]
 HISTORY = PROMPT + OUT
 DIST_ROWS = [
     # frequency x count (token 8 thrice) + presence; prompt tokens 3, 9 unpenalised
     SamplingParams(temperature=0.9, frequency_penalty=0.7, presence_penalty=1.5),
-    # repetition over prompt + output: positive logits (0, 8, 11, 1) divided, negative (4, 9) multiplied
-    SamplingParams(temperature=1.2, repetition_penalty=1.8),
+    # repetition 3 over prompt + output: positive logits (0, 8, 11, 1) divided, negative (4, 9, 6, 7) multiplied
+    SamplingParams(temperature=1.2, repetition_penalty=3.0),
     # a bias promotes 3 and 10, bans 0; top-p over the biased distribution
     SamplingParams(temperature=1.0, top_p=0.9, logit_bias={3: 2.5, 0: -100.0, 10: 1.0}),
     # min_p on the hot (T 1.6) distribution keeps 10 tokens; on the raw one (T 1) it keeps 8
@@ -126,9 +126,9 @@ def test_oracle_cases_are_sensitive():
     min_p's support depends on temperature."""
     for p in DIST_ROWS[:-1]:  # the greedy row: its teeth test shows what it catches
         plain = SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
-        a, b = oracle_probs(L12, p, HISTORY, 5), oracle_probs(L12, plain, HISTORY, 5)
+        a, b = oracle_probs(L12, p, HISTORY, len(PROMPT)), oracle_probs(L12, plain, HISTORY, len(PROMPT))
         assert np.abs(a - b).max() > 0.05 or ((a > 0) != (b > 0)).any(), p
-    hot = oracle_probs(L12, DIST_ROWS[3], HISTORY, 5)
+    hot = oracle_probs(L12, DIST_ROWS[3], HISTORY, len(PROMPT))
     assert (hot > 0).sum() == 10 and (oracle_probs(L12, SamplingParams(temperature=1.0, min_p=0.1), [], 0) > 0).sum() == 8
 
 
@@ -198,13 +198,18 @@ def test_teeth_processing(monkeypatch, bug, rows):
 
 # ---- (b) greedy and (c) logprobs through Engine.step -----------------------------------------------------------
 
-def context_logits(req, context) -> torch.Tensor:
+def context_logits(req, context, scale: float = 2.0) -> torch.Tensor:
     """Logits that depend on the context (so penalties meet a history they change): a fixed random row plus a
     bump on the last token's neighbours."""
     g = torch.Generator().manual_seed(1000 + len(context) % 7)
-    row = torch.randn(VOCAB, generator=g) * 2.0
-    row[(context[-1] * 7 + 3) % VOCAB] += 1.5
+    row = torch.randn(VOCAB, generator=g) * scale
+    row[(context[-1] * 7 + 3) % VOCAB] += 1.5 * scale / 2
     return row
+
+
+def flat_logits(req, context) -> torch.Tensor:
+    """context_logits with small gaps: any one penalty or bias changes some argmax."""
+    return context_logits(req, context, scale=0.4)
 
 
 GREEDY = [
@@ -214,14 +219,23 @@ GREEDY = [
     SamplingParams(max_new_tokens=24, ignore_eos=True, presence_penalty=-2.0, frequency_penalty=2.0,
                    repetition_penalty=0.7, logprobs=4),
 ]
+ALONE = [  # one processing field each (a field that only counts when another one is set is caught)
+    SamplingParams(max_new_tokens=24, ignore_eos=True, frequency_penalty=1.0),
+    SamplingParams(max_new_tokens=24, ignore_eos=True, frequency_penalty=-2.0),
+    SamplingParams(max_new_tokens=24, ignore_eos=True, presence_penalty=0.9),
+    SamplingParams(max_new_tokens=24, ignore_eos=True, presence_penalty=-1.5),
+    SamplingParams(max_new_tokens=24, ignore_eos=True, repetition_penalty=2.0),
+    SamplingParams(max_new_tokens=24, ignore_eos=True, repetition_penalty=0.25),
+    SamplingParams(max_new_tokens=24, ignore_eos=True, logit_bias={40: 1.2}),
+]
 SAMPLED = [SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.8, logprobs=3, seed=5,
                           frequency_penalty=0.5, min_p=0.05),
            SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.3, logprobs=0, seed=6)]
 
 
-def run_scripted(params):
+def run_scripted(params, logits_fn=context_logits):
     engine = scripted_engine(max_batch_size=8, max_num_tokens=64)
-    ScriptedModel(engine, context_logits)
+    ScriptedModel(engine, logits_fn)
     prompts = {engine.add_request([1, 9 + i, 20, 9 + i], p): [1, 9 + i, 20, 9 + i] for i, p in enumerate(params)}
     outs = drive(engine)
     assert engine.stats.max_batch == len(params) and engine.num_free_blocks() == engine.num_blocks()
@@ -229,14 +243,22 @@ def run_scripted(params):
              [lp for o in outs[rid] for lp in (o.new_logprobs or [])]) for rid in prompts]
 
 
-def check_greedy():
-    for p, (prompt, toks, _) in zip(GREEDY, run_scripted(GREEDY)):
+def check_greedy(cases=GREEDY, logits_fn=context_logits):
+    for p, (prompt, toks, _) in zip(cases, run_scripted(cases, logits_fn)):
         assert len(toks) == 24
+        plain = []
         for k, t in enumerate(toks):
             ctx = prompt + toks[:k]
-            want = int(np.argmax(oracle_processed(context_logits(None, ctx).tolist(), p, ctx, len(prompt))))
+            want = int(np.argmax(oracle_processed(logits_fn(None, ctx).tolist(), p, ctx, len(prompt))))
             assert t == want, f"{p}: token {k} is {t}, the oracle's argmax is {want}"
-    assert set(run_scripted(GREEDY[2:3])[0][1]) == {17}
+            plain.append(int(np.argmax(logits_fn(None, ctx).numpy())))
+        assert toks != plain, f"{p}: the processing changed no token (not a test of it)"
+    if cases is GREEDY:
+        assert set(run_scripted(GREEDY[2:3])[0][1]) == {17}
+
+
+def test_greedy_of_each_field_alone():
+    check_greedy(ALONE, flat_logits)
 
 
 def test_greedy_of_processed_logits_equals_the_oracle():
