@@ -77,6 +77,13 @@ async def _requests(url, engine):
             break
         await asyncio.sleep(0.05)
     stats = dataclasses.replace(engine.stats)  # the engine is idle: its stats when `m` was scraped
+    step = engine.step
+
+    def slow_step():  # a fast CPU path could finish all 90 tokens before the client reads 20: pace the steps
+        time.sleep(0.01)
+        return step()
+
+    engine.step = slow_step
     stream = await client.completions.create(model="tiny", prompt="hello", max_tokens=90, stream=True,
                                              temperature=0, extra_body={"ignore_eos": True})
     seen, live = 0, None
