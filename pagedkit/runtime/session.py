@@ -253,13 +253,15 @@ class InferenceSession:
     @property
     def delegated(self) -> dict[str, Any]:
         """On the CPU with cpu_backend "onnxruntime": {"onnxruntime": {segment: node count}, "torch": {segment:
-        why it stayed}, "attention_nodes": n, "decomposed": [PagedAttention nodes run as standard ops],
-        "onnx_attention": whether their attention is ONNX Attention nodes}; {} otherwise."""
+        why it stayed}, "attention_nodes": n, "lowered": [PagedAttention nodes run as one pagedkit.cpu node each
+        (kernels/cpu)], "decomposed": [PagedAttention nodes run as standard ops], "onnx_attention": whether their
+        attention is ONNX Attention nodes, "cpu_kernel": the CPU attention library or why not}; {} otherwise."""
         r = self._delegation
         if r is None:
             return {}
         return {"onnxruntime": dict(r.delegated), "torch": dict(r.kept), "attention_nodes": r.barriers,
-                "decomposed": list(r.decomposed), "onnx_attention": r.fused}
+                "lowered": list(r.lowered), "decomposed": list(r.decomposed), "onnx_attention": r.fused,
+                "cpu_kernel": r.cpu_kernel}
 
     @property
     def fused(self) -> dict[str, int]:
