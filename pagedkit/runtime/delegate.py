@@ -188,8 +188,12 @@ def cpu_attention_library() -> tuple[str | None, str]:
 
     path, why = library()
     if path is None and settings.read("PAGEDKIT_CPU_ATTENTION") == "kernel":
-        raise RuntimeError(f"PAGEDKIT_CPU_ATTENTION=kernel: the CPU attention library is not available: {why}")
+        raise KernelUnavailable(f"PAGEDKIT_CPU_ATTENTION=kernel: the CPU attention library is not available: {why}")
     return path, why
+
+
+class KernelUnavailable(RuntimeError):
+    """PAGEDKIT_CPU_ATTENTION=kernel and the CPU attention library cannot be built (the session raises it)."""
 
 
 def _forget(live: list[Segment]) -> None:

@@ -31,7 +31,7 @@ from ..kernels.variant import PLANS
 from ..validators.issues import ValidationError
 from . import plan as plan_mod
 from .graph import CompiledModel, Graph, Step, compile_model
-from .delegate import DelegationReport, delegate, onnxruntime_available
+from .delegate import DelegationReport, KernelUnavailable, delegate, onnxruntime_available
 from .loading import load_model
 from .tensors import TORCH_TO_ONNX, to_numpy, to_torch, torch_type_name, type_name
 
@@ -187,6 +187,8 @@ class InferenceSession:
             threads = getattr(sess_options, "intra_op_num_threads", 0) or os.cpu_count() or 1
             try:
                 model, self._segments, self._delegation = delegate(self._model, self._base_dir, threads)
+            except KernelUnavailable:
+                raise
             except Exception as exc:  # a malformed model: the torch compiler below names what is wrong
                 self._delegation = DelegationReport(kept={"*": f"not delegated: {type(exc).__name__}: {exc}"[:300]})
             else:

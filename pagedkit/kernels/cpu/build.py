@@ -63,14 +63,16 @@ def _cache_dir() -> Path:
         return Path(tempfile.mkdtemp(prefix="pagedkit-cpu-kernels-"))
 
 
-def build(out_dir: Path | None = None) -> tuple[str | None, str]:
-    """Compile the library (or find it built) -> (path, "") or (None, why not)."""
+def build(out_dir: Path | None = None, source_dir: Path | None = None) -> tuple[str | None, str]:
+    """Compile the library (or find it built) -> (path, "") or (None, why not). source_dir: a folder holding
+    another paged_attention.c / simd.h (the tests' mutants)."""
     if platform.system() not in ("Linux", "Darwin"):
         return None, f"the CPU attention library is built on Linux and macOS only, not {platform.system()}"
     exe, version = _compiler()
     if exe is None:
         return None, f"no C compiler on PATH ({' / '.join(COMPILERS)})"
-    source = b"".join(p.read_bytes() for p in (SOURCE, *HEADERS))
+    files = [Path(source_dir) / p.name if source_dir else p for p in (SOURCE, *HEADERS)]
+    source = b"".join(p.read_bytes() for p in files)
     suffix = ".dylib" if platform.system() == "Darwin" else ".so"
     errors = []
     for flags in (FLAGS + NATIVE, FLAGS):  # -march=native first; a compiler without it builds generic code
@@ -81,7 +83,7 @@ def build(out_dir: Path | None = None) -> tuple[str | None, str]:
         if target.is_file():
             return str(target), ""
         tmp = folder / f"{target.name}.{os.getpid()}.tmp"
-        cmd = [exe, *flags, "-o", str(tmp), str(SOURCE), "-lm"]
+        cmd = [exe, *flags, "-o", str(tmp), str(files[0]), "-lm"]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as exc:

@@ -1,0 +1,197 @@
+"""PagedAttention on the CPU as one onnxruntime custom op (pagedkit/kernels/cpu: paged_attention.c, lower.py; run
+by the onnxruntime CPU backend, runtime/delegate.py).
+
+Oracles: Hugging Face eager float32 (tests/export_utils.check_parity: prefill + teacher-forced decode of two
+ragged sequences over a shuffled block pool with poisoned caches, chunked prefill, block size 32) and, for the
+fp32 export's Llama-shaped families, HF with float16 rounding exactly at the attention node's boundary
+(test_export_fp32.node_boundary_fp16, NODE_TOL 1e-3); the case files (tests/cases: the reference kernel's
+outputs and caches for every feature) in tests/test_delegate.py. Teeth: mutants of the C source (a 2% wrong
+scale, the context one key short, the window dropped, the sink dropped) built into a temporary library each
+fail; caches bound as copies instead of in place are seen.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import onnx
+import pytest
+import torch
+
+from export_utils import check_parity, export_tiny, tiny_model
+from pagedkit.kernels.cpu import build as B
+from pagedkit.runtime import InferenceSession
+from pagedkit.runtime import delegate as D
+from test_export_fp32 import FAMILIES, FP32_TOL, NODE_TOL, node_boundary_fp16
+
+pytest.importorskip("onnxruntime")
+
+
+@pytest.fixture(autouse=True)
+def _kernel(monkeypatch):
+    n = torch.get_num_threads()  # a delegating session sets torch to one thread (process-wide)
+    monkeypatch.setenv("PAGEDKIT_CPU_BACKEND", "onnxruntime")
+    monkeypatch.setenv("PAGEDKIT_CPU_ATTENTION", "kernel")  # an error, not a silent fallback, if it is not built
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return FAMILIES["llama"][0]()
+
+
+@pytest.fixture(scope="module")
+def llama32(llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("llama32k")
+    export_tiny(llama, out, dtype="fp32")
+    return out
+
+
+def _lowered(model_dir) -> dict:
+    d = InferenceSession(str(model_dir / "model.onnx")).delegated
+    assert d["lowered"] and not d["decomposed"] and not d["torch"] and d["attention_nodes"] == 0, d
+    return d
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gemma2", "gpt_oss"])
+def test_family_parity_through_the_kernel(family, tmp_path):
+    """fp32 exports (the Casts around each node folded into it): RoPE (Llama), sliding window (Mistral), QK-norm
+    (Qwen3), softcap and alternating windows (Gemma 2), sinks and windows (GPT-OSS) vs HF float32 within FP32_TOL,
+    and vs HF with the node's float16 rounding within NODE_TOL where that emulation applies."""
+    make, kw, boundary = FAMILIES[family]
+    hf = make()
+    export_tiny(hf, tmp_path, dtype="fp32")
+    d = _lowered(tmp_path)
+    assert len(d["lowered"]) == hf.config.num_hidden_layers
+    rep = check_parity(hf, tmp_path, tol=FP32_TOL, **kw)
+    line = f"{family} via the CPU kernel: vs HF fp32 {rep.worst_ratio:.3g}"
+    if boundary:
+        with node_boundary_fp16(hf):
+            node = check_parity(hf, tmp_path, tol=NODE_TOL, **kw)
+        line += f", vs HF with node-boundary fp16 {node.worst_ratio:.3g} (bound {NODE_TOL})"
+    print(line)
+
+
+def test_fp16_export_chunked_prefill_block_32(tmp_path):
+    """An fp16 export (the node's own T in and out: no Casts folded), chunked prefill, 32-token blocks."""
+    hf = tiny_model("LlamaConfig", seed=3)
+    export_tiny(hf, tmp_path)
+    sess = InferenceSession(str(tmp_path / "model.onnx"), cpu_backend="onnxruntime")
+    check_parity(hf, tmp_path, prompt_lens=(40, 9), chunk=16, steps=6, block_size=32, seed=4, session=sess)
+    assert sess.delegated["lowered"], sess.delegated
+
+
+def _ort_models(monkeypatch) -> list[onnx.ModelProto]:
+    seen, real = [], D._ort_session
+
+    def record(m, *args, **kwargs):
+        seen.append(m)
+        return real(m, *args, **kwargs)
+
+    monkeypatch.setattr(D, "_ort_session", record)
+    return seen
+
+
+def test_one_onnxruntime_node_per_layer_attention(llama, llama32, monkeypatch):
+    """The attention of a layer is one onnxruntime node (no Casts around it, no shared bookkeeping nodes): the
+    graph onnxruntime runs has as many nodes as the model without its attention, plus one a layer. The
+    op-by-op decomposition of the same model takes more than 20 a layer (what the kernel replaces)."""
+    layers = llama.config.num_hidden_layers
+    seen = _ort_models(monkeypatch)
+    InferenceSession(str(llama32 / "model.onnx"))
+    (m,) = seen
+    model = onnx.load(str(llama32 / "model.onnx"), load_external_data=False)
+    attention = [n for n in m.graph.node if "PagedAttention" in n.name]
+    assert len(attention) == layers and all(n.domain == "pagedkit.cpu" for n in attention)
+    assert all(n.op_type == "PagedAttention_f32_f16_f16" for n in attention)  # the float32 Casts folded in
+    others = [n for n in model.graph.node if "PagedAttention" not in n.name]  # the node and its Casts
+    assert len(m.graph.node) == len(others) + layers
+    seen.clear()
+    monkeypatch.setenv("PAGEDKIT_CPU_ATTENTION", "decompose")
+    InferenceSession(str(llama32 / "model.onnx"))
+    (m,) = seen
+    per_layer = sum("PagedAttention" in n.name and n.op_type != "Constant" for n in m.graph.node) / layers
+    print(f"onnxruntime nodes of a layer's attention: kernel 1, decomposition {per_layer:.1f}")
+    assert per_layer > 20
+
+
+def test_caches_written_in_place_and_teeth(llama32, monkeypatch):
+    """run_torch's contract with the kernel: the fed caches are written in place (bound without a copy) and
+    returned as the present outputs; bound as copies (teeth) the fed tensors stay untouched."""
+    from test_delegate import _one_step
+
+    import onnxruntime as ort
+
+    before, fed, present = _one_step(llama32)
+    assert present is fed and not torch.equal(fed, before)
+    real = ort.OrtValue.ortvalue_from_numpy
+    monkeypatch.setattr(ort.OrtValue, "ortvalue_from_numpy", staticmethod(lambda a, *r: real(a.copy(), *r)))
+    before, fed, present = _one_step(llama32)
+    assert torch.equal(fed, before)
+
+
+def test_kernel_setting(llama32, monkeypatch):
+    """PAGEDKIT_CPU_ATTENTION: decompose never uses the library; kernel raises when it cannot be built (auto
+    then decomposes and says why)."""
+    monkeypatch.setenv("PAGEDKIT_CPU_ATTENTION", "decompose")
+    d = InferenceSession(str(llama32 / "model.onnx")).delegated
+    assert d["decomposed"] and not d["lowered"] and "decompose" in d["cpu_kernel"], d
+    monkeypatch.setattr(B, "_RESULT", (None, "no C compiler on PATH (for the test)"))
+    monkeypatch.setenv("PAGEDKIT_CPU_ATTENTION", "kernel")
+    with pytest.raises(RuntimeError, match="PAGEDKIT_CPU_ATTENTION=kernel"):
+        InferenceSession(str(llama32 / "model.onnx"))
+    monkeypatch.setenv("PAGEDKIT_CPU_ATTENTION", "auto")
+    d = InferenceSession(str(llama32 / "model.onnx")).delegated
+    assert d["decomposed"] and not d["lowered"] and "no C compiler" in d["cpu_kernel"], d
+
+
+def _mutant(tmp_path, old: str, new: str):
+    src = tmp_path / "src"
+    src.mkdir()
+    for p in (B.SOURCE, *B.HEADERS):
+        shutil.copy(p, src / p.name)
+    text = (src / B.SOURCE.name).read_text()
+    assert text.count(old) == 1, old
+    (src / B.SOURCE.name).write_text(text.replace(old, new))
+    path, why = B.build(out_dir=tmp_path, source_dir=src)
+    assert path, why
+    return path
+
+
+MUTANTS = {
+    "scale x1.02": ("const float scale = K->scale != 0.f ? K->scale : 1.0f / sqrtf((float)D);",
+                    "const float scale = 1.02f * (K->scale != 0.f ? K->scale : 1.0f / sqrtf((float)D));"),
+    "context one key short": ("int64_t hi = extent - 1, lo = 0;", "int64_t hi = extent - 2, lo = 0;"),
+    "window dropped": ("if (K->window > 0 && pos - K->window + 1 > lo)", "if (0)"),
+    "sink dropped": ("if (S->sink) den += expf(sink - m);", ""),
+}
+
+
+@pytest.mark.parametrize("mutant", list(MUTANTS))
+def test_teeth_mutated_kernel(mutant, tmp_path, monkeypatch):
+    """Each mutant of the C kernel, built and used in place of the real one, fails: HF parity (GPT-OSS fp32:
+    sinks and windows) and the case files of the features it breaks."""
+    from cases import compare_case, load_cases
+    from test_session_cases import single_node_model
+
+    monkeypatch.setattr(B, "_RESULT", (_mutant(tmp_path, *MUTANTS[mutant]), ""))
+    failures = []
+    for name in ("paged_sink_window_softcap", "paged_llama_fp16_rotary", "paged_bidirectional_window"):
+        (case,) = load_cases([name])
+        sess = InferenceSession(single_node_model(case), cpu_backend="onnxruntime")
+        assert sess.delegated["lowered"], sess.delegated
+        feeds = {k: (v.clone() if isinstance(v, torch.Tensor) else torch.as_tensor(v))
+                 for k, v in case.inputs.items()}
+        got = sess.run_torch(feeds)
+        try:
+            compare_case(case, {k: v.clone() for k, v in got.items()})
+        except AssertionError:
+            failures.append(name)
+    make, kw, _ = FAMILIES["gpt_oss"]
+    hf = make()
+    export_tiny(hf, tmp_path / "m", dtype="fp32")
+    rep = check_parity(hf, tmp_path / "m", tol=math.inf, greedy=False, **kw)
+    print(f"{mutant}: case files failing {failures}; GPT-OSS vs HF {rep.worst_ratio:.3g} (bound {FP32_TOL})")
+    assert failures and rep.worst_ratio > FP32_TOL
