@@ -195,3 +195,38 @@ def test_teeth_mutated_kernel(mutant, tmp_path, monkeypatch):
     rep = check_parity(hf, tmp_path / "m", tol=math.inf, greedy=False, **kw)
     print(f"{mutant}: case files failing {failures}; GPT-OSS vs HF {rep.worst_ratio:.3g} (bound {FP32_TOL})")
     assert failures and rep.worst_ratio > FP32_TOL
+
+
+def test_generator_direct_path_matches_run_torch(llama32, monkeypatch):
+    """Generator's direct path (the model is one onnxruntime segment: no run_torch checks, persistent step
+    buffers, logits in a buffer of the segment's) gives the tokens and logits of the run_torch path, and history
+    keeps each step's own logits (the buffer is reused). Teeth: a direct path that does not write the step's
+    token into its id buffer is seen."""
+    from pagedkit.runtime import generate as G
+
+    prompt = [5, 17, 33, 9, 101, 64, 12]
+
+    def run(direct: bool):
+        gen = G.Generator(llama32, shuffle_seed=3)
+        if not direct:
+            gen.state._direct = False
+        steps = list(gen.greedy(prompt, 10, stop_at_eos=False))
+        assert bool(gen.state._direct) == direct
+        return [s.token for s in steps], torch.stack([s.logits for s in steps])
+
+    tokens, logits = run(True)
+    ref_tokens, ref_logits = run(False)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
+    assert len({float(row.max()) for row in logits}) > 1  # each step's own logits, not the last buffer's
+
+    real = G._PagedState._setup_direct
+
+    def detached(self, feeds):  # the bug: ids written to an array that is not the bound buffer's memory
+        out = real(self, feeds)
+        self._id_np = self._id_np.copy()
+        return out
+
+    monkeypatch.setattr(G._PagedState, "_setup_direct", detached)
+    bad_tokens, bad_logits = run(True)
+    assert bad_tokens != ref_tokens or not torch.allclose(bad_logits, ref_logits, atol=1e-3)

@@ -223,12 +223,15 @@ class _PagedState:
         self.input_names = set(args)
         self.gen = gen
         self.seq = 0
+        self._direct = None  # the direct path after the first step (_setup_direct), or False
 
     def start(self, prompt: Sequence[int]) -> None:
         self.seq += 1
         self.mgr.add_sequence(self.seq, list(prompt))
 
     def step(self, ids: Sequence[int]) -> torch.Tensor:
+        """Run `ids` (chunked as the windowed rings need) -> their logits [len(ids), V], valid until the next step
+        (on the direct path they live in a buffer the next step writes)."""
         mgr, sess = self.mgr, self.gen.session
         logits = []
         done = 0
@@ -236,20 +239,60 @@ class _PagedState:
             n = min(len(ids) - done, mgr.max_step_tokens(self.seq))
             chunk = list(ids[done:done + n])
             plan = mgr.plan([(self.seq, chunk)])
-            feeds = step_feeds(plan, mgr, chunk, self.renames, self.input_names, self.gen.config.input(N.INPUT_IDS))
             try:
-                out = sess.run_torch(feeds, [self.gen.logits_name], plan=plan.hint,
-                                     distinct_slots=True)[self.gen.logits_name]  # a manager plan: distinct slots
+                if self._direct:
+                    out = self._run_direct(plan, chunk)
+                else:
+                    feeds = step_feeds(plan, mgr, chunk, self.renames, self.input_names,
+                                       self.gen.config.input(N.INPUT_IDS))
+                    out = sess.run_torch(feeds, [self.gen.logits_name], plan=plan.hint,
+                                         distinct_slots=True)[self.gen.logits_name]  # a manager plan: distinct slots
+                    if self._direct is None:
+                        self._direct = self._setup_direct(feeds)
             except BaseException:
                 mgr.abort(plan)
                 raise
             mgr.commit(plan)
-            logits.append(out.reshape(n, -1))
+            out = out if out.dim() == 2 and out.shape[0] == n else out.reshape(n, -1)
             done += n
-        return torch.cat(logits)
+            logits.append(out.clone() if self._direct and done < len(ids) else out)  # the next chunk reuses it
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
 
     def finish(self) -> None:
         self.mgr.free(self.seq)
+
+    # ---- the direct path: a model that is one onnxruntime segment, fed without run_torch's per-call checks ----
+    def _setup_direct(self, feeds: dict) -> tuple | bool:
+        """After a first step through run_torch (its feed checks passed): when the whole model is one onnxruntime
+        segment (InferenceSession.single_segment), the input list it takes with the caches in place, the
+        positions of the per-step inputs and of the logits; else False. A decode step then skips run_torch's feed
+        checks and the caches' lookups, and the segment binds nothing (the manager's step tensors and the id buffer
+        are the same objects every step; the logits go to a buffer of the segment's: Segment.run keep)."""
+        direct = self.gen.session.single_segment()
+        if direct is None:
+            return False
+        seg, names, outputs = direct
+        caches = self.mgr.cache_feeds()
+        ins = [caches.get(n) for n in names]
+        step = [(n, i) for i, n in enumerate(names) if n not in caches]
+        if any(n not in feeds for n, _ in step) or self.gen.logits_name not in outputs:
+            return False
+        self._id_buf = torch.zeros(self.max_seq_len, dtype=torch.int64)
+        self._id_np, self._ids = self._id_buf.numpy(), {}
+        return seg, ins, step, outputs.index(self.gen.logits_name)
+
+    def _run_direct(self, plan, chunk: list[int]) -> torch.Tensor:
+        seg, ins, step, logits = self._direct
+        feeds = {self.renames.get(k, k): v for k, v in plan.feeds(query_positions=True).items()}
+        n = len(chunk)
+        ids = self._ids.get(n)  # views of one persistent id buffer, written through numpy (no torch op a step)
+        if ids is None:
+            ids = self._ids[n] = self._id_buf[:n]
+        self._id_np[:n] = chunk
+        feeds[self.gen.config.input(N.INPUT_IDS)] = ids
+        for name, i in step:
+            ins[i] = feeds[name]
+        return seg.run(ins, keep=True)[logits]
 
 
 class _GQAState:
@@ -366,8 +409,14 @@ class Generator:
             feed, pos = prompt, len(prompt) - 1
             for k in range(max_new_tokens):
                 t0 = time.perf_counter()
-                logits = self.state.step(feed)[-1].float().cpu()
-                token = int(forced[k]) if forced is not None else int(torch.argmax(logits))
+                out = self.state.step(feed)
+                if out.dtype == torch.float32 and not out.is_cuda:  # a copy of its own: the state's buffer is the
+                    row = out.numpy()[-1].copy()  # next step's (numpy: fewer calls than torch's, measured)
+                    logits = torch.from_numpy(row)
+                else:
+                    logits = out[-1].float().cpu()
+                    row = logits.numpy()
+                token = int(forced[k]) if forced is not None else int(row.argmax())
                 step = StepResult(token, logits, pos, time.perf_counter() - t0)
                 self.history.steps.append(step)
                 yield step

@@ -208,6 +208,7 @@ class InferenceSession:
         init_names = {i.name for i in graph.initializer}
         self._inputs, self._input_types, self._ranks = [], {}, {}
         self._feeds_ok: dict[str, tuple] = {}  # input name -> (dtype, shape, device type) that passed _check_feed
+        self._feed_objs: dict[str, tuple] = {}  # input name -> (the tensor that passed last, its shape)
         for vi in graph.input:
             if vi.name not in init_names:
                 arg, elem = _node_arg(vi)
@@ -264,6 +265,23 @@ class InferenceSession:
         return {"onnxruntime": dict(r.delegated), "torch": dict(r.kept), "attention_nodes": r.barriers,
                 "lowered": list(r.lowered), "decomposed": list(r.decomposed), "onnx_attention": r.fused,
                 "cpu_kernel": r.cpu_kernel}
+
+    def single_segment(self):
+        """(the onnxruntime Segment, its input names, its output names) when the whole model is one delegated
+        segment over graph inputs (the onnxruntime CPU backend's usual result), else None. Its `run(list of
+        tensors in input order)` is run_torch without the per-call feed checks, for callers whose feeds are
+        correct by construction and whose first call went through run_torch (runtime/generate.py)."""
+        from .ops.control import SEGMENTS
+        from .ops.registry import ORT_DOMAIN
+
+        ops = self._main.ops
+        if len(ops) != 1 or ops[0].step.op_type != "Segment" or ops[0].step.domain != ORT_DOMAIN:
+            return None
+        step = ops[0].step
+        seg = SEGMENTS.get(step.attrs.get("key"))
+        if seg is None or any(n not in self._input_names for n in step.inputs):
+            return None
+        return seg, list(step.inputs), list(step.outputs)
 
     @property
     def fused(self) -> dict[str, int]:
@@ -362,8 +380,12 @@ class InferenceSession:
         return names
 
     def _check_feed(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        last = self._feed_objs.get(name)
+        if last is not None and last[0] is t and last[1] == t.shape:  # this very tensor passed last run (caches)
+            return t
         seen = (t.dtype, t.shape, t.device.type)
-        if self._feeds_ok.get(name) == seen:  # passed before with this dtype, shape and device (the caches)
+        if self._feeds_ok.get(name) == seen:  # passed before with this dtype, shape and device
+            self._feed_objs[name] = (t, t.shape)
             return t
         arg = self._args[name]
         want = self._input_types[name]
@@ -386,6 +408,7 @@ class InferenceSession:
             t = t.to(dev)
         else:
             self._feeds_ok[name] = seen
+            self._feed_objs[name] = (t, t.shape)
         return t
 
     # ---- execution ------------------------------------------------------------------------------
