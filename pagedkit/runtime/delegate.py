@@ -143,7 +143,6 @@ def delegate(model: onnx.ModelProto, base_dir: str | None, threads: int) -> tupl
                for n in model.graph.node):
         return _delegate(model, base_dir, threads, [])
     from ..kernels.cpu.lower import LowerReport, lower
-    from ..kernels.onnx_ops import decompose  # PagedAttention as standard ops, caches written in place
 
     library, why_not = cpu_attention_library()
     first = None
@@ -153,7 +152,7 @@ def delegate(model: onnx.ModelProto, base_dir: str | None, threads: int) -> tupl
             continue
         for fused in (True, False):  # attention as ONNX Attention nodes where allowed, else op by op
             try:
-                rewritten, drep = decompose(base, in_place=True, fused=fused)
+                rewritten, drep = _decompose(base, fused)
             except Exception as exc:  # a model onnx-ir cannot read: pagedkit's own loader reports it, clearly
                 why = f"the attention rewrite failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                 out, live, report = _delegate(model, base_dir, threads, [])
@@ -178,6 +177,25 @@ def delegate(model: onnx.ModelProto, base_dir: str | None, threads: int) -> tupl
         report.kept.setdefault("(attention rewrite)", f"not used: {first[0]}: {first[1]}")
         return out, live, report
     return _delegate(model, base_dir, threads, [])
+
+
+@dataclass(frozen=True)
+class _Nothing:
+    changed: tuple = ()
+
+
+_NOTHING_DECOMPOSED = _Nothing()
+
+
+def _decompose(model: onnx.ModelProto, fused: bool):
+    """decompose(in_place=True) of the PagedAttention nodes left (none left: the model as it is, and onnx-ir
+    is not even imported)."""
+    if not any(n.op_type == "PagedAttention" and normalize_domain(n.domain) == "com.microsoft"
+               for n in model.graph.node):
+        return model, _NOTHING_DECOMPOSED
+    from ..kernels.onnx_ops import decompose  # PagedAttention as standard ops, caches written in place
+
+    return decompose(model, in_place=True, fused=fused)
 
 
 def cpu_attention_library() -> tuple[str | None, str]:

@@ -18,6 +18,7 @@ checks, so a bad input is still a ValidationError naming the node and every issu
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
@@ -194,6 +195,7 @@ class InferenceSession:
             else:
                 owned = owned or model is not self._model  # delegate's model is a proto of our own
                 self._model = model
+                gc.collect()  # the rewrites' intermediate protos (reference cycles): freed now, not at the peak
             if self._segments and torch.get_num_threads() != 1:
                 torch.set_num_threads(1)  # what runs on torch is small; the cores are onnxruntime's pool's
         if allow_reference_fallback is None:

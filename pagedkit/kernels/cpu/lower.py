@@ -23,7 +23,7 @@ from onnx import TensorProto, helper
 
 from ...validators import validate_node
 from ...validators.contract import PAGED_ATTENTION
-from ..onnx_ops.paged import _facts
+from ..onnx_facts import facts as _facts
 
 DOMAIN = "pagedkit.cpu"
 SOURCE_DOMAINS = ("com.microsoft",)
