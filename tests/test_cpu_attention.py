@@ -230,3 +230,71 @@ def test_generator_direct_path_matches_run_torch(llama32, monkeypatch):
     monkeypatch.setattr(G._PagedState, "_setup_direct", detached)
     bad_tokens, bad_logits = run(True)
     assert bad_tokens != ref_tokens or not torch.allclose(bad_logits, ref_logits, atol=1e-3)
+
+
+# ---- the CPU default: float16 models widened to float32 outside attention (kernels/cpu/widen.py) ----------------
+
+def _fp16_weights(hf):
+    """A copy of `hf` with every parameter rounded to float16 (kept float32): the weights a float16 export holds."""
+    import copy
+
+    ref = copy.deepcopy(hf)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.to(torch.float16).float())
+    return ref
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_widened_fp16_export_parity(family, tmp_path, monkeypatch):
+    """A float16 export on the CPU's default backend ("auto") runs in onnxruntime widened to float32 outside
+    attention: against HF eager on the same float16-rounded weights with float16 rounding at the attention node's
+    boundary it agrees within NODE_TOL (an export computing in float16 does not: teeth below)."""
+    monkeypatch.setenv("PAGEDKIT_CPU_BACKEND", "auto")
+    hf = FAMILIES[family][0]()
+    export_tiny(hf, tmp_path)  # float16
+    sess = InferenceSession(str(tmp_path / "model.onnx"))
+    d = sess.delegated
+    assert sess.cpu_backend == "onnxruntime" and d["widened"] > 0 and d["lowered"] and not d["torch"], d
+    ref = _fp16_weights(hf)
+    with node_boundary_fp16(ref):
+        rep = check_parity(ref, tmp_path, tol=NODE_TOL, session=sess)
+    print(f"{family} fp16 export, widened: vs HF (fp16 weights, node-boundary fp16) {rep.worst_ratio:.3g}")
+
+
+def test_widening_teeth_float16_compute_fails_node_tol(tmp_path, monkeypatch):
+    """The same float16 export computed in float16 (pagedkit's torch kernels) misses NODE_TOL against that
+    reference: the bound tells float32 computation from float16."""
+    hf = FAMILIES["llama"][0]()
+    export_tiny(hf, tmp_path)
+    sess = InferenceSession(str(tmp_path / "model.onnx"), cpu_backend="torch")
+    ref = _fp16_weights(hf)
+    with node_boundary_fp16(ref):
+        rep = check_parity(ref, tmp_path, tol=math.inf, greedy=False, session=sess)
+    assert rep.worst_ratio > NODE_TOL, rep.worst_ratio
+
+
+def test_default_cpu_path_rule(tmp_path, monkeypatch):
+    """The documented rule (docs/runtime.md): Generator / paged-run default to cpu_backend "auto": onnxruntime for
+    float32 and int4 exports and for float16 PagedAttention exports (widened); torch for bfloat16; every
+    PagedAttention node of an onnxruntime model on the attention kernel."""
+    from pagedkit.runtime.generate import Generator
+
+    monkeypatch.delenv("PAGEDKIT_CPU_BACKEND", raising=False)
+    monkeypatch.setenv("PAGEDKIT_CPU_ATTENTION", "auto")
+    hf = tiny_model("LlamaConfig", seed=4, vocab_size=20000)  # weights over the 1M-element rule
+    from pagedkit.exporters.export import export_hf_model
+    from pagedkit.exporters.families.base import ExportOptions
+
+    got = {}
+    for name, opts in {"fp32": dict(dtype="fp32"), "fp16": {}, "bf16": dict(dtype="bf16"),
+                       "int4": dict(dtype="fp32")}.items():
+        if name == "int4":
+            export_hf_model(hf, tmp_path / name, ExportOptions(progress=False, **opts), weight_format="int4")
+        else:
+            export_tiny(hf, tmp_path / name, **opts)
+        sess = Generator(tmp_path / name).session
+        d = sess.delegated
+        got[name] = (sess.cpu_backend, bool(d.get("lowered")), d.get("widened", 0) > 0)
+    assert got == {"fp32": ("onnxruntime", True, False), "fp16": ("onnxruntime", True, True),
+                   "bf16": ("torch", False, False), "int4": ("onnxruntime", True, False)}, got

@@ -33,11 +33,16 @@ def llama32(tmp_path_factory):
     return hf, out
 
 
-def test_auto_keeps_half_weights_on_torch(tmp_path, monkeypatch):
+def test_auto_keeps_bf16_weights_on_torch_and_widens_fp16(tmp_path, monkeypatch):
+    """auto: bfloat16 weights stay on torch (numpy has no bfloat16 for onnxruntime's boundaries); float16 ones run
+    in onnxruntime widened to float32 outside attention (tests/test_cpu_attention.py: the rule and its parity)."""
     monkeypatch.delenv("PAGEDKIT_CPU_BACKEND", raising=False)
-    hf = tiny_model("LlamaConfig", seed=4, vocab_size=20000)  # a 20000 x 64 fp16 embedding: 1.28 M elements
-    export_tiny(hf, tmp_path)
-    assert InferenceSession(str(tmp_path / "model.onnx"), cpu_backend="auto").cpu_backend == "torch"
+    hf = tiny_model("LlamaConfig", seed=4, vocab_size=20000)  # a 20000 x 64 embedding: 1.28 M elements
+    export_tiny(hf, tmp_path / "bf16", dtype="bf16")
+    assert InferenceSession(str(tmp_path / "bf16" / "model.onnx"), cpu_backend="auto").cpu_backend == "torch"
+    export_tiny(hf, tmp_path / "fp16")
+    sess = InferenceSession(str(tmp_path / "fp16" / "model.onnx"), cpu_backend="auto")
+    assert sess.cpu_backend == "onnxruntime" and sess.delegated["widened"] > 0, sess.delegated
 
 
 @pytest.fixture(autouse=True)

@@ -64,6 +64,7 @@ class DelegationReport:
     fused: bool = False  # their attention runs as ONNX Attention nodes (onnxruntime's kernel), where allowed
     lowered: list[str] = field(default_factory=list)  # PagedAttention nodes run as one pagedkit.cpu node each
     cpu_kernel: str = ""  # the CPU attention library's path, or why it is not used
+    widened: int = 0  # float16 weights widened to float32 (kernels/cpu/widen.py)
 
 
 def _barrier(node: onnx.NodeProto) -> bool:
@@ -143,7 +144,12 @@ def delegate(model: onnx.ModelProto, base_dir: str | None, threads: int) -> tupl
                for n in model.graph.node):
         return _delegate(model, base_dir, threads, [])
     from ..kernels.cpu.lower import LowerReport, lower
+    from ..kernels.cpu.widen import why_not as widen_refusal, widen
 
+    widened = 0
+    if widen_refusal(model) is None:  # float16 weights: float32 outside attention (onnxruntime has no fp16 MatMul)
+        model, wrep = widen(model)
+        widened = wrep.widened_weights
     library, why_not = cpu_attention_library()
     first = None
     for lowering in ((True, False) if library else (False,)):
@@ -166,6 +172,7 @@ def delegate(model: onnx.ModelProto, base_dir: str | None, threads: int) -> tupl
                 report.fused = fused and any(n.op_type == "Attention" and n.domain in ("", "ai.onnx")
                                              for n in rewritten.graph.node)
                 report.lowered = list(lrep.lowered)
+                report.widened = widened
                 report.cpu_kernel = library if lowering else why_not or "not used: onnxruntime refused its nodes"
                 return out, live, report
             _forget(live)

@@ -115,18 +115,22 @@ def _cpu_backend(value: str | None, default: str = "torch") -> str:
 
 
 def _auto_backend(model: onnx.ModelProto) -> str:
-    """"auto": onnxruntime for models whose weights are float32 or quantized; torch for float16 / bfloat16
-    weights (onnxruntime's CPU path holds them in several copies and dtypes: SmolLM2-135M fp16 peaked at
-    1.85 GB there against 0.73 GB on torch, which keeps them once)."""
+    """"auto" (docs/runtime.md, the CPU rule): onnxruntime for models whose weights are float32 or quantized, and
+    for float16 PagedAttention models it can widen to float32 outside attention (kernels/cpu/widen.py: exact
+    weights, float32 activations; SmolLM2-135M: the float32 export's speed, 2.4x torch's float16); torch for the
+    other float16 / bfloat16 models (GroupQueryAttention caches bind their activations' type; numpy has no
+    bfloat16 for onnxruntime's boundaries), which it keeps once."""
     if not onnxruntime_available():
         return "torch"
+    from ..kernels.cpu.widen import why_not
+
     half = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
     for t in model.graph.initializer:
         n = 1
         for d in t.dims:
             n *= int(d)
         if t.data_type in half and n >= _HALF_WEIGHTS:
-            return "torch"
+            return "onnxruntime" if t.data_type == onnx.TensorProto.FLOAT16 and why_not(model) is None else "torch"
     return "onnxruntime"
 
 
@@ -266,7 +270,7 @@ class InferenceSession:
             return {}
         return {"onnxruntime": dict(r.delegated), "torch": dict(r.kept), "attention_nodes": r.barriers,
                 "lowered": list(r.lowered), "decomposed": list(r.decomposed), "onnx_attention": r.fused,
-                "cpu_kernel": r.cpu_kernel}
+                "cpu_kernel": r.cpu_kernel, "widened": r.widened}
 
     def single_segment(self):
         """(the onnxruntime Segment, its input names, its output names) when the whole model is one delegated
