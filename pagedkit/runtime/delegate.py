@@ -153,7 +153,7 @@ def delegate(model: onnx.ModelProto, base_dir: str | None, threads: int) -> tupl
     library, why_not = cpu_attention_library()
     first = None
     for lowering in ((True, False) if library else (False,)):
-        base, lrep = lower(model) if lowering else (model, LowerReport())
+        base, lrep = lower(model, threads) if lowering else (model, LowerReport())
         if lowering and not lrep.lowered:
             continue
         for fused in (True, False):  # attention as ONNX Attention nodes where allowed, else op by op

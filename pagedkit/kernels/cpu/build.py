@@ -22,8 +22,8 @@ from pathlib import Path
 from ... import settings
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
-HEADERS = (Path(__file__).with_name("simd.h"),)
-FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp-simd", "-fno-math-errno")
+HEADERS = (Path(__file__).with_name("simd.h"), Path(__file__).with_name("pool.h"))
+FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-fopenmp-simd", "-fno-math-errno")
 NATIVE = ("-march=native",)
 COMPILERS = ("cc", "gcc", "clang")
 _RESULT: tuple[str | None, str] | None = None
@@ -83,7 +83,7 @@ def build(out_dir: Path | None = None, source_dir: Path | None = None) -> tuple[
         if target.is_file():
             return str(target), ""
         tmp = folder / f"{target.name}.{os.getpid()}.tmp"
-        cmd = [exe, *flags, "-o", str(tmp), str(files[0]), "-lm"]
+        cmd = [exe, *flags, "-o", str(tmp), str(files[0]), "-lm", "-ldl"]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as exc:

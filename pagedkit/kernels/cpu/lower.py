@@ -26,6 +26,7 @@ from ...validators.contract import PAGED_ATTENTION
 from ..onnx_facts import facts as _facts
 
 DOMAIN = "pagedkit.cpu"
+PARALLEL_MIN = 8192  # a step's keys x heads from which a node's attention spreads over its threads (~10 ns each)
 SOURCE_DOMAINS = ("com.microsoft",)
 _KIND = {TensorProto.FLOAT16: "f16", TensorProto.BFLOAT16: "bf16"}
 _INPUTS = ("query", "key", "value", "key_cache", "value_cache", "cumulative_sequence_length", "past_seqlens",
@@ -76,8 +77,9 @@ def _refusal(node: onnx.NodeProto, attrs: dict, named: dict, outs: dict, info: d
     return None
 
 
-def lower(model: onnx.ModelProto) -> tuple[onnx.ModelProto, LowerReport]:
-    """(a new model with the served PagedAttention nodes lowered, the report). `model` is not changed."""
+def lower(model: onnx.ModelProto, threads: int = 1) -> tuple[onnx.ModelProto, LowerReport]:
+    """(a new model with the served PagedAttention nodes lowered, the report). `model` is not changed. threads: the
+    most threads a node's attention may use (prefill and batches; a decode step's runs on one)."""
     report = LowerReport()
     info, consts = _facts(model)
     g = model.graph
@@ -131,6 +133,8 @@ def lower(model: onnx.ModelProto) -> tuple[onnx.ModelProto, LowerReport]:
         for a, kind in _ATTRS.items():
             v = attrs.get(a, PAGED_ATTENTION.attr(a).default)
             kwargs[a] = float(v) if kind == "f" else int(v)
+        kwargs["threads"] = max(1, int(threads))
+        kwargs["parallel_min"] = PARALLEL_MIN
         while ins and not ins[-1]:
             ins.pop()
         new = helper.make_node(f"PagedAttention_{io}_{t}_{c}", ins,

@@ -17,7 +17,9 @@
  *   14 query_positions [T] int32 (opt)
  * Output: 0 output [T, H*D].
  * Attributes: num_heads, kv_num_heads, scale (f), softcap (f), local_window_size, do_rotary, rotary_interleaved,
- *   is_causal, rotary_offset, qk_norm_epsilon (f).
+ *   is_causal, rotary_offset, qk_norm_epsilon (f); threads (the most threads the attention may use, pool.h) and
+ *   parallel_min (the step's keys x heads below which it runs on one: a decode step's few microseconds are not
+ *   worth a wake-up).
  *
  * The caches are updated in the input buffers: the op has no cache outputs; the caller (runtime/delegate.py)
  * returns the cache inputs as the node's present outputs. Everything is computed in float32; Q is rounded to T
@@ -27,6 +29,8 @@
  * below are called (their positions in that table, which onnxruntime only ever appends to), and the op is
  * described by the OrtCustomOp layout of API version 16 (CreateKernelV2 / KernelComputeV2 report errors).
  */
+#define _GNU_SOURCE
+#include <dlfcn.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -100,13 +104,14 @@ typedef struct CustomOp {  /* OrtCustomOp, API version 16 */
   OrtStatus* (*KernelComputeV2)(void*, OrtKernelContext*);
 } CustomOp;
 
+#include "pool.h"
 #include "simd.h"
 
 /* ---- the kernel ------------------------------------------------------------------------------------------- */
 typedef struct Kernel {
   const OrtApi* api;
   int io, t, c;  /* element kinds */
-  int64_t heads, kv_heads, window, rotary, interleaved, causal, rotary_offset;
+  int64_t heads, kv_heads, window, rotary, interleaved, causal, rotary_offset, threads, parallel_min;
   float scale, softcap, eps;
 } Kernel;
 
@@ -147,6 +152,8 @@ static OrtStatus* create_v2(const CustomOp* op, const OrtApi* api, const OrtKern
   k->interleaved = attr_i(api, info, "rotary_interleaved", 0);
   k->causal = attr_i(api, info, "is_causal", 1);
   k->rotary_offset = attr_i(api, info, "rotary_offset", 0);
+  k->threads = attr_i(api, info, "threads", 1);
+  k->parallel_min = attr_i(api, info, "parallel_min", 8192);
   k->scale = attr_f(api, info, "scale", 0.f);
   k->softcap = attr_f(api, info, "softcap", 0.f);
   k->eps = attr_f(api, info, "qk_norm_epsilon", 1e-6f);
@@ -317,12 +324,42 @@ static void attend(const Step* S, int64_t t, int64_t b, int g, const float* q, i
   }
 }
 
+/* the attention's work items: (token, KV head), each with its worker's scratch */
+typedef struct Attend {
+  const Step* S;
+  const float* qbuf;
+  const int64_t* seq;
+  int64_t maxc;
+  char* scratch;
+  size_t stride;
+} Attend;
+
+static size_t scratch_bytes(const Step* S, int64_t maxc) {
+  size_t n = sizeof(int64_t) * (size_t)(maxc > 0 ? maxc : 1) + sizeof(float) * ((size_t)S->G * (size_t)maxc +
+             (size_t)(S->G + 1) * (size_t)S->D);
+  return (n + 63) & ~(size_t)63;
+}
+
+static void attend_item(void* arg, int64_t item, int worker) {
+  const Attend* A = (const Attend*)arg;
+  const Step* S = A->S;
+  const int64_t t = item / S->HKV;
+  const int g = (int)(item % S->HKV);
+  char* mem = A->scratch + A->stride * (size_t)worker;
+  int64_t* rows = (int64_t*)mem;
+  float* scores = (float*)(mem + sizeof(int64_t) * (size_t)(A->maxc > 0 ? A->maxc : 1));
+  float* kf = scores + (size_t)S->G * (size_t)A->maxc;
+  float* acc = kf + S->D;
+  attend(S, t, A->seq[t], g, A->qbuf + (size_t)t * S->H * S->D, A->maxc, rows, scores, kf, acc);
+}
+
 static OrtStatus* compute_v2(void* kernel, OrtKernelContext* ctx) {
   Kernel* K = (Kernel*)kernel;
   const OrtApi* api = K->api;
   OrtStatus* st = NULL;
   float *qbuf = NULL, *work = NULL;
-  int64_t* rows = NULL;
+  int64_t* seq = NULL;
+  char* scratch = NULL;
   size_t count = 0;
   if ((st = ((InputCountFn)SLOT(api, S_KernelContext_GetInputCount))(ctx, &count))) return st;
   Tensor in[15];
@@ -387,25 +424,31 @@ static OrtStatus* compute_v2(void* kernel, OrtKernelContext* ctx) {
   const size_t qw = (size_t)H * D, kw = (size_t)HKV * D;
   const int64_t maxc = S.MB * S.BS;
   qbuf = (float*)malloc(sizeof(float) * (size_t)T * qw);
-  work = (float*)malloc(sizeof(float) * (2 * kw + 2 * (size_t)(S.half + 1) + (size_t)S.G * maxc + (size_t)(S.G + 1) * D));
-  rows = (int64_t*)malloc(sizeof(int64_t) * (size_t)(maxc > 0 ? maxc : 1));
-  CHECK(qbuf && work && rows, "out of memory (%lld tokens, context %lld)", T, maxc);
-  float *kb = work, *vb = kb + kw, *cs = vb + kw, *sn = cs + S.half + 1, *scores = sn + S.half + 1;
-  float *kf = scores + (size_t)S.G * maxc, *acc = kf + D;
-  int64_t b = 0;
+  seq = (int64_t*)malloc(sizeof(int64_t) * (size_t)T);
+  work = (float*)malloc(sizeof(float) * (2 * kw + 2 * (size_t)(S.half + 1)));
+  CHECK(qbuf && seq && work, "out of memory (%lld tokens, context %lld)", T, maxc);
+  float *kb = work, *vb = kb + kw, *cs = vb + kw, *sn = cs + S.half + 1;
+  int64_t b = 0, keys = 0;
   for (int64_t t = 0; t < T; t++) {  /* every token's cache write before any attention */
     while (t >= S.csl[b + 1]) b++;
+    seq[t] = b;
+    keys += (int64_t)S.past[b] + S.csl[b + 1] - S.csl[b];
     if ((st = prologue(&S, t, b, qbuf + (size_t)t * qw, kb, vb, cs, sn))) goto done;
   }
-  b = 0;
-  for (int64_t t = 0; t < T; t++) {
-    while (t >= S.csl[b + 1]) b++;
-    for (int g = 0; g < S.HKV; g++) attend(&S, t, b, g, qbuf + (size_t)t * qw, maxc, rows, scores, kf, acc);
-  }
+  /* attention, token x KV head items over the threads when there is enough of it (a decode step's is a few
+   * microseconds: not worth a wake-up) */
+  int threads = keys * H >= K->parallel_min ? (int)K->threads : 1;  /* attribute: keys x heads, about 10 ns each */
+  if (threads > T * HKV) threads = (int)(T * HKV);
+  if (threads < 1) threads = 1;
+  scratch = (char*)malloc(scratch_bytes(&S, maxc) * (size_t)threads);
+  CHECK(scratch, "out of memory (context %lld, %lld threads)", maxc, threads);
+  Attend job = {&S, qbuf, seq, maxc, scratch, scratch_bytes(&S, maxc)};
+  parallel_for(T * HKV, attend_item, &job, threads);
 done:
   free(qbuf);
+  free(seq);
   free(work);
-  free(rows);
+  free(scratch);
   return st;
 }
 
@@ -449,6 +492,10 @@ static const int KINDS[8][3] = {{1, 1, 1}, {1, 1, 2}, {2, 2, 1}, {2, 2, 2}, {0, 
 
 /* the entry point onnxruntime's SessionOptions.register_custom_ops_library calls */
 OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
+  /* never unloaded: the pool's workers (pool.h) sleep in this library's code; onnxruntime closes the library when
+   * the last session using it goes, and a worker woken in unmapped code would crash the process */
+  Dl_info self;
+  if (dladdr((void*)RegisterCustomOps, &self) && self.dli_fname) dlopen(self.dli_fname, RTLD_NOW | RTLD_NODELETE);
   const OrtApi* api = base->GetApi(API_VERSION);
   if (!api) return NULL;  /* cannot report through an API we do not have; the session then refuses the ops */
   OrtCustomOpDomain* domain = NULL;
