@@ -728,7 +728,10 @@ def _pagedkit_batch(gen, prompts: list[list[int]], max_len: int):
 
 def _engine_llamacpp(gguf: Path, prompts: list[list[int]], new_tokens: int, threads: int):
     """llama-cpp-python on the GGUF file: the prompt in one eval, then one eval per token, greedy (argmax of the
-    last position's logits); the same token ids as the other rows (the GGUF carries the same tokenizer)."""
+    last position's logits); the same token ids as the other rows (the GGUF carries the same tokenizer). Built from
+    source without AMX where the kernel does not grant AMX tile state to every thread (this host: ldtilecfg faults
+    in ggml_backend_amx_mul_mat; CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON ... -DGGML_AMX_INT8=OFF")."""
+    import llama_cpp
     import numpy as np
     from llama_cpp import Llama
 
@@ -739,13 +742,16 @@ def _engine_llamacpp(gguf: Path, prompts: list[list[int]], new_tokens: int, thre
                 n_threads_batch=threads, n_batch=512, verbose=False)
     info = {"llama_cpp": {"n_threads": threads, "n_batch": 512, "gguf": gguf.name}}
 
+    vocab = llm.n_vocab()
+
     def run(n: int) -> tuple[dict, list[list[int]]]:
         llm.reset()
         timer = _Timer()
         llm.eval(prompt)
         toks = []
-        for k in range(n):
-            toks.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        for k in range(n):  # the last position's logits (llama.cpp's own buffer: Llama.scores is not filled then)
+            toks.append(int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
+                                                            shape=(vocab,)))))
             timer.token()
             if k + 1 < n:
                 llm.eval([toks[-1]])
