@@ -98,7 +98,8 @@ def _ort_models(monkeypatch) -> list[onnx.ModelProto]:
 
 def test_one_onnxruntime_node_per_layer_attention(llama, llama32, monkeypatch):
     """The attention of a layer is one onnxruntime node (no Casts around it, no shared bookkeeping nodes): the
-    graph onnxruntime runs has as many nodes as the model without its attention, plus one a layer. The
+    graph onnxruntime runs has as many nodes as the model without its attention, plus one a layer (plus the LM
+    head's row selection, once per step). The
     op-by-op decomposition of the same model takes more than 20 a layer (what the kernel replaces)."""
     layers = llama.config.num_hidden_layers
     seen = _ort_models(monkeypatch)
@@ -109,7 +110,8 @@ def test_one_onnxruntime_node_per_layer_attention(llama, llama32, monkeypatch):
     assert len(attention) == layers and all(n.domain == "pagedkit.cpu" for n in attention)
     assert all(n.op_type == "PagedAttention_f32_f16_f16" for n in attention)  # the float32 Casts folded in
     others = [n for n in model.graph.node if "PagedAttention" not in n.name]  # the node and its Casts
-    assert len(m.graph.node) == len(others) + layers
+    rows = [n for n in m.graph.node if n.name.startswith("pagedkit.logit_rows/")]  # kernels/cpu/logits.py
+    assert len(m.graph.node) == len(others) + layers + len(rows) and len(rows) <= 9
     seen.clear()
     monkeypatch.setenv("PAGEDKIT_CPU_ATTENTION", "decompose")
     InferenceSession(str(llama32 / "model.onnx"))
@@ -332,3 +334,31 @@ def test_default_cpu_path_rule(tmp_path, monkeypatch):
         got[name] = (sess.cpu_backend, bool(d.get("lowered")), d.get("widened", 0) > 0)
     assert got == {"fp32": ("onnxruntime", True, False), "fp16": ("onnxruntime", True, True),
                    "bf16": ("torch", False, False), "int4": ("onnxruntime", True, False)}, got
+
+
+def test_last_row_logits_and_teeth(llama32, monkeypatch):
+    """Generator asks the model for its last row's logits only (kernels/cpu/logits.py: the LM head gathers the rows
+    fed; run_torch, feeding none, gets every row): a prefill's last-row logits equal run_torch's last row. Teeth: a
+    row index that never reaches the bound buffer (row 0 then) is seen on the prefill."""
+    from pagedkit.kernels.cpu.logits import ROWS_INPUT
+    from pagedkit.runtime import generate as G
+
+    prompt = [5, 17, 33, 9, 101, 64, 12, 40, 41, 42]
+    gen = G.Generator(llama32, shuffle_seed=1)
+    first = list(gen.greedy(prompt, 2, stop_at_eos=False))  # run_torch: every row, then the direct path is set
+    assert gen.state._rows is not None and gen.state._rows[0] == gen.session.single_segment()[1].index(ROWS_INPUT)
+    again = list(gen.greedy(prompt, 2, stop_at_eos=False))  # the prefill on the direct path: its last row only
+    torch.testing.assert_close(again[0].logits, first[0].logits, rtol=0, atol=1e-5)
+    real = G._PagedState._setup_direct
+
+    def detached(self, feeds):  # the bug: the row index written to an array that is not the bound tensor
+        out = real(self, feeds)
+        at, every, last, last_np = self._rows
+        self._rows = (at, every, last, last_np.copy())
+        return out
+
+    monkeypatch.setattr(G._PagedState, "_setup_direct", detached)
+    bad = G.Generator(llama32, shuffle_seed=1)
+    list(bad.greedy(prompt, 2, stop_at_eos=False))
+    wrong = list(bad.greedy(prompt, 2, stop_at_eos=False))
+    assert not torch.allclose(wrong[0].logits, first[0].logits, atol=1e-3)

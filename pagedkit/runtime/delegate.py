@@ -143,6 +143,7 @@ def delegate(model: onnx.ModelProto, base_dir: str | None, threads: int) -> tupl
     if not any(n.op_type == "PagedAttention" and normalize_domain(n.domain) == "com.microsoft"
                for n in model.graph.node):
         return _delegate(model, base_dir, threads, [])
+    from ..kernels.cpu.logits import select_logit_rows
     from ..kernels.cpu.lower import LowerReport, lower
     from ..kernels.cpu.widen import why_not as widen_refusal, widen
 
@@ -150,6 +151,9 @@ def delegate(model: onnx.ModelProto, base_dir: str | None, threads: int) -> tupl
     if widen_refusal(model) is None:  # float16 weights: float32 outside attention (onnxruntime has no fp16 MatMul)
         model, wrep = widen(model)
         widened = wrep.widened_weights
+    else:
+        model = _copy(model)
+    select_logit_rows(model)  # the LM head for the rows a caller asks for (Generator: the last), else all
     library, why_not = cpu_attention_library()
     first = None
     for lowering in ((True, False) if library else (False,)):
@@ -221,6 +225,12 @@ class KernelUnavailable(RuntimeError):
     """PAGEDKIT_CPU_ATTENTION=kernel and the CPU attention library cannot be built (the session raises it)."""
 
 
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)  # weights in external data (the session's lazy load) are references, not bytes
+    return out
+
+
 def _forget(live: list[Segment]) -> None:
     for seg in live:
         SEGMENTS.pop(seg.key, None)
@@ -232,6 +242,11 @@ def _delegate(model: onnx.ModelProto, base_dir: str | None, threads: int, decomp
     facts, _ = static_facts(model)
     inits = {t.name: t for t in g.initializer}
     graph_inputs = {vi.name for vi in g.input}
+    for vi in g.input:  # an overridable initializer (a graph input with a default) takes any shape it declares
+        if vi.name in inits and vi.type.tensor_type.HasField("shape"):
+            dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                         for d in vi.type.tensor_type.shape.dim)
+            facts[vi.name] = (vi.type.tensor_type.elem_type, dims)
     segs, bars = partition(g)
     # spinning workers only when one session holds the whole model (SmolLM2 fp32, 2 cores, same run: 30.5 tok/s
     # with, 28.0 without; with several sessions or torch in between they fight for the cores)

@@ -229,9 +229,11 @@ class _PagedState:
         self.seq += 1
         self.mgr.add_sequence(self.seq, list(prompt))
 
-    def step(self, ids: Sequence[int]) -> torch.Tensor:
+    def step(self, ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
         """Run `ids` (chunked as the windowed rings need) -> their logits [len(ids), V], valid until the next step
-        (on the direct path they live in a buffer the next step writes)."""
+        (on the direct path they live in a buffer the next step writes). last_only: the caller reads the last row
+        only; where the model can compute the logits of chosen rows (kernels/cpu/logits.py), each chunk's last row
+        alone is computed (a prefill skips the LM head of the other prompt tokens) and fewer rows come back."""
         mgr, sess = self.mgr, self.gen.session
         logits = []
         done = 0
@@ -240,8 +242,9 @@ class _PagedState:
             chunk = list(ids[done:done + n])
             plan = mgr.plan([(self.seq, chunk)])
             try:
+                rows = n
                 if self._direct:
-                    out = self._run_direct(plan, chunk)
+                    out, rows = self._run_direct(plan, chunk, last_only)
                 else:
                     feeds = step_feeds(plan, mgr, chunk, self.renames, self.input_names,
                                        self.gen.config.input(N.INPUT_IDS))
@@ -253,7 +256,7 @@ class _PagedState:
                 mgr.abort(plan)
                 raise
             mgr.commit(plan)
-            out = out if out.dim() == 2 and out.shape[0] == n else out.reshape(n, -1)
+            out = out if out.dim() == 2 and out.shape[0] == rows else out.reshape(rows, -1)
             done += n
             logits.append(out.clone() if self._direct and done < len(ids) else out)  # the next chunk reuses it
         return logits[0] if len(logits) == 1 else torch.cat(logits)
@@ -271,18 +274,33 @@ class _PagedState:
         direct = self.gen.session.single_segment()
         if direct is None:
             return False
-        seg, names, outputs = direct
-        caches = self.mgr.cache_feeds()
-        ins = [caches.get(n) for n in names]
-        step = [(n, i) for i, n in enumerate(names) if n not in caches]
+        from ..kernels.cpu.logits import ROWS_INPUT
+
+        seg, names, outputs, constants = direct
+        fixed = self.mgr.cache_feeds() | constants
+        ins = [fixed.get(n) for n in names]
+        step = [(n, i) for i, n in enumerate(names) if n not in fixed]
         if any(n not in feeds for n, _ in step) or self.gen.logits_name not in outputs:
             return False
         self._id_buf = torch.zeros(self.max_seq_len, dtype=torch.int64)
         self._id_np, self._ids = self._id_buf.numpy(), {}
+        self._rows = None  # (its position, the model's default (every row), a one-row buffer and its numpy view)
+        if ROWS_INPUT in names:
+            last = torch.zeros(1, dtype=torch.int64)
+            self._rows = (names.index(ROWS_INPUT), constants[ROWS_INPUT], last, last.numpy())
         return seg, ins, step, outputs.index(self.gen.logits_name)
 
-    def _run_direct(self, plan, chunk: list[int]) -> torch.Tensor:
+    def _run_direct(self, plan, chunk: list[int], last_only: bool = False) -> tuple[torch.Tensor, int]:
+        """(the chunk's logits, their rows: len(chunk), or 1 when only the last row was computed)."""
         seg, ins, step, logits = self._direct
+        rows = len(chunk)
+        if self._rows is not None:
+            at, every, last, last_np = self._rows
+            if last_only:
+                last_np[0] = len(chunk) - 1
+                ins[at], rows = last, 1
+            else:
+                ins[at] = every
         feeds = {self.renames.get(k, k): v for k, v in plan.feeds(query_positions=True).items()}
         n = len(chunk)
         ids = self._ids.get(n)  # views of one persistent id buffer, written through numpy (no torch op a step)
@@ -292,7 +310,7 @@ class _PagedState:
         feeds[self.gen.config.input(N.INPUT_IDS)] = ids
         for name, i in step:
             ins[i] = feeds[name]
-        return seg.run(ins, keep=True)[logits]
+        return seg.run(ins, keep=True)[logits], rows
 
 
 class _GQAState:
@@ -325,7 +343,7 @@ class _GQAState:
             self.past[name] = torch.zeros(1, kv, cap, d, dtype=_torch_type(a.type), device=dev)
         self.length = 0
 
-    def step(self, ids: Sequence[int]) -> torch.Tensor:
+    def step(self, ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
         cfg, sess, dev = self.gen.config, self.gen.session, self.gen.session.device
         n, total = len(ids), self.length + len(ids)
         feeds = dict(self.past)
@@ -409,7 +427,7 @@ class Generator:
             feed, pos = prompt, len(prompt) - 1
             for k in range(max_new_tokens):
                 t0 = time.perf_counter()
-                out = self.state.step(feed)
+                out = self.state.step(feed, last_only=True)
                 if out.dtype == torch.float32 and not out.is_cuda:  # a copy of its own: the state's buffer is the
                     row = out.numpy()[-1].copy()  # next step's (numpy: fewer calls than torch's, measured)
                     logits = torch.from_numpy(row)

@@ -273,21 +273,23 @@ class InferenceSession:
                 "cpu_kernel": r.cpu_kernel, "widened": r.widened}
 
     def single_segment(self):
-        """(the onnxruntime Segment, its input names, its output names) when the whole model is one delegated
-        segment over graph inputs (the onnxruntime CPU backend's usual result), else None. Its `run(list of
-        tensors in input order)` is run_torch without the per-call feed checks, for callers whose feeds are
-        correct by construction and whose first call went through run_torch (runtime/generate.py)."""
+        """(the onnxruntime Segment, its input names, its output names, {input: value} of those that are the model's
+        constants, e.g. kernels/cpu/logits.py's row selection) when the whole model is one delegated segment (the
+        onnxruntime CPU backend's usual result), else None. Its `run(list of tensors in input order)` is run_torch
+        without the per-call feed checks, for callers whose feeds are correct by construction and whose first call
+        went through run_torch (runtime/generate.py)."""
         from .ops.control import SEGMENTS
         from .ops.registry import ORT_DOMAIN
 
-        ops = self._main.ops
-        if len(ops) != 1 or ops[0].step.op_type != "Segment" or ops[0].step.domain != ORT_DOMAIN:
+        prog = self._main
+        if len(prog.ops) != 1 or prog.ops[0].step.op_type != "Segment" or prog.ops[0].step.domain != ORT_DOMAIN:
             return None
-        step = ops[0].step
+        step = prog.ops[0].step
         seg = SEGMENTS.get(step.attrs.get("key"))
-        if seg is None or any(n not in self._input_names for n in step.inputs):
+        constants = {n: prog.template[prog.slot[n]] for n in step.inputs if n not in self._input_names}
+        if seg is None or any(v is None for v in constants.values()):
             return None
-        return seg, list(step.inputs), list(step.outputs)
+        return seg, list(step.inputs), list(step.outputs), constants
 
     @property
     def fused(self) -> dict[str, int]:
