@@ -164,16 +164,20 @@ _SAME_TYPE = {"MatMul", "Gemm", "Add", "Sub", "Mul", "Div", "Neg", "Relu", "Sigm
               "SkipSimplifiedLayerNormalization", "FastGelu", "QuickGelu", "Gelu", "MatMulNBits", "BiasGelu"}
 
 
+_TYPE_FROM = {"Gather": 0, "GatherBlockQuantized": 2, "DequantizeLinear": 1}  # output 0 typed as this input
+
+
 def _elem_of(name: str, info: dict, producer: dict, nodes, depth: int = 64) -> int | None:
-    """name's element type: shape inference's, else through the ops of _SAME_TYPE (input 0) and Cast ('to')."""
+    """name's element type: shape inference's, else through the ops of _SAME_TYPE (input 0), _TYPE_FROM and Cast."""
     elem = info.get(name, (None,))[0]
     while elem is None and depth > 0 and name in producer:
         node = nodes[producer[name]]
         if node.op_type == "Cast":
             return next((a.i for a in node.attribute if a.name == "to"), None)
-        if node.op_type not in _SAME_TYPE or not node.input or node.output[0] != name:
+        k = 0 if node.op_type in _SAME_TYPE else _TYPE_FROM.get(node.op_type)
+        if k is None or len(node.input) <= k or node.output[0] != name:
             return None
-        name, depth = node.input[0], depth - 1
+        name, depth = node.input[k], depth - 1
         elem = info.get(name, (None,))[0]
     return elem
 
