@@ -120,10 +120,12 @@ ROWS = {r.name: r for r in (
     Row("llamacpp-q4", "llamacpp", "gguf-q4", note="llama-cpp-python (llama.cpp) on the GGUF: eval + argmax"),
     Row("genai-fp32-batch", "genai", "genai-fp32", True, "GeneratorParams batch_size"),
     Row("genai-int4-batch", "genai", "genai-int4", True, "GeneratorParams batch_size"),
-    Row("pagedkit-fp16-batch", "pagedkit", "export-fp16", True, "KVCacheManager + run_torch, all sequences per step"),
-    Row("pagedkit-fp32-batch", "pagedkit", "export-fp32", True, "KVCacheManager + run_torch, all sequences per step"),
+    Row("pagedkit-fp16-batch", "pagedkit", "export-fp16", True, "KVCacheManager + run_torch, all sequences per step"
+        " (the LM head for each sequence's last token)"),
+    Row("pagedkit-fp32-batch", "pagedkit", "export-fp32", True, "KVCacheManager + run_torch, all sequences per step"
+        " (the LM head for each sequence's last token)"),
     Row("pagedkit-fp32-int4-batch", "pagedkit", "export-fp32-int4", True,
-        "KVCacheManager + run_torch, all sequences per step"),
+        "KVCacheManager + run_torch, all sequences per step (the LM head for each sequence's last token)"),
 )}
 
 
@@ -689,20 +691,27 @@ def _pagedkit_batch(gen, prompts: list[list[int]], max_len: int):
     renames = {k: cfg.input(k) for k in N.STEP_INPUTS}
     inputs = {a.name for a in sess.get_inputs()}
     ids_name, logits_name = cfg.input(N.INPUT_IDS), gen.logits_name
+    # the LM head for each sequence's last token only, where the session offers it (the onnxruntime CPU path)
+    rows_name = next((a.name for a in getattr(sess, "get_overridable_initializers", list)()
+                      if a.name == "pagedkit.logit_rows"), None)
 
     def step(batch: list[tuple[int, list[int]]]) -> torch.Tensor:
         plan = mgr.plan(batch)
         feeds = {renames.get(k, k): v for k, v in plan.feeds(query_positions=True).items()}
         feeds = {k: v for k, v in feeds.items() if k in inputs} | mgr.cache_feeds()
         feeds[ids_name] = torch.tensor([t for _, ids in batch for t in ids], dtype=torch.int64, device=sess.device)
+        last = torch.tensor(plan.query_lens).cumsum(0) - 1
+        if rows_name is not None:
+            feeds[rows_name] = last
         try:
             logits = sess.run_torch(feeds, [logits_name])[logits_name]
         except BaseException:
             mgr.abort(plan)
             raise
         mgr.commit(plan)
+        if rows_name is not None:
+            return logits.reshape(len(batch), -1).float().argmax(-1)
         logits = logits.reshape(plan.num_tokens, -1)
-        last = torch.tensor(plan.query_lens).cumsum(0) - 1
         return logits[last].float().argmax(-1)
 
     def run(n: int) -> tuple[dict, list[list[int]]]:

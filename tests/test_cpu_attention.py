@@ -362,3 +362,27 @@ def test_last_row_logits_and_teeth(llama32, monkeypatch):
     list(bad.greedy(prompt, 2, stop_at_eos=False))
     wrong = list(bad.greedy(prompt, 2, stop_at_eos=False))
     assert not torch.allclose(wrong[0].logits, first[0].logits, atol=1e-3)
+
+
+def test_run_torch_feeds_the_logit_rows(llama32):
+    """`pagedkit.logit_rows` is an overridable initializer of the onnxruntime CPU path: run_torch may feed it (the
+    engine / batch loops: each sequence's last token) and gets those rows, equal to the same rows of the full
+    logits; fed nothing, every row. An unknown name is still refused."""
+    from pagedkit.interface import names as N
+    from pagedkit.kernels.cpu.logits import ROWS_INPUT
+    from pagedkit.runtime.generate import Generator, step_feeds
+
+    gen = Generator(llama32, shuffle_seed=2)
+    sess, st = gen.session, gen.state
+    assert [a.name for a in sess.get_overridable_initializers()] == [ROWS_INPUT]
+    ids = [5, 17, 33, 9, 101, 64, 12, 40, 41, 42]
+    st.start(ids)
+    plan = st.mgr.plan([(st.seq, ids)])
+    feeds = step_feeds(plan, st.mgr, ids, st.renames, st.input_names, gen.config.input(N.INPUT_IDS))
+    every = sess.run_torch(feeds, ["logits"])["logits"].clone()  # the cache writes are the same both times
+    some = sess.run_torch(feeds | {ROWS_INPUT: torch.tensor([3, 9])}, ["logits"])["logits"]
+    st.mgr.commit(plan)
+    assert every.shape[0] == len(ids) and some.shape[0] == 2
+    torch.testing.assert_close(some, every[[3, 9]], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="invalid input name"):
+        sess.run_torch(feeds | {"pagedkit.nope": torch.tensor([1])}, ["logits"])

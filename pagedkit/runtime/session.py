@@ -224,6 +224,7 @@ class InferenceSession:
         self._outputs = [_node_arg(vi)[0] for vi in graph.output]
         self._args = {a.name: a for a in self._inputs}
         self._input_names = set(self._args)
+        self._overridable: set[str] = set()  # below, once the graph is compiled
         self._output_names = [a.name for a in self._outputs]
         self._compiled: CompiledModel = compile_model(self._model, self.device, allow_reference_fallback,
                                                       capturable=capturable, base_dir=self._base_dir,
@@ -233,6 +234,16 @@ class InferenceSession:
         self._programs: dict[int, plan_mod.Program] = {}  # id(subgraph) -> its plan
         self._envs: list = []  # values of the graphs being run (subgraphs read their enclosing scopes)
         self._main = self._bind(self._compiled.graph)
+        # overridable initializers a delegated segment reads (a graph input with a default value, e.g.
+        # kernels/cpu/logits.py's row selection): run_torch may feed them; elsewhere folding fixed their value
+        segment_ins = {n for op in self._main.ops if op.step.op_type == "Segment" for n in op.step.inputs}
+        for vi in graph.input:
+            if vi.name in init_names and vi.name in segment_ins and vi.name not in self._args:
+                arg, elem = _node_arg(vi)
+                self._args[vi.name] = arg
+                self._input_types[vi.name] = elem
+                self._ranks[vi.name] = len(arg.shape) if vi.type.tensor_type.HasField("shape") else None
+                self._overridable.add(vi.name)
 
     # ---- what creation decided -------------------------------------------------------------------
     @property
@@ -310,6 +321,11 @@ class InferenceSession:
     def get_inputs(self) -> list[NodeArg]:
         return list(self._inputs)
 
+    def get_overridable_initializers(self) -> list[NodeArg]:
+        """Graph inputs with a default value that run_torch / run may feed (onnxruntime's API): the ones a delegated
+        onnxruntime segment reads, e.g. `pagedkit.logit_rows` (kernels/cpu/logits.py)."""
+        return [self._args[n] for n in sorted(self._overridable)]
+
     def get_outputs(self) -> list[NodeArg]:
         return list(self._outputs)
 
@@ -377,7 +393,7 @@ class InferenceSession:
 
     # ---- feeds ------------------------------------------------------------------------------------
     def _check_name(self, name: str) -> None:
-        if name not in self._input_names:
+        if name not in self._input_names and name not in self._overridable:
             raise ValueError(f"invalid input name '{name}'; the model's inputs are {sorted(self._input_names)}")
 
     def _requested(self, output_names) -> list[str]:
