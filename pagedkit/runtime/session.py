@@ -32,13 +32,12 @@ from ..kernels.variant import PLANS
 from ..validators.issues import ValidationError
 from . import plan as plan_mod
 from .graph import CompiledModel, Graph, Step, compile_model
-from .delegate import DelegationReport, KernelUnavailable, delegate, onnxruntime_available
+from .cpu_backend import CPU_BACKENDS, _auto_backend, _cpu_backend  # noqa: F401 (re-exported)
+from .delegate import DelegationReport, KernelUnavailable, delegate
 from .loading import load_model
 from .tensors import TORCH_TO_ONNX, to_numpy, to_torch, torch_type_name, type_name
 
 _PROVIDERS = ("CPUExecutionProvider", "CUDAExecutionProvider")
-CPU_BACKENDS = ("onnxruntime", "torch", "auto")
-_HALF_WEIGHTS = 1 << 20  # auto: a float16 / bfloat16 initializer of this many elements keeps a model on torch
 
 
 def _node_error(step: Step, exc: Exception) -> Exception:
@@ -100,38 +99,6 @@ def _apply_threads(options: Any) -> None:
         raise ValueError(f"sess_options.intra_op_num_threads: expected an integer >= 0 (0 = default), got {n!r}")
     if n > 0 and torch.get_num_threads() != n:
         torch.set_num_threads(n)
-
-
-def _cpu_backend(value: str | None, default: str = "torch") -> str:
-    """cpu_backend as given, else the environment variable PAGEDKIT_CPU_BACKEND, else `default` ("onnxruntime"
-    falls back to "torch" when onnxruntime is not installed)."""
-    if value is None:
-        value = settings.read("PAGEDKIT_CPU_BACKEND") or default
-        if value == "onnxruntime" and not onnxruntime_available():
-            return "torch"
-    if value not in CPU_BACKENDS:
-        raise ValueError(f"cpu_backend: expected one of {list(CPU_BACKENDS)}, got {value!r}")
-    return value
-
-
-def _auto_backend(model: onnx.ModelProto) -> str:
-    """"auto" (docs/runtime.md, the CPU rule): onnxruntime for models whose weights are float32 or quantized, and
-    for float16 PagedAttention models it can widen to float32 outside attention (kernels/cpu/widen.py: exact
-    weights, float32 activations; SmolLM2-135M: the float32 export's speed, 2.4x torch's float16); torch for the
-    other float16 / bfloat16 models (GroupQueryAttention caches bind their activations' type; numpy has no
-    bfloat16 for onnxruntime's boundaries), which it keeps once."""
-    if not onnxruntime_available():
-        return "torch"
-    from ..kernels.cpu.widen import why_not
-
-    half = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
-    for t in model.graph.initializer:
-        n = 1
-        for d in t.dims:
-            n *= int(d)
-        if t.data_type in half and n >= _HALF_WEIGHTS:
-            return "onnxruntime" if t.data_type == onnx.TensorProto.FLOAT16 and why_not(model) is None else "torch"
-    return "onnxruntime"
 
 
 def _select_device(providers) -> tuple[torch.device, list[str]]:
