@@ -47,21 +47,13 @@ def _config(text: str) -> dict:
     (split waves), "sN" (software-pipeline stages of the decode attention), "pdl" (programmatic dependent launch
     of the Triton kernels, kernels/triton/common.PDL; "pdlN": only launches of <= N programs,
     PDL_MAX_PROGRAMS; "late": released as programs exit, "nopdl": off), "lt" / "nored" (cuBLAS through the cublasLt heuristics / without
-    reduced-precision split-K reductions), "fw" (the decode cache write fused into the attention launch,
-    kernels/triton/paged.FUSED_WRITE), "re" (the split-KV reduce releases its dependent launch early,
-    common.REDUCE_EARLY_RELEASE); "BNxNW@W" is also accepted."""
+    reduced-precision split-K reductions); "BNxNW@W" is also accepted."""
     if text in ("default", "dedup"):
         return {"name": text}
     out = {"name": text}
     for part in text.split("+"):
         if part in ("lt", "nored"):  # cuBLAS: the cublasLt heuristics / no reduced-precision split-K reductions
             out[part] = True
-            continue
-        if part == "fw":  # the decode cache write fused into the attention launch (kernels/triton/paged.FUSED_WRITE)
-            out["fused_write"] = True
-            continue
-        if part == "re":  # the split-KV reduce releases its dependent early (common.REDUCE_EARLY_RELEASE)
-            out["reduce_early"] = True
             continue
         if part == "nopdl":
             out["pdl"] = False
@@ -95,17 +87,13 @@ def _applied(cfg: dict):
     from pagedkit.kernels import scope
     from pagedkit.kernels.triton import common, decode
 
-    from pagedkit.kernels.triton import paged
-
     saved = ({k: getattr(decode, attr) for k, (attr, _) in _KNOBS.items()}, common.PDL, scope.distinct_slots,
-             common.PDL_MAX_PROGRAMS, common.PDL_EARLY_RELEASE, paged.FUSED_WRITE, common.REDUCE_EARLY_RELEASE)
+             common.PDL_MAX_PROGRAMS, common.PDL_EARLY_RELEASE)
     for k, (attr, _) in _KNOBS.items():
         setattr(decode, attr, cfg.get(k))
     common.PDL = bool(cfg.get("pdl", saved[1]))
     common.PDL_MAX_PROGRAMS = cfg.get("pdl_max", saved[3])
     common.PDL_EARLY_RELEASE = not cfg.get("pdl_late", not saved[4])
-    paged.FUSED_WRITE = bool(cfg.get("fused_write", saved[5]))
-    common.REDUCE_EARLY_RELEASE = bool(cfg.get("reduce_early", saved[6]))
     if cfg["name"] == "dedup":
         scope.distinct_slots = lambda: False
     import torch
@@ -123,8 +111,7 @@ def _applied(cfg: dict):
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = reduced
         for k, (attr, _) in _KNOBS.items():
             setattr(decode, attr, saved[0][k])
-        common.PDL, scope.distinct_slots, common.PDL_MAX_PROGRAMS, common.PDL_EARLY_RELEASE = saved[1:5]
-        paged.FUSED_WRITE, common.REDUCE_EARLY_RELEASE = saved[5:7]
+        common.PDL, scope.distinct_slots, common.PDL_MAX_PROGRAMS, common.PDL_EARLY_RELEASE = saved[1:]
 
 
 def profile_row(model_dir: Path, batch: int, context: int, top: int, seed: int = 0, device: str = "cuda",

@@ -31,7 +31,8 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 # top-level module -> the pagedkit extra that installs it
 EXTRAS = {"transformers": "export", "safetensors": "export", "gguf": "export", "accelerate": "export",
           "tokenizers": "export", "huggingface_hub": "export", "onnxruntime": "test", "triton": "triton-cpu",
-          "starlette": "serve", "uvicorn": "serve", "tqdm": "bench", "matplotlib": "bench"}
+          "starlette": "serve", "uvicorn": "serve", "prometheus_client": "serve", "tqdm": "bench",
+          "matplotlib": "bench"}
 
 
 def debug() -> bool:

@@ -176,6 +176,12 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("PAGEDKIT_DEQUANT_CACHE_MB", "user", "session", "float (MiB)", None,
        "the process-wide budget of MatMulNBits weights dequantized once; past it a weight stays packed and is "
        "dequantized per call (docs/runtime-ops.md).", float, unset="a quarter of physical memory"),
+    _S("PAGEDKIT_API_KEY", "user", "session", "a string", None,
+       "the API key `paged-serve` requires (`Authorization: Bearer KEY`) when `--api-key` is not given "
+       "(docs/serve.md).", unset="no authentication"),
+    _S("PAGEDKIT_TP_TIMEOUT", "user", "session", "float (seconds)", "300",
+       "the timeout of every collective of a tensor-parallel set (`--tp N`): a rank that hangs longer stops the "
+       "set with one error line; a rank that dies stops it at once (docs/distributed.md).", float),
     _S("PAGEDKIT_COMMIT", "user", "call", "a commit", None,
        "the commit paged-bench and the benchmarks record in their results (a copy of the tree may carry a stale "
        "`.git`).", unset="`git rev-parse HEAD` of the checkout pagedkit is imported from"),
@@ -211,7 +217,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("PAGEDKIT_INT8_MMA", "tuning", "import", "`k` / `kv` / `v` / `0` (`1` = `kv`)", "k",
        "the sides of int8 caches whose dots run on the integer tensor cores: `k` the scores, `v` p @ V "
        "(`decode.INT8_MMA`).", _int8_mma),
-    # ---- tuning knobs: launches, fusions, products (kernels/triton/common.py, paged.py, runtime/; docs/engine.md)
+    # ---- tuning knobs: launches, products (kernels/triton/common.py, runtime/ops/math.py; docs/engine.md) --------
     _S("PAGEDKIT_PDL", "tuning", "import", "`0` off, anything else on", "1",
        "programmatic dependent launch of the Triton kernels on compute capability >= 9.0 (`common.PDL`; "
        "`step_profile.py --sweep pdl / nopdl`).", _not_zero),
@@ -220,15 +226,6 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("PAGEDKIT_PDL_LATE", "tuning", "import", "`0` early, anything else late", "1",
        "a PDL launch releases its dependent launch as its programs exit (late) or right after its wait (early, "
        "`common.PDL_EARLY_RELEASE`; `--sweep late`).", _not_zero),
-    _S("PAGEDKIT_REDUCE_EARLY", "tuning", "import", _ON_ONE, "0",
-       "the split-KV reduce releases its dependent launch right after its wait (`common.REDUCE_EARLY_RELEASE`; "
-       "`--sweep re`); not yet measured on a GPU.", _is_one),
-    _S("PAGEDKIT_FUSED_WRITE", "tuning", "import", _ON_ONE, "0",
-       "a decode step's cache write runs inside the attention launch (`paged.FUSED_WRITE`; `--sweep fw`); not "
-       "yet measured on a GPU.", _is_one),
-    _S("PAGEDKIT_SPLITK_NORM", "tuning", "import", _ON_ONE, "0",
-       "CUDA sessions run a MatMul read only by a SkipSimplifiedLayerNormalization as one split-K fused op "
-       "(`runtime/fuse.py` `SPLITK_DEVICES`); not yet measured on a GPU.", _is_one),
     _S("PAGEDKIT_BLAS", "tuning", "import", "`cublaslt` / `cublas` (torch.backends.cuda.preferred_blas_library)",
        None, "the cuBLAS front end of the runtime's CUDA products, set at the first one (`math.BLAS`; "
        "`step_profile.py --sweep lt` sets torch's in-process); within 2% in `probes/linear_probe.py`.",

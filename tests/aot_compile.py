@@ -6,9 +6,9 @@
     python tests/aot_compile.py compile IN.json    # no interpreter: triton.compile every recorded launch for
                                                    # GPUTarget("cuda", 90, 32); prints one line per kernel
 
-The scenarios are launcher calls of the kernels that only the interpreter tests cover (the int64 split-K product and
-its norm, the decode cache write fused into attention), and beside them the rest of a decode step's Triton
-launches (the plain residual norm, the cache write, the split-KV attention and its reduce, SwiGLU, argmax)."""
+The scenarios are launcher calls of a decode step's Triton launches, which the CPU tests run only in the
+interpreter: the residual norm, the cache write, the split-KV attention and its reduce (float16 with packed QKV and
+RoPE; bfloat16 with separate inputs and interleaved RoPE), SwiGLU, argmax."""
 
 from __future__ import annotations
 
@@ -62,42 +62,60 @@ class _Recorder:
         return launch
 
 
+def _decode_step(dtype, packed: bool, interleaved: bool) -> None:
+    """write_kv then the split-KV attention and its reduce over a random 3-sequence decode step (RoPE, a paged
+    float cache of 16-token blocks, 3 splits)."""
+    import math
+
+    import torch
+
+    from pagedkit.kernels.triton import common, decode
+    from pagedkit.kernels.triton.cache_write import write_kv
+
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, D, BS = 3, 8, 2, 64, 16
+    past = torch.tensor([5, 40, 17], dtype=torch.int32)
+    csl = torch.arange(B + 1, dtype=torch.int32)
+    table = torch.randperm(B * 4, generator=g)[:B * 4].reshape(B, 4).to(torch.int32)
+    qkv = torch.randn(B, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    q, k, v = qkv[:, :H * D], qkv[:, H * D:(H + Hkv) * D], qkv[:, (H + Hkv) * D:]
+    if not packed:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    kc, vc = (torch.randn(B * 4, BS, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    ang = torch.arange(4 * BS)[:, None] * 10000.0 ** (-torch.arange(D // 2) / (D // 2))
+    flt = common.SideFormat(common.FMT_FLOAT, common.SCALE_NONE)
+    qr = write_kv(q, k, v, num_heads=H, kv_num_heads=Hkv, head_size=D, cumulative_sequence_length=csl,
+                  past_seqlens=past, block_table=table, key_cache=kc, value_cache=vc, k_format=flt, v_format=flt,
+                  cos_cache=ang.cos().to(dtype), sin_cache=ang.sin().to(dtype), rotary_interleaved=interleaved,
+                  unique_slots=True)
+    decode._paged_decode(qr, key_cache=kc, value_cache=vc, k_format=flt, v_format=flt,
+                         cumulative_sequence_length=csl, past_seqlens=past, block_table=table, num_heads=H,
+                         kv_num_heads=Hkv, head_size=D, v_head_size=D, scale=1.0 / math.sqrt(D), k_scale=None,
+                         v_scale=None, k_scale_cache=None, v_scale_cache=None, query_positions=None, softcap=0.0,
+                         local_window_size=0, is_causal=True, head_sink=None, attention_bias=None, qk_output=0,
+                         v_rotation=False, max_query_len=1, max_kv_len=0, num_splits=3)
+
+
 def _scenarios():
     import torch
 
-    sys.path.insert(0, str(HERE))
-    from test_fused_write import CASES, _attend, _step
+    from pagedkit.kernels.triton import argmax, norm, swiglu
 
-    from pagedkit.kernels.triton import argmax, norm, splitk, swiglu
-
-    for case in (0, 1):  # float16 packed QKV with RoPE; bfloat16 separate inputs, interleaved RoPE
-        B, H, Hkv, D, BS, dtype, nq, rot, packed, inter, off, win = CASES[case]
-        q, k, v, qkv, csl, past, table, kc, vc, cos, sin, n_q = _step(case, B, H, Hkv, D, BS, dtype, nq, rot, packed)
-        _attend(q, k, v, csl, past, table, kc, vc, cos, sin, fused=True, H=H, Hkv=Hkv, D=D, interleaved=inter,
-                offset=off, splits=3)
-    for dtype, silu, k in ((torch.float16, False, 2048), (torch.bfloat16, True, 8192)):  # slab before the gate / not
-        n = 128
-        a = torch.randn(4, 2 * k if silu else k).to(dtype)
-        b = torch.randn(k, n).to(dtype)
-        acc = splitk.accumulate(a, b, silu)
-        norm.rms_norm_acc(acc, torch.ones(n, dtype=dtype), 1e-6, skip=torch.randn(4, n).to(dtype))
     x = torch.randn(4, 128).half()
     norm.rms_norm(x, torch.ones(128).half(), 1e-6, skip=torch.randn(4, 128).half(), want_sum=True)
-    # the unfused decode step beside them: the cache write, the split-KV attention and its reduce (float16, RoPE)
-    B, H, Hkv, D, BS, dtype, nq, rot, packed, inter, off, win = CASES[0]
-    q, k, v, qkv, csl, past, table, kc, vc, cos, sin, n_q = _step(0, B, H, Hkv, D, BS, dtype, nq, rot, packed)
-    _attend(q, k, v, csl, past, table, kc, vc, cos, sin, fused=False, H=H, Hkv=Hkv, D=D, splits=3)
+    _decode_step(torch.float16, packed=True, interleaved=False)
+    _decode_step(torch.bfloat16, packed=False, interleaved=True)
     swiglu.silu_mul(torch.randn(2, 256).half(), 128)
     argmax.argmax_rows(torch.randn(2, 5000).half())
 
 
 def record(out_path: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "record runs the launchers in the interpreter"
-    from pagedkit.kernels.triton import _decode_kernels, argmax, cache_write, norm, splitk, swiglu
+    from pagedkit.kernels.triton import _decode_kernels, argmax, cache_write, norm, swiglu
 
     out: list = []
     for mod, name in ((_decode_kernels, "_attn_kernel"), (_decode_kernels, "_reduce_kernel"),
-                      (cache_write, "_write_kernel"), (splitk, "_splitk_kernel"), (norm, "_rms_kernel"),
+                      (cache_write, "_write_kernel"), (norm, "_rms_kernel"),
                       (swiglu, "_silu_mul_kernel"), (argmax, "_argmax_chunk_kernel"),
                       (argmax, "_argmax_final_kernel")):
         setattr(mod, name, _Recorder(getattr(mod, name), out))
@@ -124,8 +142,8 @@ def compile_all(in_path: str) -> None:
             cex["PDL"] = 2  # as on a Hopper GPU: griddepcontrol in the kernel
         kernel = triton.compile(ASTSource(fn=fn, signature=rec["sig"], constexprs=cex), target=target,
                                 options=rec["opts"])
-        flags = ",".join(f"{k}={cex[k]}" for k in ("FUSED", "T_BF16", "SILU", "PRE2", "ACC") if k in cex)
-        print(f"compiled {name} [{flags}] ptx {len(kernel.asm['ptx'])} chars, shared {kernel.metadata.shared} B")
+        first = next(t for t in rec["sig"].values() if t.startswith("*"))  # the first tensor's type
+        print(f"compiled {name} [{first}] ptx {len(kernel.asm['ptx'])} chars, shared {kernel.metadata.shared} B")
 
 
 if __name__ == "__main__":

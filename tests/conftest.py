@@ -1,9 +1,15 @@
 """Test-session setup. Without CUDA the Triton kernels run through Triton's interpreter: TRITON_INTERPRET=1 is
-set here, before any test imports a kernel module (triton reads it when a kernel is decorated)."""
+set here, before any test imports a kernel module (triton reads it when a kernel is decorated).
+
+Under CI (CI=true, as .ci/run exports) a skip caused by a missing module is a failure: `pytest.importorskip`
+and skip reasons naming a needed module (tests/deps.py) never pass CI as "skipped". The skip of `gpu`-marked
+tests without CUDA stays a skip."""
 
 import os
 
 import pytest
+
+from deps import MISSING_MODULE_REASON, in_ci
 
 
 def _has_cuda() -> bool:
@@ -35,3 +41,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _skip_reason(rep) -> str:
+    lr = rep.longrepr
+    if isinstance(lr, tuple) and len(lr) == 3:  # (path, line, "Skipped: reason")
+        return str(lr[2])
+    return str(lr)
+
+
+def _fail_missing_module_skip(rep) -> None:
+    if rep.skipped and not hasattr(rep, "wasxfail") and in_ci():
+        reason = _skip_reason(rep)
+        if MISSING_MODULE_REASON.search(reason):
+            rep.outcome = "failed"
+            rep.longrepr = (f"CI=true: a test dependency is missing, which CI reports as a failure, not a skip: "
+                            f"{reason} (install the test dependencies; `python tests/deps.py` lists what is missing)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    rep = yield  # a module-level importorskip / skip
+    _fail_missing_module_skip(rep)
+    return rep
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    rep = yield  # importorskip inside a test or fixture, skipif marks
+    _fail_missing_module_skip(rep)
+    return rep

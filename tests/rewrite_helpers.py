@@ -146,6 +146,19 @@ def build_sharp_model(family: str, layout: str, root):
     return run_builder(hf, out, layout, root / "cache")
 
 
+def build_sharp_models(pairs, root) -> list[str]:
+    """build_sharp_model for every (family, layout) of `pairs` not built yet under root, in one builder process
+    (genai_models.prebuild); returns the reasons of what could not be built."""
+    from functools import partial
+    from pathlib import Path
+
+    from genai_models import prebuild
+
+    root = Path(root)
+    return prebuild([(root / f"hf-{family}-sharp", partial(save_sharp_checkpoint, family),
+                      root / f"{family}-sharp-{layout}", layout) for family, layout in pairs], root / "cache")
+
+
 def greedy_paged(sess, prompt: list[int], new: int, block_size: int = 16, seed: int = 0) -> list[int]:
     """Greedy generation of `new` tokens with a paged-layout model (one sequence, shuffled block table)."""
     ins = _inputs(sess)

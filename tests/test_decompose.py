@@ -71,8 +71,7 @@ def run_case_decomposed(case: Case) -> tuple[dict, object]:
 def test_case_file_decomposed_in_onnxruntime(name):
     (case,) = load_cases([name])
     got, report = run_case_decomposed(case)
-    if got is None:
-        pytest.skip(f"refused: {report.skipped}")
+    assert got is not None, f"refused: {report.skipped}"  # every case file is decomposed (test_case_file_coverage)
     compare_case(case, got)
 
 

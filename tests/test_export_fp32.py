@@ -32,8 +32,8 @@ NODE_TOL = 1e-3 (6x the worst fp32 figure, 3.5x below the best fp16 one) is what
 one that computes anything outside attention in fp16 (`test_llama_fp32_node_boundary_bound_has_teeth`).
 The emulation needs Llama-shaped HF attention (q/k/v/o_proj, the module's apply_rotary_pos_emb); Phi-3's
 fused qkv_proj, Gemma 3's per-layer-type tables, GPT-OSS's rotary and DeepSeek's absorbed MLA get the
-FP32_TOL check only. Qwen3, Gemma 2 and DeepSeek-V2 (with the other families) run under -m slow; CI runs
-Llama's parity, teeth, runtime, cache and int4 checks and every family's graph checks.
+FP32_TOL check only. CI runs every family's parity (each well under a second on these tiny models), Llama's teeth,
+runtime, cache and int4 checks and every family's graph checks.
 """
 
 from __future__ import annotations
@@ -382,7 +382,6 @@ def test_every_family_exports_fp32(family, tmp_path):
     assert_fp32_graph(tmp_path)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "llama"])
 def test_family_fp32_parity(family, tmp_path):
     """Parity with HF float32 within FP32_TOL, and (Llama-shaped attention) with HF under node-boundary fp16

@@ -26,21 +26,6 @@ from export_utils import BF16_TOL, TOL, assert_valid_export, hf_greedy_sequence,
 HIDDEN = {"whole-blocks": 64, "padded": 48}  # hidden 48: K = 48 is 1.5 blocks of 32 (Slice after the gather)
 
 
-def _runtime_has_gather_block_quantized() -> bool:
-    try:
-        from pagedkit.runtime.ops import lookup
-
-        lookup("com.microsoft", "GatherBlockQuantized")
-        return True
-    except Exception:
-        return False
-
-
-needs_gbq = pytest.mark.xfail(not _runtime_has_gather_block_quantized(), strict=False,
-                              reason="pagedkit's runtime has no com.microsoft GatherBlockQuantized yet "
-                                     "(pagedkit.runtime.ops.lookup fails)")
-
-
 def _export(model, out, **kw):
     from pagedkit.exporters.export import export_hf_model
     from pagedkit.exporters.families.base import ExportOptions
@@ -246,7 +231,6 @@ def test_nodes_in_onnxruntime_cpu(tied):
         assert ratio <= tol, f"accuracy_level {level}: MatMulNBits vs float Gemm over the decoded table {ratio:.3g}"
 
 
-@needs_gbq
 def test_gather_node_in_pagedkit_runtime(tied):
     """pagedkit's InferenceSession runs the same embedding subgraph to onnxruntime's result, exactly."""
     from pagedkit.runtime.session import InferenceSession
@@ -279,7 +263,6 @@ def _generator_parity(out, ref, tol, steps=12):
     return parity(gen.history, hf_logits(ref, gen.history.token_ids), tol)
 
 
-@needs_gbq
 @pytest.mark.parametrize("level", [0, 4])
 def test_tied_int4_parity_vs_hf(tied, tmp_path, level):
     """The tied int4 export through pagedkit's Generator against HF eager float32 over the export's int4
@@ -301,7 +284,6 @@ def test_tied_int4_parity_vs_hf(tied, tmp_path, level):
     assert rep.ok, "\n".join(rep.lines())
 
 
-@needs_gbq
 def test_tied_int4_parity_has_teeth(tied):
     """The same run against HF with the decoded LM head but the float embedding table (what a float Gather
     would give) fails the bound by far (measured 0.46 / 0.55): the embedding is really read from the int4

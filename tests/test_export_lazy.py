@@ -95,7 +95,7 @@ def test_export_from_checkpoint_on_meta_equals_in_memory(name, tmp_path):
 
     from pagedkit.exporters.export import build_model
     from pagedkit.exporters.families.base import ExportOptions
-    from pagedkit.exporters.lazy import checkpoint_parameters
+    from pagedkit.exporters.checkpoint import checkpoint_parameters
 
     cls, kw = STREAMED[name]
     hf = tiny_model(cls, seed=7, **kw)
@@ -115,18 +115,29 @@ def test_export_from_checkpoint_on_meta_equals_in_memory(name, tmp_path):
         assert a[k].raw_data == b[k].raw_data and list(a[k].dims) == list(b[k].dims), k
 
 
-def test_converted_checkpoint_is_refused_by_name(tmp_path):
-    """transformers stores MoE experts per expert and fuses them when it loads (its conversion mapping):
-    checkpoint_parameters does not apply that conversion yet and names the first tensor it cannot find."""
+def test_per_expert_checkpoint_is_merged_as_transformers_loads_it(tmp_path):
+    """transformers stores MoE experts one tensor per expert (Mixtral: block_sparse_moe.experts.{e}.w1 / w2 / w3)
+    and fuses them when it loads (its conversion mapping): the lazy parameters replay that merge, equal to
+    from_pretrained's tensors bit for bit, and an expert missing from the checkpoint is named."""
     import transformers
+    from safetensors.torch import load_file, save_file
 
-    from pagedkit.exporters.lazy import checkpoint_parameters
+    from pagedkit.exporters.checkpoint import checkpoint_parameters
+    from pagedkit.exporters.lazy import materialize
 
     hf = tiny_model("MixtralConfig", seed=1, num_local_experts=4, num_experts_per_tok=2)
     hf.save_pretrained(tmp_path)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(hf.config)
-    with pytest.raises(KeyError, match="no tensor .model.layers.0.mlp"):
+    with checkpoint_parameters(meta, tmp_path):
+        got = dict(meta.named_parameters())
+        for name, p in ref.named_parameters():
+            assert torch.equal(materialize(got[name]), p.detach()), name
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.layers.1.mlp.experts.gate_up_proj"):
         with checkpoint_parameters(meta, tmp_path):
             pass
 
@@ -134,7 +145,7 @@ def test_converted_checkpoint_is_refused_by_name(tmp_path):
 def test_checkpoint_missing_tensor_is_named(tmp_path):
     import transformers
 
-    from pagedkit.exporters.lazy import checkpoint_parameters
+    from pagedkit.exporters.checkpoint import checkpoint_parameters
 
     hf = tiny_model("LlamaConfig", seed=1)
     hf.save_pretrained(tmp_path)

@@ -28,10 +28,11 @@ the tolerance).
       token's top-2 experts change under int8 rounding, a discontinuity no tolerance covers); greedy tokens
       agree except at near-ties (top-2 closer than INT4_TOL * max|ref|) or at such steps.
 
-Llama fp32 and int4 run in CI; the asymmetric block-64 Llama (zero points, K = 96 not a multiple of the block,
-GatherBlockQuantized over uint4 data), Qwen3, Gemma 2 (tied embeddings: GatherBlockQuantized over the
-lm_head's uint8 weights) and GPT-OSS (QMoE experts; the checkpoint carries the MXFP4 tensors genai's int4
-builder reads) are `slow`.
+fp32 runs in CI for the four families, int4 for Llama; the int4 models of the asymmetric block-64 Llama (zero
+points, K = 96 not a multiple of the block, GatherBlockQuantized over uint4 data), Qwen3, Gemma 2 (tied
+embeddings: GatherBlockQuantized over the lm_head's uint8 weights) and GPT-OSS (QMoE experts; the checkpoint
+carries the MXFP4 tensors genai's int4 builder reads) are `slow`. Every model is built up front in one builder
+process (the `root` fixture).
 """
 
 from __future__ import annotations
@@ -59,9 +60,17 @@ NO_WORSE = 1.25  # (b): pagedkit-int4 vs exact <= NO_WORSE * genai-int4 vs exact
 FORCED = [int(t) for t in np.random.default_rng(3).integers(3, 128, STEPS)]
 
 
+BUILDS = [(f, "gqa") for f in ("llama", "qwen3", "gemma2", "gpt_oss")] + [
+    (f, "int4") for f in ("llama", "qwen3", "gemma2", "gpt_oss")] + [("llama", "int4-asym-b64")]
+
+
 @pytest.fixture(scope="session")
 def root(tmp_path_factory) -> Path:
-    return shared_root(tmp_path_factory)
+    """The shared folder, with every model below built up front in one builder process (what that cannot build,
+    each test's `build` builds or reports)."""
+    root = shared_root(tmp_path_factory)
+    genai_models.prebuild([(*_folders(root, f, layout), layout) for f, layout in BUILDS], root / "cache")
+    return root
 
 
 def write_gpt_oss_mxfp4(out: Path, seed: int = 0) -> Path:
@@ -88,12 +97,18 @@ def write_gpt_oss_mxfp4(out: Path, seed: int = 0) -> Path:
     return out
 
 
+def _folders(root: Path, family: str, layout: str):
+    """(checkpoint folder, its writer, model folder) of family / layout."""
+    hf = root / (f"hf-{family}" if family != "gpt_oss" else "hf-gpt_oss-mxfp4")
+    write = write_gpt_oss_mxfp4 if family == "gpt_oss" else lambda out: write_checkpoint(family, out)
+    return hf, write, root / (f"{family}-{layout}" if family != "gpt_oss" else f"gpt_oss-mxfp4-{layout}")
+
+
 def build(root: Path, family: str, layout: str) -> Path:
     """The builder's model folder for family / layout ("gqa" = -p fp32 -e cpu, shared with test_genai_run)."""
-    hf = root / (f"hf-{family}" if family != "gpt_oss" else "hf-gpt_oss-mxfp4")
+    hf, write, out = _folders(root, family, layout)
     if not (hf / "config.json").exists():
-        (write_gpt_oss_mxfp4 if family == "gpt_oss" else lambda out: write_checkpoint(family, out))(hf)
-    out = root / (f"{family}-{layout}" if family != "gpt_oss" else f"gpt_oss-mxfp4-{layout}")
+        write(hf)
     if not (out / "model.onnx").exists():
         try:
             genai_models.run_builder(hf, out, layout, root / "cache")
@@ -167,9 +182,7 @@ def check_tight(history: History, ref: list[torch.Tensor], what: str):
     return report
 
 
-@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3", marks=pytest.mark.slow),
-                                    pytest.param("gemma2", marks=pytest.mark.slow),
-                                    pytest.param("gpt_oss", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gpt_oss"])
 def test_fp32_matches_genai(root, family):
     model_dir = build(root, family, "gqa")
     history, _ = ours(model_dir)

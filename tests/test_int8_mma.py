@@ -15,7 +15,7 @@ from paged_gqa import GqaSpec, make_gqa_inputs
 from paged_oracle import Spec, build, clone_inputs, oracle, rel_err
 from test_gqa_oracle import ALL, compare_with_oracle
 
-triton = pytest.importorskip("triton") if not os.environ.get("CI") else __import__("triton")  # CI: never skip
+triton = pytest.importorskip("triton")  # under CI a failure (conftest.py)
 
 from pagedkit.kernels.triton import _decode_kernels as K  # noqa: E402
 from pagedkit import settings  # noqa: E402

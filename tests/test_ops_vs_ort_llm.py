@@ -245,10 +245,11 @@ def _tested_ops() -> set[tuple[str, str]]:
               + NORMS + ROTARY + QUANT + MOE + QMOE)
     tested = {(p.values[0].domain, p.values[0].op) for p in params}
     # pagedkit.fused::SiluMul: tests/test_fuse.py compares fused graphs with onnxruntime on the unfused ones
-    # pagedkit.fused::MatMulSkipNorm: tests/test_splitk_norm.py compares it with onnxruntime on the unfused graph
     # pagedkit.ort::Segment: runs onnxruntime itself (tests/test_delegate.py checks the whole session against HF)
-    return tested | {("", "If"), ("pagedkit.fused", "SiluMul"), ("pagedkit.fused", "MatMulSkipNorm"),
-                     ("pagedkit.ort", "Segment")}
+    # com.microsoft::AllReduce / AllGather: onnxruntime's CPU build has no collective kernels; tests/test_tp_collectives.py
+    # checks them on two gloo ranks against numpy sums / concatenations
+    return tested | {("", "If"), ("pagedkit.fused", "SiluMul"), ("pagedkit.ort", "Segment"),
+                     ("com.microsoft", "AllReduce"), ("com.microsoft", "AllGather")}
 
 
 def test_every_table_op_is_checked_against_onnxruntime():

@@ -9,7 +9,7 @@ import torch
 
 from pagedkit.kernels.triton import common
 
-pytestmark = pytest.mark.skipif(not common.HAVE_TRITON, reason="needs triton")
+pytest.importorskip("triton")  # under CI a failure (conftest.py)
 
 
 def test_pdl_offered_only_when_on_supported_and_small_enough(monkeypatch):

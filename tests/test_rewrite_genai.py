@@ -13,7 +13,8 @@ use_paged_attention=true). Checks:
 - paged -> GQA: the builder's paged model in pagedkit vs its GQA rewrite in onnxruntime CPU.
 - round trip GQA -> paged -> GQA in onnxruntime CPU vs the original.
 - teeth: a 2% scale change in the rewritten graph fails each comparison.
-Llama runs by default; Gemma 2 (window + softcap) and Qwen3 (QK-norm) are `slow`.
+Llama, Gemma 2 (window + softcap), Qwen3 (QK-norm) and GPT-OSS (sinks, window, MoE); the eight builder models are
+built in one builder process (the `genai_root` fixture).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ ort = pytest.importorskip("onnxruntime")
 
 import pagedkit  # noqa: E402
 from genai_models import BuilderFailed  # noqa: E402
-from rewrite_helpers import build_sharp_model, og_greedy, rel_err, run_gqa, run_paged  # noqa: E402
+from rewrite_helpers import (build_sharp_model, build_sharp_models, og_greedy, rel_err, run_gqa,  # noqa: E402
+                             run_paged)
 from pagedkit.rewriters.cli import main  # noqa: E402
 from pagedkit.rewriters.rewrite import rewrite_file  # noqa: E402
 
@@ -40,13 +42,18 @@ TOL = 5e-3
 VOCAB = 128
 PROMPTS = [[5, 9, 17, 33, 4, 8, 90, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [7, 7, 100], [40, 41, 42, 43, 44]]
 STEPS = 4
+FAMILIES = ("gemma2", "qwen3", "gpt_oss")  # Gemma 2: window + softcap; Qwen3: QK-norm; GPT-OSS: sinks, window, MoE
 
 
 @pytest.fixture(scope="session")
 def genai_root(tmp_path_factory) -> Path:
-    """Built models live here for the session (PAGEDKIT_REWRITE_MODELS=<dir> reuses a folder across runs)."""
+    """Built models live here for the session (PAGEDKIT_REWRITE_MODELS=<dir> reuses a folder across runs); every
+    family's two layouts are built up front in one builder process (~5 s: the builder's imports; each build is
+    ~0.05 s). Should that batch fail, each test builds its own and reports its own failure."""
     keep = os.environ.get("PAGEDKIT_REWRITE_MODELS")
-    return Path(keep) if keep else tmp_path_factory.mktemp("rewrite-genai")
+    root = Path(keep) if keep else tmp_path_factory.mktemp("rewrite-genai")
+    build_sharp_models([(f, layout) for f in ("llama", *FAMILIES) for layout in ("gqa", "paged")], root)
+    return root
 
 
 def built(root: Path, family: str, layout: str) -> Path:
@@ -192,7 +199,7 @@ def test_cli_unsafe_external_data_refused(genai_root, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------------
-# other families (slow)
+# other families
 # ------------------------------------------------------------------------------------------------
 
 LONG = [[3 + (i * 7) % 120 for i in range(45)]]  # past Gemma 2's / GPT-OSS's window of 32
@@ -209,8 +216,7 @@ def _window_mutated(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma2", "qwen3", "gpt_oss"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_family_gqa_to_paged_logits(genai_root, tmp_path, family):
     """Gemma 2: a windowed layer (sliding_window_cache=1 in the source, block_table_windowed in the rewrite)
     and softcap, with a 45-token prompt past the window; Qwen3: QK-norm (standard ops before the node in both
@@ -248,8 +254,7 @@ def test_family_gqa_to_paged_logits(genai_root, tmp_path, family):
         assert rel_err(got[0], refs[-1]) > TOL
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma2", "qwen3", "gpt_oss"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_family_paged_to_gqa_logits(genai_root, tmp_path, family):
     """The builder's paged export (Gemma 2: windowed layer over block_table_windowed; Qwen3: QK-norm, which
     onnxruntime-genai 0.18 leaves as standard ops before the node; a fused one would be moved out, see
@@ -297,7 +302,6 @@ def test_gqa_rewrite_of_paged_export_runs_in_onnxruntime_genai(genai_root, tmp_p
     assert og_tokens == ours
 
 
-@pytest.mark.slow
 def test_pagedkit_generator_serves_gemma2_rewrite(genai_root, tmp_path):
     """pagedkit's Generator reads the rewrite's genai_config.json (two pools: block_table_windowed for the
     windowed layer) and generates the same greedy tokens as on the GQA source, past the window."""

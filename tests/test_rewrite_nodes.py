@@ -323,7 +323,6 @@ _QUANT = [dict(), dict(cache="int8", k_quant="PER_TENSOR", v_quant="PER_TENSOR")
           dict(cache="int4", k_quant="PER_CHANNEL", v_quant="PER_CHANNEL")]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(_MATRIX)))
 def test_matrix_both_directions(i):
     kw = _MATRIX[i] | _QUANT[i % len(_QUANT)]

@@ -11,6 +11,7 @@ from nodes import GQA_CONFIGS, PAGED_CONFIGS, gqa_case, paged_case
 from pagedkit.validators import validate_node
 from pagedkit.validators.rules.paged_dims import paged_dims
 from pagedkit.validators.checks import view_of_node
+from pagedkit.validators.model import validate_model
 
 ALL = [("PagedAttention", n) for n in PAGED_CONFIGS] + [("GroupQueryAttention", n) for n in GQA_CONFIGS]
 
@@ -65,7 +66,6 @@ def test_valid_single_node_model_form(op, name):
 
 @pytest.mark.parametrize("name", list(PAGED_CONFIGS))
 def test_validate_model_on_single_node_form(name):
-    validate_model = pytest.importorskip("pagedkit.validators.model").validate_model
     _clean(validate_model(paged_case(name).model()))
 
 

@@ -13,14 +13,12 @@ what it lacks. Teeth: a 2% wrong scale, causal dropped, RoPE dropped fail the bo
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from paged_oracle import Spec, build, clone_inputs, oracle, rel_err
 
-triton = pytest.importorskip("triton") if not os.environ.get("CI") else __import__("triton")  # CI: never skip
+triton = pytest.importorskip("triton")  # under CI a failure (conftest.py)
 
 from pagedkit.kernels import dispatch  # noqa: E402
 from pagedkit.kernels.triton import sdpa_prefill  # noqa: E402

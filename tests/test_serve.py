@@ -66,7 +66,8 @@ def test_completion_text_usage_and_params(tok_dir, tok):
         assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
         assert body["choices"][0]["text"] == _expected(tok, ids, 7)
         assert body["choices"][0]["finish_reason"] == "length"
-        assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 7, "total_tokens": len(ids) + 7}
+        assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 7, "total_tokens": len(ids) + 7,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
         (params,) = engine.params.values()
         assert (params.max_new_tokens, params.temperature, params.top_p, params.top_k, params.seed) == (7, 0.5, 0.9, 5, 3)
         r = httpx.post(f"{url}/v1/completions", json={"prompt": [7, 8, 9], "max_tokens": 4, "temperature": 0})
@@ -181,7 +182,8 @@ def test_client_disconnect_aborts_the_request(tok_dir):
 
 
 @pytest.mark.parametrize("path, body, param, words", [
-    ("/v1/completions", {"prompt": "hello", "n": 2}, "n", "expected 1"),
+    ("/v1/completions", {"prompt": "hello", "n": 0}, "n", ">= 1"),
+    ("/v1/completions", {"prompt": "hello", "n": 2}, "n", "add_group"),
     ("/v1/completions", {"prompt": "hello", "max_tokens": 0}, "max_tokens", ">= 1"),
     ("/v1/completions", {"prompt": "hello", "max_tokens": "8"}, "max_tokens", "integer"),
     ("/v1/completions", {"prompt": "hello", "max_tokens": 300}, "max_tokens", "at most 255"),
@@ -190,20 +192,34 @@ def test_client_disconnect_aborts_the_request(tok_dir):
     ("/v1/completions", {"prompt": [1, 500]}, "prompt", "< 144"),
     ("/v1/completions", {"prompt": "t9 " * 300}, "prompt", "at most 255"),
     ("/v1/completions", {"prompt": "hello", "echo": True}, "echo", "not supported"),
-    ("/v1/completions", {"prompt": "hello", "logprobs": 2}, "logprobs", "not supported"),
+    ("/v1/completions", {"prompt": "hello", "logprobs": 21}, "logprobs", "<= 20"),
+    ("/v1/completions", {"prompt": "hello", "logprobs": True}, "logprobs", "integer"),
     ("/v1/completions", {"prompt": "hello", "temperature": 3}, "temperature", "<= 2"),
     ("/v1/completions", {"prompt": "hello", "top_p": 0}, "top_p", "> 0"),
     ("/v1/completions", {"prompt": "hello", "stop": 3}, "stop", "string"),
     ("/v1/completions", {"prompt": "hello", "stream": "yes"}, "stream", "true or false"),
     ("/v1/completions", {"prompt": "hello", "seed": -1}, "seed", ">= 0"),
-    ("/v1/completions", {"prompt": "hello", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ("/v1/completions", {"prompt": "hello", "presence_penalty": 2.5}, "presence_penalty", "<= 2"),
+    ("/v1/completions", {"prompt": "hello", "frequency_penalty": "1"}, "frequency_penalty", "number"),
+    ("/v1/completions", {"prompt": "hello", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ("/v1/completions", {"prompt": "hello", "min_p": 1.5}, "min_p", "<= 1"),
+    ("/v1/completions", {"prompt": "hello", "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+    ("/v1/completions", {"prompt": "hello", "logit_bias": {"3": 101}}, "logit_bias", "[-100, 100]"),
+    ("/v1/completions", {"prompt": "hello", "logit_bias": {"144": 1}}, "logit_bias", "< 144"),
+    ("/v1/completions", {"prompt": "hello", "logit_bias": [1]}, "logit_bias", "object"),
     ("/v1/completions", {"prompt": "hello", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
     ("/v1/chat/completions", {"model": MODEL}, "messages", "required"),
     ("/v1/chat/completions", {"messages": []}, "messages", "non-empty"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages", "role"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, "n", "expected 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 129}, "n", "<= 128"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
+     "logprobs: true"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs", "<= 20"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     "tools", "not supported"),
+     "tools", "expected {\"type\": \"function\""),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "does not take tools"),
 ])
 def test_bad_requests_name_the_field(shared_url, path, body, param, words):
     r = httpx.post(shared_url + path, json=body)
@@ -300,6 +316,10 @@ def test_cli_bad_arguments(capsys, tmp_path, tok_dir):
     _one_line_error(capsys, [str(tmp_path / "nope")], "not a folder")
     _one_line_error(capsys, [str(tok_dir), "--port", "70000"], "--port", "0..65535")
     _one_line_error(capsys, [str(tok_dir), "--max-batch-size", "0"], "--max-batch-size", ">= 1")
+    _one_line_error(capsys, [str(tok_dir), "--max-body-bytes", "0"], "--max-body-bytes", ">= 1")
+    _one_line_error(capsys, [str(tok_dir), "--header-timeout", "-1"], "--header-timeout", ">= 0")
+    _one_line_error(capsys, [str(tok_dir), "--request-timeout", "nan"], "--request-timeout", ">= 0")
+    _one_line_error(capsys, [str(tok_dir), "--kv-memory-fraction", "1.5"], "--kv-memory-fraction", "(0, 1]")
     _one_line_error(capsys, [str(tok_dir)], "genai_config.json")  # a tokenizer but no model: the engine's error
     with pytest.raises(SystemExit) as exc:  # argparse's own usage error
         from pagedkit.apps.serve.cli import main

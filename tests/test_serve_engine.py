@@ -141,3 +141,22 @@ def test_paged_serve_command_serves_the_folder(model_dir):
         r = httpx.post(f"{base}/chat/completions", json={"model": "tiny-llama", "max_tokens": 5, "temperature": 0,
                                                          "messages": [{"role": "user", "content": "hello"}]})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_a_small_kv_pool_serves_chat_without_max_tokens(model_dir):
+    """--num-blocks 4 (64 tokens of cache for a 256-token context): a chat request without max_tokens generates what
+    the pool can hold instead of failing (it was a 500 the openai client retried), and a prompt the pool can never
+    hold is a 400 naming both numbers; the pool is whole afterwards."""
+    small = Engine(model_dir, max_batch_size=2, max_num_tokens=64, num_blocks=4)
+    with ServerThread(create_app(small, load_tokenizer(model_dir), model_dir.name)) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hello cat"}], "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["completion_tokens"] == 64 + 1 - usage["prompt_tokens"] and usage["total_tokens"] == 65
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": [5] * 70, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "70 tokens" in r.json()["error"]["message"] and "at most 64 tokens" in r.json()["error"]["message"]
+    assert small.num_free_blocks() == small.num_blocks() and small.check_invariants() == []
+    assert small.max_pool_tokens == 64

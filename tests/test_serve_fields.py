@@ -11,7 +11,7 @@ change when generation ends checked by behaviour.
    generation goes on to max_tokens ("length"); stop_token_ids ends at that token ("stop", kept in the count);
    top_k 1 / a tiny top_p make a hot temperature greedy; the same seed repeats, another differs.
 3. max_tokens at the context's edge: prompt + max_tokens == max_seq_len is served, one more is a 400.
-Teeth: the server's request conversion (_Server.params) with one field dropped fails (1) for every field and
+Teeth: the server's request conversion (generation.Server.params) with one field dropped fails (1) for every field and
 (2) for ignore_eos, stop_token_ids, top_k, top_p and seed.
 """
 
@@ -23,7 +23,7 @@ import httpx
 import pytest
 import torch
 
-from pagedkit.apps.serve import app as app_mod
+from pagedkit.apps.serve import generation as gen_mod
 from pagedkit.apps.serve import create_app
 from pagedkit.apps.serve.tokenizer import ServeTokenizer, load_tokenizer
 from pagedkit.engine import SamplingParams
@@ -31,7 +31,8 @@ from scripted_engine import ScriptedModel, continuation_script, one_hot, scripte
 from test_serve_helpers import FakeEngine, ServerThread, write_tokenizer
 
 MODEL = "tiny-serve"
-FORWARDED = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
+FORWARDED = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos",
+             "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "logprobs")
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +70,15 @@ FIELD_CASES = [  # (path, request body, the SamplingParams fields the engine mus
      dict(max_new_tokens=6, temperature=0.0, top_p=0.5, top_k=2, seed=12345, stop_token_ids=(0, 143), ignore_eos=True)),
     ("/v1/chat/completions", {"messages": CHAT, "temperature": 0.3, "stop_token_ids": [9]},
      dict(max_new_tokens=REST, temperature=0.3, stop_token_ids=(9,))),
+    ("/v1/completions", {"prompt": [7, 8, 9], "max_tokens": 4, "presence_penalty": 0.5, "frequency_penalty": -1.25,
+                         "repetition_penalty": 1.3, "logit_bias": {"5": -100, "17": 2.5}, "min_p": 0.05, "logprobs": 3},
+     dict(max_new_tokens=4, temperature=1.0, presence_penalty=0.5, frequency_penalty=-1.25, repetition_penalty=1.3,
+          logit_bias={5: -100.0, 17: 2.5}, min_p=0.05, logprobs=3)),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "logprobs": True, "top_logprobs": 4,
+                              "presence_penalty": -2, "frequency_penalty": 2, "logit_bias": {"143": 100}},
+     dict(max_new_tokens=3, temperature=1.0, logprobs=4, presence_penalty=-2.0, frequency_penalty=2.0, logit_bias={143: 100.0})),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "logprobs": True, "min_p": 1},
+     dict(max_new_tokens=3, temperature=1.0, logprobs=0, min_p=1.0)),
 ]
 
 
@@ -93,11 +103,11 @@ def test_every_forwarded_field_reaches_the_engine(fake, tok):
 
 
 def dropping(field: str):
-    """_Server.params with one field left at SamplingParams' default (the conversion forgot it)."""
-    real = app_mod._Server.params
+    """Server.params with one field left at SamplingParams' default (the conversion forgot it)."""
+    real = gen_mod.Server.params
 
-    def params(self, s, max_tokens):
-        p = real(self, s, max_tokens)
+    def params(self, s, max_tokens, index=0):
+        p = real(self, s, max_tokens, index)
         default = {f.name: f.default for f in dataclasses.fields(SamplingParams)}[field]
         return dataclasses.replace(p, **{field: default if field != "max_new_tokens" else 16})
 
@@ -106,7 +116,7 @@ def dropping(field: str):
 
 @pytest.mark.parametrize("field", FORWARDED)
 def test_teeth_a_dropped_field_is_caught(fake, tok, monkeypatch, field):
-    monkeypatch.setattr(app_mod._Server, "params", dropping(field))
+    monkeypatch.setattr(gen_mod.Server, "params", dropping(field))
     with pytest.raises(AssertionError, match=f"the engine got {field}="):
         check_fields(*fake, tok)
 
@@ -181,14 +191,14 @@ def test_top_k_top_p_seed_through_the_engine(real):
 
 @pytest.mark.parametrize("field", ["ignore_eos", "stop_token_ids"])
 def test_teeth_eos_behaviour_needs_the_field(real, tok, monkeypatch, field):
-    monkeypatch.setattr(app_mod._Server, "params", dropping(field))
+    monkeypatch.setattr(gen_mod.Server, "params", dropping(field))
     with pytest.raises(AssertionError, match=field):
         check_eos_behaviour(real[1], tok)
 
 
 @pytest.mark.parametrize("field", ["top_k", "top_p", "seed", "temperature"])
 def test_teeth_sampling_behaviour_needs_the_field(real, monkeypatch, field):
-    monkeypatch.setattr(app_mod._Server, "params", dropping(field))
+    monkeypatch.setattr(gen_mod.Server, "params", dropping(field))
     with pytest.raises(AssertionError):
         check_sampling_behaviour(real[1])
 

@@ -72,9 +72,13 @@ def fake_continuation(prompt: list[int], n: int, eos: int | None = None, eos_at:
 
 
 class FakeEngine:
+    """max_pool_tokens: the most tokens one request's cache can hold (None: no pool limit, the attribute the
+    server reads); a request above it is aborted at the next step with a reason, as the real engine does."""
+
     def __init__(self, delay: float = 0.001, eos_at: int | None = None, max_seq_len: int = 256, fail: bool = False,
-                 fail_after: int | None = None):
+                 fail_after: int | None = None, max_pool_tokens: int | None = None):
         self.eos_token_ids, self.vocab_size, self.max_seq_len = [2], VOCAB_SIZE, max_seq_len
+        self.max_pool_tokens = max_pool_tokens
         self.delay, self.eos_at, self.fail, self.fail_after = delay, eos_at, fail, fail_after
         self._lock = threading.Lock()
         self._reqs: dict[str, dict] = {}
@@ -110,6 +114,12 @@ class FakeEngine:
             self.steps += 1
             self.max_batch = max(self.max_batch, len(self._reqs))
             for rid, r in list(self._reqs.items()):
+                longest = len(r["prompt"]) + r["params"].max_new_tokens - 1
+                if self.max_pool_tokens is not None and longest > self.max_pool_tokens:
+                    outs.append(RequestOutput(rid, [], [], True, "abort", f"the KV cache can never hold this "
+                                              f"request: {longest} tokens, the pool has {self.max_pool_tokens}"))
+                    del self._reqs[rid]
+                    continue
                 tok = r["plan"][len(r["out"])]
                 r["out"].append(tok)
                 stop = tok in r["params"].stop_token_ids or (tok == 2 and not r["params"].ignore_eos)
@@ -126,14 +136,21 @@ class FakeEngine:
 class ServerThread:
     """`with ServerThread(app) as base_url:` uvicorn on 127.0.0.1:<free port>, stopped on exit."""
 
-    def __init__(self, app):
+    def __init__(self, app, limits=None):
+        """limits: a ServeLimits: uvicorn configured by paged-serve's connections.uvicorn_config (timeouts...)."""
         import uvicorn
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        if limits is None:
+            config = uvicorn.Config(app, log_level="warning", lifespan="on")
+        else:
+            from pagedkit.apps.serve.connections import uvicorn_config
+
+            config = uvicorn_config(app, "127.0.0.1", self.port, limits, "warning")
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     @property
@@ -160,24 +177,32 @@ class ServeCommand:
     subprocess (python -m pagedkit.apps.serve.cli), once its /health answers (within `timeout` s); stopped on
     exit."""
 
-    def __init__(self, model_dir: Path, *options: str, timeout: float = 60):
+    def __init__(self, model_dir: Path, *options: str, timeout: float = 60, env: dict | None = None,
+                 log: Path | None = None):
+        """env: variables added to the server's environment; log: a file for its stdout + stderr (else a pipe,
+        read only when it fails to start: keep its output small)."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.argv = [sys.executable, "-m", "pagedkit.apps.serve.cli", str(model_dir), "--port", str(self.port),
                      *options]
-        self.timeout = timeout
+        self.timeout, self.extra_env, self.log = timeout, env or {}, log
+
+    def output(self) -> str:
+        return Path(self.log).read_text() if self.log else self.proc.communicate()[0]
 
     def __enter__(self) -> str:
         import httpx
 
-        env = os.environ | {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        env = os.environ | {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")} | self.extra_env
+        out = open(self.log, "w") if self.log else subprocess.PIPE
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        if self.log:
+            out.close()
         deadline = time.monotonic() + self.timeout
         while True:
             if self.proc.poll() is not None:
-                raise AssertionError(self.proc.communicate()[0])
+                raise AssertionError(self.output())
             try:
                 if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
                     return f"http://127.0.0.1:{self.port}"

@@ -255,6 +255,8 @@ CASES = [  # (variable, value in the environment or None (unset), what the code 
     ("PAGEDKIT_CACHE", "~/models", HOME / "models"), ("PAGEDKIT_CACHE", "/data/c", Path("/data/c")),
     ("PAGEDKIT_SMOLLM2_WHEEL", "/w/a.whl", "/w/a.whl"), ("PAGEDKIT_SMOLLM2_WHEEL", None, None),
     ("PAGEDKIT_COMMIT", "abc123", "abc123"), ("PAGEDKIT_COMMIT", "", None),
+    ("PAGEDKIT_API_KEY", "sk-local", "sk-local"), ("PAGEDKIT_API_KEY", "", None),
+    ("PAGEDKIT_TP_TIMEOUT", None, 300.0), ("PAGEDKIT_TP_TIMEOUT", "2.5", 2.5),
     ("PAGEDKIT_DECODE_TILE", None, None), ("PAGEDKIT_DECODE_TILE", "64x4", (64, 4)),
     ("PAGEDKIT_DECODE_WAVES", "6", 6.0), ("PAGEDKIT_DECODE_WAVES", None, None),
     ("PAGEDKIT_DECODE_STAGES", "3", 3), ("PAGEDKIT_DECODE_STAGES", None, None),
@@ -271,10 +273,6 @@ CASES = [  # (variable, value in the environment or None (unset), what the code 
     ("PAGEDKIT_PDL", None, True), ("PAGEDKIT_PDL", "0", False), ("PAGEDKIT_PDL", "no", True),
     ("PAGEDKIT_PDL_MAX_PROGRAMS", None, 0), ("PAGEDKIT_PDL_MAX_PROGRAMS", "8", 8),
     ("PAGEDKIT_PDL_LATE", None, True), ("PAGEDKIT_PDL_LATE", "0", False), ("PAGEDKIT_PDL_LATE", "1", True),
-    ("PAGEDKIT_REDUCE_EARLY", "1", True), ("PAGEDKIT_REDUCE_EARLY", "true", False),
-    ("PAGEDKIT_REDUCE_EARLY", None, False), ("PAGEDKIT_FUSED_WRITE", "1", True),
-    ("PAGEDKIT_FUSED_WRITE", "yes", False), ("PAGEDKIT_SPLITK_NORM", "1", True),
-    ("PAGEDKIT_SPLITK_NORM", None, False),
     ("PAGEDKIT_BLAS", "cublaslt", "cublaslt"), ("PAGEDKIT_BLAS", "", None), ("PAGEDKIT_BLAS", None, None),
     ("TRITON_INTERPRET", "1", True), ("TRITON_INTERPRET", "true", False), ("TRITON_INTERPRET", None, False),
 ]
@@ -296,6 +294,7 @@ def test_every_variable_has_parsing_cases():
     ("PAGEDKIT_MATMULNBITS", "fast", "PAGEDKIT_MATMULNBITS='fast': expected auto, exact, int4 or off"),
     ("PAGEDKIT_CPU_ATTENTION", "c", "PAGEDKIT_CPU_ATTENTION='c': expected auto, kernel or decompose"),
     ("PAGEDKIT_DEQUANT_CACHE_MB", "lots", "PAGEDKIT_DEQUANT_CACHE_MB='lots': could not convert"),
+    ("PAGEDKIT_TP_TIMEOUT", "soon", "PAGEDKIT_TP_TIMEOUT='soon': could not convert"),
     ("PAGEDKIT_PDL_MAX_PROGRAMS", "x", "PAGEDKIT_PDL_MAX_PROGRAMS='x': invalid literal"),
     ("PAGEDKIT_QUANT_ASM", "int9:v", "PAGEDKIT_QUANT_ASM: cache format 'int9' should be one of"),
     ("PAGEDKIT_INT8_MMA", "q", "PAGEDKIT_INT8_MMA='q': the sides: expected k, v, kv or 0, got 'q'"),
@@ -330,10 +329,9 @@ def test_quant_asm_names_the_kernels_formats():
 
 _IMPORT_TIME = """
 import json
-from pagedkit.kernels.triton import common, decode, paged
-from pagedkit.runtime import fuse
+from pagedkit.kernels.triton import common, decode
 print(json.dumps([decode.DECODE_TILE, decode.QUANT_DECODE_TILE, decode.QUANT_ASM, decode.INT8_MMA, common.PDL,
-                  common.PDL_EARLY_RELEASE, common.REDUCE_EARLY_RELEASE, paged.FUSED_WRITE, fuse.SPLITK_DEVICES]))
+                  common.PDL_EARLY_RELEASE]))
 """
 
 
@@ -342,13 +340,12 @@ def test_import_time_variables_reach_the_module_constants():
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDKIT_")} | {
         "PAGEDKIT_DECODE_TILE": "64x4", "PAGEDKIT_QUANT_DECODE_TILE": "0", "PAGEDKIT_QUANT_ASM": "int8:v,fp8:0",
-        "PAGEDKIT_INT8_MMA": "1", "PAGEDKIT_PDL": "0", "PAGEDKIT_PDL_LATE": "0", "PAGEDKIT_REDUCE_EARLY": "1",
-        "PAGEDKIT_FUSED_WRITE": "1", "PAGEDKIT_SPLITK_NORM": "1"}
+        "PAGEDKIT_INT8_MMA": "1", "PAGEDKIT_PDL": "0", "PAGEDKIT_PDL_LATE": "0"}
     out = subprocess.run([sys.executable, "-c", _IMPORT_TIME], capture_output=True, text=True, env=env, cwd=REPO,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == [[64, 4], None, {"1": "v", "2": "", "3": "kv"}, "kv", False, True, True, True, ["cuda"]]
+    assert got == [[64, 4], None, {"1": "v", "2": "", "3": "kv"}, "kv", False, True]
 
 
 def test_per_call_variables_are_read_at_each_use(monkeypatch, capsys):

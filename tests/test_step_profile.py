@@ -17,8 +17,7 @@ def test_sweep_entries():
     assert sp._config("64x8") == {"name": "64x8", "tile": (64, 8)}
     assert sp._config("@6") == {"name": "@6", "waves": 6.0}
     assert sp._config("128x4@1.5") == {"name": "128x4@1.5", "tile": (128, 4), "waves": 1.5}
-    assert sp._config("fw+64x4") == {"name": "fw+64x4", "fused_write": True, "tile": (64, 4)}
-    assert sp._config("fw+re") == {"name": "fw+re", "fused_write": True, "reduce_early": True}
+    assert sp._config("nopdl+64x4") == {"name": "nopdl+64x4", "pdl": False, "tile": (64, 4)}
     with pytest.raises(ValueError):
         sp._config("64")
 

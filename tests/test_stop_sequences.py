@@ -116,7 +116,7 @@ _real_holdback, _real_emit = Request._holdback, Request.emit
 
 def _append_variant(bug: str):
     """Request.append (request.py) with one realistic change."""
-    def append(self, token):
+    def append(self, token, logprob=None):  # (logprobs: not asked by these tests)
         self.tokens.append(int(token))
         out_len = self.num_output
         seqs = self.params.stop_sequences[:1] if bug == "first only" else self.params.stop_sequences
@@ -203,22 +203,18 @@ def test_textstream_long_stops_with_partial_matches():
 
 
 def test_teeth_textstream_partial_match_of_two_chars_only(monkeypatch):
-    real = textstream_mod._partial_stop
-    monkeypatch.setattr(textstream_mod, "_partial_stop", lambda text, stops: min(2, real(text, stops)))
+    real = textstream_mod.StopMatcher.partial
+    monkeypatch.setattr(textstream_mod.StopMatcher, "partial", lambda self: min(2, real(self)))
     with pytest.raises(AssertionError):
         check_textstream()
 
 
 def test_teeth_textstream_held_back_text_dropped(monkeypatch):
-    """A stream that forgets held-back text when the match breaks (releases only the new text) fails."""
+    """A stream that forgets held-back text when the match breaks (releases only the newest character) fails."""
+    real = TextStream._release
+
     def release(self, final):
-        end = len(self.text)
-        if not final and not self.stopped:
-            end -= textstream_mod._partial_stop(self.text, self.stops)
-        start = max(self._released, end - 1) if end > self._released else self._released
-        piece = self.text[start:end]
-        self._released = max(end, self._released)
-        return piece
+        return real(self, final)[-1:]
 
     monkeypatch.setattr(TextStream, "_release", release)
     with pytest.raises(AssertionError):

@@ -10,11 +10,8 @@ import math
 import pytest
 import torch
 
-from pagedkit.kernels.triton import common
-
-pytestmark = pytest.mark.skipif(not common.HAVE_TRITON, reason="needs triton")
-if common.HAVE_TRITON:
-    from pagedkit.kernels.triton import argmax
+pytest.importorskip("triton")  # under CI a failure (conftest.py)
+from pagedkit.kernels.triton import argmax  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,9 +1,7 @@
-"""Kernels that only the interpreter runs on the CPU compile for an H100 / H200 (sm_90) too, without a GPU
-(tests/aot_compile.py: launches recorded in the interpreter, then triton.compile for GPUTarget("cuda", 90, 32)):
-the int64 split-K product (with and without the SwiGLU operand), its norm, and the decode cache write fused into
-the attention kernel in float16 and bfloat16, beside the rest of a decode step's Triton launches (residual norm,
-cache write, split-KV attention and reduce, SwiGLU, argmax). Catches what the interpreter accepts and the compiler
-does not."""
+"""A decode step's Triton kernels, which the CPU tests run only in the interpreter, compile for an H100 / H200
+(sm_90) too, without a GPU (tests/aot_compile.py: launches recorded in the interpreter, then triton.compile for
+GPUTarget("cuda", 90, 32)): the residual norm, the cache write, the split-KV attention and its reduce in float16 and
+bfloat16, SwiGLU, argmax. Catches what the interpreter accepts and the compiler does not."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-triton = pytest.importorskip("triton") if not os.environ.get("CI") else __import__("triton")  # CI: never skip
+triton = pytest.importorskip("triton")  # under CI a failure (conftest.py)
 
 
 def _backend() -> bool:
@@ -38,9 +36,7 @@ def test_kernels_compile_for_sm90(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("compiled ")]
-    want = ["_attn_kernel [FUSED=True,T_BF16=False]", "_attn_kernel [FUSED=True,T_BF16=True]",
-            "_attn_kernel [FUSED=False,T_BF16=False]", "_reduce_kernel []", "_reduce_kernel []", "_reduce_kernel []",
-            "_splitk_kernel [SILU=False,PRE2=True]", "_splitk_kernel [SILU=True,PRE2=False]", "_rms_kernel [ACC=True]",
-            "_rms_kernel [ACC=True]", "_rms_kernel [ACC=False]", "_write_kernel []", "_silu_mul_kernel []",
-            "_argmax_chunk_kernel []", "_argmax_final_kernel []"]
+    want = ["_rms_kernel [*fp16]", "_write_kernel [*fp16]", "_attn_kernel [*fp16]", "_reduce_kernel [*fp32]",
+            "_write_kernel [*bf16]", "_attn_kernel [*bf16]", "_reduce_kernel [*fp32]", "_silu_mul_kernel [*fp16]",
+            "_argmax_chunk_kernel [*fp16]", "_argmax_final_kernel [*i64]"]
     assert sorted(ln.split(" ptx")[0].removeprefix("compiled ") for ln in lines) == sorted(want), out.stdout

@@ -10,11 +10,8 @@ import math
 import pytest
 import torch
 
-from pagedkit.kernels.triton import common
-
-pytestmark = pytest.mark.skipif(not common.HAVE_TRITON, reason="needs triton")
-if common.HAVE_TRITON:
-    from pagedkit.kernels.triton import swiglu
+pytest.importorskip("triton")  # under CI a failure (conftest.py)
+from pagedkit.kernels.triton import swiglu  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-6}

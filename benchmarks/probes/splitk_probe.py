@@ -1,7 +1,9 @@
 """A split-K Triton product for decode-sized rows against cuBLAS on the H200: y [M, N] = x [M, K] @ W [K, N] as S
 fp32 partials [S, M, N] (the reduction is meant for the consumer kernel, e.g. the RMS norm after the O and down
 products); timed alone and with a reduce-and-cast kernel after it, L2-cold (weight copies cycled), CUDA-graph
-replays. Run on the device: PYTHONPATH=$PWD python3 benchmarks/probes/splitk_probe.py [--out FILE]."""
+replays. Run on the device: PYTHONPATH=$PWD python3 benchmarks/probes/splitk_probe.py [--out FILE].
+The fusion built on it (kernels/triton/splitk.py, opt-in SPLITK_NORM) lost to cuBLAS in whole decode steps past
+batch 1 and was removed (2026-12-05, results/step_profile_fusions.json, docs/engine.md "Tried and removed")."""
 
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ Scheduling policy of one step (see docs/engine.md):
    recently admitted running request is preempted (its blocks freed, it is requeued at the front with
    prompt + generated tokens as its new prefill: recompute); a request that cannot fit even alone ends
    with finish_reason "abort" and a reason;
-5. the step runs; each sequence whose prompt is fully cached samples its next token (speculative
+5. the step runs; each sequence whose prompt is fully cached samples its next token (a request's token
+   constraint, SamplingParams.constraint, first masks its logits: constraint.py; speculative
    entries verify their drafts: the longest matching prefix plus the target's own next token is kept,
    the rejected drafts are rolled back in the cache with KVCacheManager.accept).
 """
@@ -35,6 +36,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from ..runtime.kv.cache import KVCacheExhausted
+from . import group as grp
+from . import constraint
 from .model import PagedModel
 from .overlap import HostRing, Inflight, advance, greedy_decode
 from .params import RequestOutput, SamplingParams
@@ -52,6 +55,7 @@ class EngineStats:
     preemptions: int = 0
     unadmitted: int = 0  # admissions undone within a step (the pool could not hold them)
     prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0  # tokens looked up in the prefix cache at admissions
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     max_batch: int = 0  # most sequences seen in one step
@@ -72,23 +76,28 @@ class Engine:
 
     max_batch_size: most sequences in one step; max_num_tokens: most tokens in one step (prefill chunks
     included); num_blocks: blocks of the full-attention pool (default: every one of max_batch_size
-    sequences can reach the context length); block_size: None = the model's; enable_prefix_caching:
+    sequences can reach the context length, within memory_fraction of what the device has free: None = 0.9 of
+    the free GPU memory on CUDA, 0.25 of the available RAM on the CPU; model.py); block_size: None = the model's;
+    enable_prefix_caching:
     reuse cached full blocks of identical prefixes (off for models with sliding-window layers); cuda_graphs:
     decode steps as CUDA-graph replays per batch bucket (graphs.py), None = on for CUDA; "padded" plans decode
     steps as the graphs do (batch buckets, replay-wide bounds) but runs them eagerly, on any device; overlap:
     greedy decode steps run one step ahead of the host (overlap.py: tokens come out one step() later), None =
-    on with CUDA-graph replays; needs cuda_graphs (True or "padded").
+    on with CUDA-graph replays; needs cuda_graphs (True or "padded"). tp: the model folder is a tensor-parallel
+    export of tp ranks (`paged-export --tp N`; None: whatever the folder is): this process becomes rank 0 (scheduler,
+    KV manager, sampling) of a set it starts (runtime/distributed), eager steps only; `close()` stops it.
     add_request / abort may be called from any thread; step() from one thread at a time."""
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", *, max_batch_size: int = 16,
                  max_num_tokens: int = 512, num_blocks: int | None = None, block_size: int | None = None,
                  enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, memory_fraction: float | None = None, tp: int | None = None):
         if overlap not in (None, True, False):
             raise ValueError(f"Engine: overlap must be None (on with CUDA graphs), True or False, got {overlap!r}")
         self.model = PagedModel(model_dir, device, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                                 num_blocks=num_blocks, block_size=block_size,
-                                enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs)
+                                enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
+                                memory_fraction=memory_fraction, tp=tp)
         self.kv = self.model.mgr
         self.eos_token_ids: list[int] = list(self.model.config.eos_token_ids)
         self.vocab_size: int | None = self.model.config.vocab_size
@@ -113,6 +122,17 @@ class Engine:
     def max_seq_len(self) -> int:
         return self.model.max_seq_len
 
+    @property
+    def max_pool_tokens(self) -> int:
+        """The most tokens one request's cache can ever hold (prompt + max_new_tokens - 1 of them): the
+        full-attention pool's blocks x block_size, at most max_seq_len (a request above is aborted, _never_fits)."""
+        full = self.model.groups.get("full")
+        return self.max_seq_len if full is None else min(self.max_seq_len, full.num_blocks * full.block_size)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers of a tp > 1 engine (nothing to do otherwise)."""
+        self.model.close()
+
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, drafter: Callable[[list[int]], list[int]] | None = None) -> str:
@@ -121,19 +141,37 @@ class Engine:
         self._enqueue([req])
         return req.request_id
 
+    def add_group(self, prompt_token_ids: Sequence[int], params: Sequence[SamplingParams],
+                  request_ids: Sequence[str] | None = None) -> list[str]:
+        """Queue len(params) requests of one prompt (OpenAI's n) that share its prefill (group.py): the prompt
+        runs once, then each request gets its blocks (KVCacheManager.fork) and its own tokens. The params are
+        equal but for their seeds. Returns the ids, in order (thread-safe)."""
+        params = list(params)
+        grp.check_group(params, self.max_batch_size)
+        ids = [None] * len(params) if request_ids is None else list(request_ids)
+        if len(ids) != len(params):
+            raise ValueError(f"add_group: expected {len(params)} request ids, got {len(ids)}")
+        reqs = [self._make_request(prompt_token_ids, p, i, None) for p, i in zip(params, ids)]
+        reqs[0].siblings = reqs[1:]
+        self._enqueue(reqs, queued=1)
+        return [r.request_id for r in reqs]
+
     def _make_request(self, prompt, params, request_id, drafter) -> Request:
         return new_request(prompt, params, request_id, drafter, vocab_size=self.vocab_size,
                            max_seq_len=self.max_seq_len, eos_token_ids=self.eos_token_ids)
 
-    def _enqueue(self, reqs: list[Request]) -> None:
+    def _enqueue(self, reqs: list[Request], queued: int | None = None) -> None:
+        """Register the requests; the first `queued` of them (all: None) go to the queue (add_group's siblings
+        wait with their parent)."""
         with self._lock:
             ids = [r.request_id for r in reqs]
             dup = [i for i in ids if i in self._live] or [i for i in ids if ids.count(i) > 1]
             if dup:
                 raise ValueError(f"request_id {dup[0]!r} is already in use by an unfinished request")
-            for r in reqs:
+            for k, r in enumerate(reqs):
                 self._live[r.request_id] = r
-                self._inbox.append(("add", r))
+                if queued is None or k < queued:
+                    self._inbox.append(("add", r))
 
     def abort(self, request_id: str) -> None:
         """Finish a request with "abort" at the next step (thread-safe); its blocks go back to the pool.
@@ -179,7 +217,11 @@ class Engine:
                 if why is None:
                     self.waiting.append(item)
                     continue
-                item.finish("abort", why)
+                for r in [item] + [s for s in item.siblings if not s.finished]:  # a group never fits alike
+                    r.finish("abort", why)
+                    if r is not item:
+                        self._retire(r)
+                        outputs.append(r.emit())
                 log.warning("request %s aborted: %s", item.request_id, why)
             else:
                 with self._lock:
@@ -211,7 +253,7 @@ class Engine:
             room = min(budget, self.kv.max_step_tokens(r.request_id))
             if r.decoding:
                 try:
-                    drafts = drafts_for(r, room - 1, self.vocab_size)
+                    drafts = drafts_for(r, room - 1, self.vocab_size) if not r.siblings else []
                 except Exception as exc:  # a request's own drafter failed: that request ends, not the batch
                     r.finish("abort", f"the request's drafter failed: {type(exc).__name__}: {exc}"[:500])
                     log.warning("request %s aborted: %s", r.request_id, r.reason)
@@ -227,14 +269,23 @@ class Engine:
         # counted; _plan's retry is the exact check). With nothing running, the head is always admitted.
         full = "full" in self.model.groups
         spare = self.kv.num_free_blocks("full") - sum(self._new_blocks(e) for e in entries) if full else 0
-        while self.waiting and len(entries) < self.max_batch_size and budget >= 1:
+        # a group's parent is admitted when the batch has room for its siblings too (they fork off its prompt)
+        reserved = sum(grp.pending(r) for r in self.running)
+        while self.waiting and len(entries) + reserved < self.max_batch_size and budget >= 1:
             need = -(-min(budget, len(self.waiting[0].tokens)) // self.model.block_size)
             if full and self.running and need > spare:
                 break
+            group = grp.pending(self.waiting[0])
+            if group and self.running and len(entries) + reserved + 1 + group > self.max_batch_size:
+                break
             spare -= need
+            reserved += group
             r = self.waiting.popleft()
             hit = self.kv.add_sequence(r.request_id, r.tokens)
             self.stats.prefix_hit_tokens += hit
+            self.stats.prefix_query_tokens += len(r.tokens)
+            if r.num_cached_tokens is None:
+                r.num_cached_tokens = min(hit, len(r.prompt))
             self._admissions += 1
             r.num_computed, r.status, r.admitted = hit, RUNNING, self._admissions
             self.running.append(r)
@@ -314,25 +365,33 @@ class Engine:
         ids = [t for e in entries for t in e.ids]
         wanted, starts, flat = [], [], 0  # the flat positions whose logits are sampled, per entry
         params = []  # the sampling params of each sampled row
+        picks = []  # (request, first row, drafts) of the entries that sample (their token constraints' masks)
         for e in entries:
             starts.append(len(wanted))
             n = len(e.ids)
             if e.drafts:
+                picks.append((e.req, len(wanted), e.ids[1:]))
                 wanted += range(flat, flat + n)  # every position verifies a draft or gives the next token
                 params += [e.req.params] * n
             elif e.req.num_computed + n == len(e.req.tokens):
+                picks.append((e.req, len(wanted), []))
                 wanted.append(flat + n - 1)  # the prompt (+ generated) is now all cached: sample
                 params.append(e.req.params)
             flat += n
         graphed = self.model.graphs is not None and self.model.graphs.serves(plan)
         logits = self.model.run(plan, ids, wanted)
         self.kv.commit(plan)  # host bookkeeping while the device runs the step
+        masks, failed = constraint.step_masks(picks, logits.shape[-1])  # token constraints: host work, no device read
+        logits = constraint.apply(logits, masks)
         rows = Choices(logits, params)  # greedy rows: one argmax on the device, one small copy (waits for it)
         self._count(entries, graphed)
         outputs = []
         for e, start in zip(entries, starts):
             r, n = e.req, len(e.ids)
-            if e.drafts:
+            if id(r) in failed:
+                r.finish("abort", failed[id(r)])
+                log.warning("request %s aborted: %s", r.request_id, r.reason)
+            elif e.drafts:
                 toks = verify(e, rows, start)
                 accepted = len(toks) - 1
                 self.kv.accept(r.request_id, accepted)
@@ -341,11 +400,14 @@ class Engine:
                 self.stats.accepted_draft_tokens += accepted
             else:
                 r.num_computed += n
-                toks = [rows.token(start, r.generator)] if r.num_computed == len(r.tokens) else []
-            self._check_length(r, r.num_computed)
-            for t in toks:
-                if r.append(t):
-                    break
+                toks = [rows.token(start, r.generator, r.tokens, len(r.prompt))] if r.num_computed == len(r.tokens) else []
+            if not r.finished:
+                self._check_length(r, r.num_computed)
+                for k, t in enumerate(toks):
+                    if r.append(t, rows.logprobs(start + k, t)):
+                        break
+                if r.siblings and toks:
+                    grp.fork_siblings(self, r, rows, start, outputs)
             if r.finished:
                 self._retire(r)
             out = r.emit()
@@ -361,6 +423,8 @@ class Engine:
             self.running.remove(r)
         elif r in self.waiting:
             self.waiting.remove(r)
+        if r.siblings:  # a group's parent that ended before its prompt was cached
+            grp.release_siblings(self, r)
         with self._lock:
             self._live.pop(r.request_id, None)
 

@@ -4,10 +4,11 @@ its caches, sized for a batch (max_batch_size sequences, max_num_tokens tokens a
 Cache geometry (same rules as generate.Generator): block_size is the graph's static cache dimension 1
 if it has one, else the argument, else genai_config's block size, else 16. Pools:
 - "full" group (full-attention layers, `block_table`): num_blocks blocks, default max_batch_size x
-  ceil(max_seq_len / block_size) (every running sequence can reach the context length); on CUDA the default
-  is also capped by GPU_MEMORY_FRACTION of the free GPU memory once the session holds its weights (and the
-  windowed rings are counted), so a long context or a large batch takes what the GPU has and the engine
-  preempts when it runs out;
+  ceil(max_seq_len / block_size) (every running sequence can reach the context length) capped by a fraction
+  of the memory the device has free once the session holds its weights (and the windowed rings are
+  counted): GPU_MEMORY_FRACTION of the free GPU memory on CUDA, CPU_MEMORY_FRACTION of the available RAM
+  (MemAvailable) on the CPU, or `memory_fraction`; so a long context or a large batch takes what the device
+  has and the engine preempts when it runs out (`pool_summary()` says what was chosen and why);
 - "windowed" group (sliding-window layers, `block_table_windowed`): one ring per running sequence,
   max_batch_size x ring_blocks, rings sized for prefill chunks of chunk = genai search.chunk_size or
   block_size tokens (each step of a sequence is cut to KVCacheManager.max_step_tokens).
@@ -28,6 +29,7 @@ from ..interface import names as N
 from ..interface.paths import inside_folder
 from ..validators.contract import block_size_error
 from ..runtime.generate import DecoderConfig, layer_cache_spec, read_config, resolve_block_size, step_feeds
+from ..runtime.distributed.launch import TensorParallel, resolve_world
 from ..runtime.kv.cache import KVCacheManager
 from ..runtime.kv.config import GroupConfig, KVCacheConfig
 from ..runtime.kv.plan import StepPlan
@@ -36,6 +38,31 @@ from .graphs import DecodeGraphs
 
 
 GPU_MEMORY_FRACTION = 0.9  # of the free GPU memory the default full-attention pool may take
+CPU_MEMORY_FRACTION = 0.25  # of the available RAM the default full-attention pool may take on the CPU
+
+
+def available_ram() -> int | None:
+    """Bytes of RAM available to new allocations without swapping: /proc/meminfo's MemAvailable (Linux),
+    else psutil's, else None (unknown: the pool is then sized for the batch alone)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available)
+
+
+def free_memory(device: torch.device) -> tuple[int | None, str, float]:
+    """(bytes the device has free, what they are, the default fraction of them the pool may take)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], "free GPU memory", GPU_MEMORY_FRACTION
+    return available_ram(), "available RAM", CPU_MEMORY_FRACTION
 
 
 def block_bytes(layers, block_size: int) -> int:
@@ -50,19 +77,23 @@ def block_bytes(layers, block_size: int) -> int:
 def pool_blocks(free_bytes: int, fraction: float, bytes_per_block: int, cap: int) -> int:
     """Blocks of the full-attention pool that `fraction` of `free_bytes` holds, at most `cap`; >= 1."""
     if not 0 < fraction <= 1:
-        raise ValueError(f"Engine: gpu_memory_fraction must be in (0, 1], got {fraction!r}")
+        raise ValueError(f"Engine: memory_fraction must be in (0, 1], got {fraction!r}")
     return max(1, min(cap, int(free_bytes * fraction) // max(1, bytes_per_block)))
 
 
 class PagedModel:
     def __init__(self, model_dir: str | Path, device: str, *, max_batch_size: int, max_num_tokens: int,
                  num_blocks: int | None, block_size: int | None, enable_prefix_caching: bool,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, memory_fraction: float | None = None, tp: int | None = None):
         for name, v in (("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Engine: {name} must be an integer >= 1, got {v!r}")
         if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
             raise ValueError(f"Engine: num_blocks must be an integer >= 1 or None (sized for the batch), got {num_blocks!r}")
+        mf = memory_fraction
+        if mf is not None and (isinstance(mf, bool) or not isinstance(mf, (int, float)) or not 0 < mf <= 1):
+            raise ValueError(f"Engine: memory_fraction must be a number in (0, 1] or None (the device's default), "
+                             f"got {memory_fraction!r}")
         if block_size is not None and block_size_error(block_size):
             raise ValueError(f"Engine: block_size: {block_size_error(block_size)}")
         if device not in ("cpu", "cuda"):
@@ -81,8 +112,22 @@ class PagedModel:
                 "with pagedkit.runtime.generate.Generator")
         providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
         path = inside_folder(model_dir, cfg.filename, "model.decoder.filename", str(Path(model_dir) / "genai_config.json"))
-        self.session = InferenceSession(str(path), None, providers=providers,
-                                        cpu_backend=_cpu_backend(None, "auto"))
+        self.tp = None
+        world = resolve_world(model_dir, tp, "Engine: ")
+        if world > 1:  # this process is rank 0 of a set it starts (runtime/distributed): eager steps only
+            if cuda_graphs not in (None, False):
+                raise ValueError("Engine: cuda_graphs with tensor parallelism is not built yet (each rank would "
+                                 "capture its own graphs in lockstep); leave cuda_graphs None or False")
+            cuda_graphs = False
+            self.tp = TensorParallel(world, device)
+            try:
+                self.session = self.tp.session(model_dir, cpu_backend=_cpu_backend(None, "auto"))
+            except BaseException:
+                self.tp.close()
+                raise
+        else:
+            self.session = InferenceSession(str(path), None, providers=providers,
+                                            cpu_backend=_cpu_backend(None, "auto"))
         self.max_seq_len = cfg.context_length
         self.logits_name = cfg.outputs.get(N.LOGITS) or N.LOGITS
         args = {a.name: a for a in self.session.get_inputs()}
@@ -103,13 +148,14 @@ class PagedModel:
                 num_blocks or max_batch_size * math.ceil(self.max_seq_len / bs))
             groups.append(dataclasses.replace(g, num_blocks=n))
         self.pool_sizing = "num_blocks" if num_blocks else "max_batch_size x context"
-        if num_blocks is None and self.session.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.session.device)
+        free, where, fraction = (None, "", 0.0) if num_blocks else free_memory(self.session.device)
+        if free is not None:
+            fraction = memory_fraction or fraction
             ring_bytes = sum(g.num_blocks * block_bytes(g.layers, bs) for g in groups if g.window is not None)
-            groups = [dataclasses.replace(g, num_blocks=pool_blocks(free - ring_bytes, GPU_MEMORY_FRACTION,
+            groups = [dataclasses.replace(g, num_blocks=pool_blocks(free - ring_bytes, fraction,
                                                                     block_bytes(g.layers, bs), g.num_blocks))
                       if g.window is None else g for g in groups]
-            self.pool_sizing = f"free GPU memory x {GPU_MEMORY_FRACTION} (capped at max_batch_size x context)"
+            self.pool_sizing = f"{where} x {fraction} (capped at max_batch_size x context)"
         self.prefix_caching_off_reason = None
         if not enable_prefix_caching:
             self.prefix_caching_off_reason = "enable_prefix_caching=False"
@@ -123,6 +169,8 @@ class PagedModel:
             pad_block=graphs,
             names={k: past for k, (past, _) in cfg.caches.items()},
             present_names={k: pres for k, (_, pres) in cfg.caches.items()}))
+        if self.tp is not None:
+            self.session.mirror_copies(self.mgr)  # copy-on-write of shared blocks made on every rank's caches
         self.groups = {g.name: g for g in groups}
         self.renames = {k: cfg.input(k) for k in N.STEP_INPUTS}
         self.input_names = set(args)
@@ -130,6 +178,21 @@ class PagedModel:
         self.mgr.feed_only({k for k in self.mgr.step_input_names() if self.renames.get(k, k) in self.input_names})
         self.input_ids_name = cfg.input(N.INPUT_IDS)
         self.graphs = DecodeGraphs(self, capture=cuda_graphs != "padded") if graphs else None
+
+    def pool_summary(self) -> str:
+        """One line: each pool's blocks, tokens and bytes, and the rule that sized the full-attention pool."""
+        parts = []
+        for g in self.groups.values():
+            size = g.num_blocks * block_bytes(g.layers, g.block_size)
+            ring = f" (rings of {g.ring_blocks})" if g.windowed else ""
+            parts.append(f"{g.name} {g.num_blocks} blocks{ring} x {g.block_size} tokens = "
+                         f"{g.num_blocks * g.block_size} tokens, {size / 2 ** 20:.1f} MiB")
+        return f"KV cache: {'; '.join(parts)}; sized by {self.pool_sizing}"
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers, if any (the session stays usable only without them)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def blocks_needed(self, num_tokens: int) -> dict[str, int]:
         """Blocks of each group one sequence of num_tokens cached tokens holds."""

@@ -15,8 +15,8 @@ choice is dropped (its cache row is freed with the request). A step's token ids 
 KVCacheManager only after the step was planned: it is planned with placeholders and the ids are set
 (`KVCacheManager.set_tokens`) before it is committed, so prefix-cache hashes see the real ids.
 
-Anything else (admissions, prefill chunks, sampling at temperature > 0, drafts, preemption, a request that
-a length limit ends) makes the engine wait for the in-flight step and run the classic synchronous step.
+Anything else (admissions, prefill chunks, sampling at temperature > 0, drafts, token constraints, preemption,
+a request that a length limit ends) makes the engine wait for the in-flight step and run the classic synchronous step.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 
 from ..runtime.kv.cache import KVCacheExhausted
 from ..runtime.kv.staging import PinnedRing
+from .logits import needs_host
 from .sampling import greedy_rows
 
 PLACEHOLDER = 0  # the id a step is planned with before its real id is known (set before commit)
@@ -67,8 +68,8 @@ class HostRing:
 def greedy_decode(e) -> bool:
     """An entry (engine._Entry) whose step overlap may run ahead: one token, no drafts, greedy."""
     r = e.req
-    return (len(e.ids) == 1 and not e.drafts and not e.new and r.decoding and r.params.temperature == 0
-            and r.params.num_draft_tokens == 0)
+    return (len(e.ids) == 1 and not e.drafts and not e.new and r.decoding and not needs_host(r.params)
+            and r.params.num_draft_tokens == 0 and r.constraint is None and not r.siblings)
 
 
 def chain_entries(engine, prev: Inflight, make_entry) -> list | None:
@@ -81,7 +82,8 @@ def chain_entries(engine, prev: Inflight, make_entry) -> list | None:
     ids = {id(e.req) for e in prev.entries}
     out = []
     for r in running:
-        if id(r) not in ids or r.finished or r.params.temperature != 0 or r.params.num_draft_tokens:
+        if (id(r) not in ids or r.finished or needs_host(r.params) or r.params.num_draft_tokens
+                or r.constraint is not None):  # a token constraint's mask needs the previous token
             return None
         # prev's token must not end the request by length, and the next token must fit the context
         if r.num_output + 1 >= r.params.max_new_tokens or len(r.tokens) + 2 > r.max_total:

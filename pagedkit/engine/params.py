@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -42,6 +43,16 @@ class SamplingParams:
     may start a stop sequence are held back until they cannot).
     num_draft_tokens: k > 0 -> speculative decoding with up to k draft tokens a step (n-gram prompt
     lookup, or the request's drafter); the output equals non-speculative decoding.
+    Logit processing (logits.py; vLLM's order): logit_bias ({token id: bias} added to the logits),
+    repetition_penalty (1 = off; over prompt + generated tokens, CTRL's: a positive logit divided by it, a
+    negative one multiplied), frequency_penalty and presence_penalty (0 = off; minus penalty x count, minus
+    penalty if present, over the generated tokens), then temperature (greedy is the argmax of the processed
+    logits), then min_p (0 = off: drop tokens whose probability is below min_p x the largest), top_k, top_p.
+    logprobs: None -> none; k >= 0 -> each generated token's log-probability and the k most likely tokens'
+    (RequestOutput.new_logprobs), from log_softmax of the model's raw logits (before any processing).
+    constraint: None, or a factory called once per request that returns its token constraint (a grammar state:
+    mask() / accept(token) / rollback(n), engine/constraint.py): the logits of the tokens it disallows are set to
+    -inf before the choice (greedy and sampled), and the request finishes with "stop" once it is complete.
     """
 
     max_new_tokens: int = 16
@@ -53,6 +64,13 @@ class SamplingParams:
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     ignore_eos: bool = False
     num_draft_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_p: float = 0.0
+    logprobs: int | None = None
+    constraint: Callable[[], object] | None = None
 
     def __post_init__(self):
         _int(self.max_new_tokens, "max_new_tokens", 1)
@@ -68,6 +86,9 @@ class SamplingParams:
             _int(self.seed, "seed", 0)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.constraint is not None and not callable(self.constraint):
+            raise ValueError("SamplingParams.constraint must be None or a callable returning a token constraint, "
+                             f"got {type(self.constraint).__name__}")
         self.stop_token_ids = _token_ids(self.stop_token_ids, "stop_token_ids")
         try:
             seqs = tuple(self.stop_sequences)
@@ -77,6 +98,27 @@ class SamplingParams:
         self.stop_sequences = tuple(_token_ids(s, "stop_sequences[]") for s in seqs)
         if any(not s for s in self.stop_sequences):
             raise ValueError(f"SamplingParams.stop_sequences must not hold an empty sequence, got {self.stop_sequences!r}")
+        self._check_processing()
+
+    def _check_processing(self) -> None:
+        """The logit-processing fields (penalties, logit_bias, min_p) and logprobs."""
+        for name, lo, hi, lo_open in (("presence_penalty", -2.0, 2.0, False), ("frequency_penalty", -2.0, 2.0, False),
+                                      ("repetition_penalty", 0.0, math.inf, True), ("min_p", 0.0, 1.0, False)):
+            v = getattr(self, name)
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo or v > hi
+                    or (lo_open and v == lo)):
+                raise ValueError(f"SamplingParams.{name} must be a finite number in {'(' if lo_open else '['}{lo}, "
+                                 f"{hi}], got {v!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"SamplingParams.logit_bias must be a dict {{token id: bias}}, got {self.logit_bias!r}")
+            for t, b in self.logit_bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise ValueError(f"SamplingParams.logit_bias keys must be token ids (ints >= 0), got {t!r}")
+                if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
+                    raise ValueError(f"SamplingParams.logit_bias values must be finite numbers, got {b!r}")
+        if self.logprobs is not None:
+            _int(self.logprobs, "logprobs", 0)
 
 
 @dataclass
@@ -88,6 +130,8 @@ class RequestOutput:
     finish_reason: "stop" (eos / stop token / stop sequence), "length" (max_new_tokens or the context
     length), "abort" (Engine.abort, or a request the KV cache can never hold), None while running.
     reason: why an "abort" happened (also logged), else None.
+    new_logprobs: with SamplingParams.logprobs, one (logprob, [(token id, logprob)] of the k most likely) per
+    new token; else None. num_cached_tokens: prompt tokens found in the prefix cache at admission.
     """
 
     request_id: str
@@ -96,3 +140,5 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     reason: str | None = None
+    new_logprobs: list | None = None
+    num_cached_tokens: int = 0

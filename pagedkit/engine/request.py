@@ -31,6 +31,7 @@ class Request:
     stop_ids: frozenset[int]  # eos (unless ignore_eos) + stop_token_ids
     max_total: int  # most tokens prompt + generated may reach (max_seq_len + 1)
     drafter: Callable[[list[int]], list[int]] | None = None
+    constraint: object | None = None  # the request's token constraint (SamplingParams.constraint's product)
     tokens: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_emitted: int = 0
@@ -39,6 +40,9 @@ class Request:
     finish_reason: str | None = None
     reason: str | None = None  # why it was aborted
     num_preemptions: int = 0
+    logprobs: list | None = None  # per generated token (SamplingParams.logprobs): (logprob, top-k)
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache held at the first admission
+    siblings: list["Request"] = field(default_factory=list)  # Engine.add_group: forked once this prompt is cached
 
     def __post_init__(self):
         if not self.tokens:
@@ -61,17 +65,29 @@ class Request:
     def finished(self) -> bool:
         return self.status == FINISHED
 
-    def append(self, token: int) -> bool:
-        """Add one generated token; True when it finishes the request (finish_reason set)."""
+    def append(self, token: int, logprob=None) -> bool:
+        """Add one generated token (and its logprobs entry, when the request asks for them); True when it
+        finishes the request (finish_reason set)."""
         self.tokens.append(int(token))
+        if self.constraint is not None:
+            try:
+                complete = self.constraint.accept(int(token))
+            except Exception as exc:
+                return self.finish("abort", f"the request's token constraint failed: {type(exc).__name__}: {exc}"[:500])
+        if self.params.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.append(logprob)
         out_len = self.num_output
         for seq in self.params.stop_sequences:
             n = len(seq)
             if out_len >= n and tuple(self.tokens[-n:]) == seq:
                 del self.tokens[-n:]  # the matched sequence is not part of the output
+                if self.logprobs is not None:
+                    del self.logprobs[-n:]
                 self.num_emitted = min(self.num_emitted, self.num_output)
                 return self.finish("stop")
-        if token in self.stop_ids:
+        if token in self.stop_ids or (self.constraint is not None and complete):
             return self.finish("stop")
         if out_len >= self.params.max_new_tokens or len(self.tokens) >= self.max_total:
             return self.finish("length")
@@ -101,9 +117,10 @@ class Request:
         new = self.tokens[p + self.num_emitted:p + upto] if upto > self.num_emitted else []
         if not new and not self.finished:
             return None
+        lps = None if self.params.logprobs is None else (self.logprobs or [])[self.num_emitted:self.num_emitted + len(new)]
         self.num_emitted = max(self.num_emitted, upto)
         return RequestOutput(self.request_id, new, self.tokens[p:p + self.num_emitted], self.finished,
-                             self.finish_reason, self.reason)
+                             self.finish_reason, self.reason, lps, self.num_cached_tokens or 0)
 
 
 def new_request(prompt: Sequence[int], params: SamplingParams | None, request_id: str | None, drafter,
@@ -128,10 +145,17 @@ def new_request(prompt: Sequence[int], params: SamplingParams | None, request_id
     if drafter is not None and not callable(drafter):
         raise TypeError(f"drafter must be a callable (token ids so far -> draft token ids) or None, "
                         f"got {type(drafter).__name__}")
+    bad = [t for t in (params.logit_bias or {}) if vocab_size is not None and t >= vocab_size]
+    if bad:
+        raise ValueError(f"SamplingParams.logit_bias: token ids must be < the vocabulary size {vocab_size}, got {bad[0]}")
     if request_id is None:
         request_id = uuid.uuid4().hex
     elif not isinstance(request_id, str) or not request_id:
         raise ValueError(f"request_id must be a non-empty str or None, got {request_id!r}")
     stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    try:
+        constraint = params.constraint() if params.constraint is not None else None
+    except Exception as exc:
+        raise ValueError(f"params.constraint: the factory failed ({type(exc).__name__}: {exc})"[:500]) from None
     return Request(request_id, [int(t) for t in prompt], params, request_generator(params.seed), frozenset(stop),
-                   max_total=max_seq_len + 1, drafter=drafter)
+                   max_total=max_seq_len + 1, drafter=drafter, constraint=constraint)

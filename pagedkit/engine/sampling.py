@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from . import logits as lp
 from .params import SamplingParams
 
 
@@ -28,6 +29,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     # -inf (greedy in the limit) instead of overflowing to inf, or of a float32 temperature of 0 (softmax nan: the
     # draw raised, failing the whole engine step)
     x = ((logits.double() - logits.max()) / params.temperature).float()
+    x = lp.min_p_mask(x, params.min_p)
     if 0 < params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -58,16 +60,16 @@ def greedy_rows(logits: torch.Tensor) -> torch.Tensor:
 
 class Choices:
     """The token choices of one step's sampled rows, logits [R, V] on the run device: the greedy rows' argmax
-    is taken on the device in one call and copied as R ints (not R x V floats); the other rows are copied
-    to the host once, as float32, and drawn from only when asked (`token`), so a request's generator draws
-    exactly once per emitted token."""
+    is taken on the device in one call and copied as R ints (not R x V floats); the other rows (sampled, or
+    processed / with logprobs: logits.needs_host) are copied to the host once, as float32, and drawn from only
+    when asked (`token`), so a request's generator draws exactly once per emitted token."""
 
     def __init__(self, logits: torch.Tensor, params: Sequence[SamplingParams]):
         if logits.dim() != 2 or logits.shape[0] != len(params):
             raise ValueError(f"Choices: logits should be [{len(params)}, vocab], got {tuple(logits.shape)}")
         self.params = list(params)
-        greedy = [i for i, p in enumerate(self.params) if p.temperature == 0]
-        drawn = [i for i, p in enumerate(self.params) if p.temperature != 0]
+        greedy = [i for i, p in enumerate(self.params) if not lp.needs_host(p)]
+        drawn = [i for i, p in enumerate(self.params) if lp.needs_host(p)]
         self._argmax: dict[int, int] = {}
         if greedy:
             sel = logits if len(greedy) == len(self.params) else logits[greedy]
@@ -77,11 +79,19 @@ class Choices:
             host = logits[drawn].float().cpu()
             self._host = {i: host[k] for k, i in enumerate(drawn)}
 
-    def token(self, i: int, generator: torch.Generator) -> int:
-        """Row i's token: its argmax (greedy), else one draw under its params with `generator`."""
+    def token(self, i: int, generator: torch.Generator, tokens: Sequence[int] = (), prompt_len: int = 0) -> int:
+        """Row i's token: its argmax (greedy), else one draw under its params with `generator`; `tokens` (prompt +
+        generated so far, the prompt's first `prompt_len`) feed the penalties (logits.process)."""
         if i in self._argmax:
             return int(self._argmax[i])
-        return sample_token(self._host[i], self.params[i], generator)
+        p = self.params[i]
+        x = lp.process(self._host[i], p, tokens, prompt_len)
+        return int(torch.argmax(x)) if p.temperature == 0 else sample_token(x, p, generator)
+
+    def logprobs(self, i: int, token: int) -> tuple[float, list[tuple[int, float]]] | None:
+        """Row i's (logprob of `token`, top-k) under its params' `logprobs` (None when not asked)."""
+        k = self.params[i].logprobs
+        return None if k is None else lp.token_logprobs(self._host[i], token, k)
 
 
 def ngram_draft(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:

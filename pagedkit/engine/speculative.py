@@ -31,7 +31,7 @@ def verify(e, rows: Choices, start: int) -> list[int]:
     plus that one token (for a point-mass drafter this keeps the target's distribution)."""
     r, toks = e.req, []
     for i in range(e.drafts + 1):  # the target's choice after [last] + drafts[:i]
-        toks.append(rows.token(start + i, r.generator))
+        toks.append(rows.token(start + i, r.generator, r.tokens + e.ids[1:i + 1], len(r.prompt)))
         if i < e.drafts and toks[-1] != e.ids[i + 1]:
             break
     return toks

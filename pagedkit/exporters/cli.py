@@ -13,6 +13,7 @@ installed), 3 an internal error; errors are one line on stderr (PAGEDKIT_DEBUG=1
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import warnings
 
@@ -71,8 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, help="keep only the first N decoder layers")
     p.add_argument("--num-experts", type=int, help="keep only N routed experts (MoE models; quick runs)")
     p.add_argument("--max-seq-len", type=int, help="context length (rotary table rows); default: the config's")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism: one graph per rank (OUTPUT/rank_<r>/model.onnx) and one genai_config.json "
+                        "for the set, Megatron-style cut with com.microsoft AllReduce / AllGather "
+                        "(docs/distributed.md); run it with paged-run / paged-serve / paged-bench --tp N")
     p.add_argument("--extra-inputs", default="",
                    help="comma list of optional pagedkit graph inputs: slot_mapping, query_positions")
+    p.add_argument("--max-shard-size", metavar="SIZE",
+                   help="split the external weight data into files of at most SIZE (e.g. 4GB, 500MB; default: "
+                        "one model.onnx.data): model.onnx.data, model.onnx.data.1, ... (one location per tensor)")
+    p.add_argument("--no-stream", dest="stream", action="store_false",
+                   help="load a safetensors checkpoint whole with from_pretrained before exporting (default: read "
+                        "tensor by tensor while the weights are written, peak memory about the largest tensor)")
     p.add_argument("--seed", type=int, default=0, help="seed of random weights (no local weights)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--via", choices=("genai",),
@@ -139,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.model or not args.output:
         build_parser().error("--model and --output are required")
+    if args.tp < 1:
+        build_parser().error(f"--tp: expected a number of ranks >= 1, got {args.tp}")
+    if args.via and args.tp > 1:
+        build_parser().error("--tp with --via genai: the tensor-parallel cut is built on pagedkit's own families")
     if args.via:
         from .via_genai import main_via_genai
 
@@ -148,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     from .quantize import INT4_ACCURACY_LEVEL
     from .weights import RandomWeightsWarning
 
+    if args.max_shard_size is not None:
+        from .external import parse_size
+
+        try:
+            parse_size(args.max_shard_size)
+        except ValueError as exc:
+            build_parser().error(f"--max-shard-size: {exc}")
     if args.weights != "int4" and (args.int4_lm_head is not None or args.int4_accuracy_level is not None):
         build_parser().error("--int4-lm-head / --no-int4-lm-head / --int4-accuracy-level need --weights int4")
     extras = {e.strip() for e in args.extra_inputs.split(",") if e.strip()}
@@ -160,10 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():  # the random-weights banner is printed already: not a second time
             warnings.simplefilter("ignore", RandomWeightsWarning)
+            if args.tp > 1:  # tensor-parallel set (exporters/tp/)
+                from .tp.export import export_tp as export
+                export = functools.partial(export, tp=args.tp)
             result = export(args.model, args.output, opts, num_layers=args.num_layers, num_experts=args.num_experts,
                             seed=args.seed, weights=args.weights, calibration=args.calibration,
                             percentile=args.calibration_percentile,
                             int4_lm_head=args.int4_lm_head is not False,
+                            max_shard_size=args.max_shard_size, stream=args.stream,
                             int4_accuracy_level=(INT4_ACCURACY_LEVEL if args.int4_accuracy_level is None
                                                  else args.int4_accuracy_level))
     except ExportError as exc:  # the export ran, its result failed the checker / validator

@@ -17,7 +17,8 @@ from ..interface import dtypes
 from ..interface.genai_config import ModelSpec, genai_config, with_decoded_pagedkit, write_genai_config
 from ..validators.contract import cache_format, cache_width
 from .families.base import FLOAT_TYPES, ExportContext, ExportOptions, KVOptions
-from .lazy import lazy_parameters
+from .external import data_files, parse_size, remove_data_files
+from .lazy import LazyTensor, lazy_parameters
 from .quantize import INT4_ACCURACY_LEVEL, INT4_BLOCK_SIZE
 from .registry import family_for
 from .weights import copy_tokenizer_files, load_model
@@ -97,10 +98,15 @@ def check_options(opts: ExportOptions) -> None:
 
 
 def build_model(hf_model: torch.nn.Module, opts: ExportOptions | None = None, *, progress: bool = False,
-                external_data: Path | None = None) -> tuple[onnx.ModelProto, ModelSpec]:
-    """The PagedAttention graph of an in-memory Hugging Face causal LM, and its ModelSpec. external_data: a
-    file to stream the weights into, one initializer at a time as each is evaluated, when they exceed
-    EXTERNAL_DATA_BYTES (the proto then references it: save it beside the file with `save_model`)."""
+                external_data: Path | None = None, max_shard_bytes: int | None = None,
+                int4: tuple[int, int, bool] | None = None, stats: dict | None = None
+                ) -> tuple[onnx.ModelProto, ModelSpec]:
+    """The PagedAttention graph of a Hugging Face causal LM (in memory, or streamed: checkpoint.streamed_model),
+    and its ModelSpec. external_data: a file to stream the weights into, one initializer at a time as each is
+    evaluated (large ones in row chunks), when they exceed EXTERNAL_DATA_BYTES (the proto then references it:
+    save it beside the file with `save_model`); max_shard_bytes: split it into files of at most this size.
+    int4 (block_size, accuracy_level, lm_head): `--weights int4`, quantized as the weights are written
+    (int4_stream.py). stats: filled with {"prequant": MatMulNBits nodes of a GPTQ / AWQ checkpoint}."""
     opts = opts or ExportOptions()
     check_options(opts)
     family = family_for(hf_model.config)
@@ -112,11 +118,18 @@ def build_model(hf_model: torch.nn.Module, opts: ExportOptions | None = None, *,
         layers = tqdm(layers, desc="layers", unit="layer", file=sys.stderr)
     with torch.no_grad(), lazy_parameters(hf_model):  # weight transforms recorded, evaluated when written
         family.build(ctx, layers)
+    if stats is not None:
+        stats["prequant"] = sum(1 for node in ctx.g.nodes if node.op_type == "MatMulNBits")
+    if int4 is not None:
+        from .int4_stream import quantize_builder_int4
+
+        quantize_builder_int4(ctx.g, *int4)
     doc = f"pagedkit export of {hf_model.config.model_type} (family {family.name})"
     stream = external_data if external_data is not None and ctx.g.nbytes() > EXTERNAL_DATA_BYTES else None
     if stream is not None:
         Path(stream).parent.mkdir(parents=True, exist_ok=True)
-    return ctx.g.model("pagedkit_" + family.name, "pagedkit", doc, external=stream), ctx.spec
+    return ctx.g.model("pagedkit_" + family.name, "pagedkit", doc, external=stream,
+                       max_shard_bytes=max_shard_bytes), ctx.spec
 
 
 def save_model(proto: onnx.ModelProto, out_dir: Path, filename: str = "model.onnx") -> Path:
@@ -126,8 +139,7 @@ def save_model(proto: onnx.ModelProto, out_dir: Path, filename: str = "model.onn
     if any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
         onnx.save_model(proto, path)  # weights already streamed to `data` (build_model's external_data)
         return path
-    if data.exists():
-        data.unlink()
+    remove_data_files(path)
     size = sum(len(t.raw_data) for t in proto.graph.initializer)
     onnx.save_model(proto, path, save_as_external_data=size > EXTERNAL_DATA_BYTES, all_tensors_to_one_file=True,
                     location=data.name, size_threshold=1024)
@@ -153,7 +165,8 @@ def export_hf_model(hf_model: torch.nn.Module, output_dir: str | os.PathLike, op
                     weights: str = "in-memory", source: dict | None = None, tokenizer_dir: Path | None = None,
                     weight_format: str = "fp16", calibration: str | os.PathLike | None = None,
                     percentile: float = 100.0, validate: bool = True, int4_lm_head: bool = True,
-                    int4_accuracy_level: int = INT4_ACCURACY_LEVEL) -> ExportResult:
+                    int4_accuracy_level: int = INT4_ACCURACY_LEVEL, max_shard_size: str | int | None = None
+                    ) -> ExportResult:
     """Export an in-memory HF model to output_dir (model.onnx, genai_config.json, tokenizer files).
 
     Quantized caches: the unquantized graph is built first and run over the calibration text (default:
@@ -163,14 +176,16 @@ def export_hf_model(hf_model: torch.nn.Module, output_dir: str | os.PathLike, op
     LM head's int4 weight through GatherBlockQuantized (quantize.quantize_weights_int4)."""
     return _export([hf_model], output_dir, opts, weights=weights, source=source, tokenizer_dir=tokenizer_dir,
                    weight_format=weight_format, calibration=calibration, percentile=percentile, validate=validate,
-                   int4_lm_head=int4_lm_head, int4_accuracy_level=int4_accuracy_level)
+                   int4_lm_head=int4_lm_head, int4_accuracy_level=int4_accuracy_level,
+                   max_shard_size=max_shard_size)
 
 
 def _export(holder: list, output_dir, opts, *, weights, source, tokenizer_dir, weight_format, calibration,
-            percentile, validate, int4_lm_head=True, int4_accuracy_level=INT4_ACCURACY_LEVEL) -> ExportResult:
+            percentile, validate, int4_lm_head=True, int4_accuracy_level=INT4_ACCURACY_LEVEL,
+            max_shard_size=None) -> ExportResult:
     """export_hf_model's work; the model is taken out of `holder` and dropped once the graph is built (the
     caller that owns it, `export`, then no longer keeps a float copy of every weight alive)."""
-    from .quantize import calibrate, calibration_sequences, needs_calibration, quantize_weights_int4
+    from .quantize import calibrate, calibration_sequences, needs_calibration
 
     hf_model = holder.pop()
     opts = opts or ExportOptions()
@@ -194,18 +209,25 @@ def _export(holder: list, output_dir, opts, *, weights, source, tokenizer_dir, w
         calib["text"] = str(calibration) if calibration else "pagedkit built-in calibration text"
         notes.append("KV quantization SNR (dB) per layer: " + ", ".join(
             f"{i}: K {r.get('k_snr_db', '-')} / V {r.get('v_snr_db', '-')}" for i, r in calib["snr_db"].items()))
-    stream = out / f"{final_spec.filename}.data" if weight_format == "fp16" else None  # int4 rewrites the proto
-    if stream is not None and stream.exists():
-        stream.unlink()
-    proto, spec = build_model(hf_model, opts, progress=opts.progress, external_data=stream)
+    stream = out / f"{final_spec.filename}.data"
+    remove_data_files(out / final_spec.filename)
+    streamed = any(isinstance(p, LazyTensor) for p in hf_model.parameters())
+    int4 = (INT4_BLOCK_SIZE, int4_accuracy_level, int4_lm_head) if weight_format == "int4" else None
+    stats: dict = {}
+    proto, spec = build_model(hf_model, opts, progress=opts.progress, external_data=stream,
+                              max_shard_bytes=parse_size(max_shard_size), int4=int4, stats=stats)
     params = sum(p.numel() for p in hf_model.parameters())
+    if streamed:
+        notes.append("weights read from the checkpoint tensor by tensor while written (streamed)")
+    prequant = stats["prequant"]
+    if prequant:
+        notes.append(f"int4 checkpoint: {prequant} linears -> MatMulNBits over the checkpoint's own codes")
     del hf_model
     spec.calibration = calib
     spec.source = dict(source or {}) | {"weights": weights, "weight_format": weight_format}
     if weight_format == "int4":
         spec.source |= {"int4_lm_head": bool(int4_lm_head), "int4_accuracy_level": int(int4_accuracy_level)}
-        proto = quantize_weights_int4(proto, accuracy_level=int4_accuracy_level, lm_head=int4_lm_head)
-        n = sum(1 for node in proto.graph.node if node.op_type == "MatMulNBits")
+        n = sum(1 for node in proto.graph.node if node.op_type == "MatMulNBits") - prequant
         head = next((node.op_type for node in proto.graph.node if node.name.startswith("/lm_head/")
                      and node.op_type in ("MatMul", "MatMulNBits", "Gemm")), "?")
         embed = next((node.op_type for node in proto.graph.node if node.name.startswith("/model/embed_tokens/")
@@ -222,8 +244,9 @@ def _export(holder: list, output_dir, opts, *, weights, source, tokenizer_dir, w
     copy_tokenizer_files(tokenizer_dir, out)
     if validate:
         check_exported(path, genai_config(spec))
-    data = path.with_name(path.name + ".data")
-    files = [path] + ([data] if data.exists() else [])
+    files = [path] + data_files(path)
+    if len(files) > 2:
+        notes.append(f"external data: {len(files) - 1} files ({files[1].name} .. {files[-1].name})")
     return ExportResult(out, path, spec, params, sum(f.stat().st_size for f in files), kv_bytes_per_token(spec),
                         weights, notes)
 
@@ -231,14 +254,17 @@ def _export(holder: list, output_dir, opts, *, weights, source, tokenizer_dir, w
 def export(model: str | os.PathLike, output_dir: str | os.PathLike, opts: ExportOptions | None = None, *,
            num_layers: int | None = None, num_experts: int | None = None, seed: int = 0, weights: str = "fp16",
            calibration: str | os.PathLike | None = None, percentile: float = 100.0,
-           validate: bool = True, int4_lm_head: bool = True, int4_accuracy_level: int = INT4_ACCURACY_LEVEL
-           ) -> ExportResult:
+           validate: bool = True, int4_lm_head: bool = True, int4_accuracy_level: int = INT4_ACCURACY_LEVEL,
+           max_shard_size: str | int | None = None, stream: bool = True) -> ExportResult:
     """`paged-export`'s work: load (local safetensors / GGUF / built-in config) in the export dtype, export,
-    check, summarize."""
+    check, summarize. stream (default): a safetensors checkpoint is read tensor by tensor as the weights are
+    written (checkpoint.py), never loaded whole; False: loaded with from_pretrained first.
+    max_shard_size ('4GB', bytes, None): split the external data into files of at most that size."""
     opts = opts or ExportOptions()
     check_options(opts)  # before any loading
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[opts.dtype]
-    loaded = load_model(model, num_layers=num_layers, num_experts=num_experts, seed=seed, dtype=dtype)
+    parse_size(max_shard_size)  # refused before any loading
+    loaded = load_model(model, num_layers=num_layers, num_experts=num_experts, seed=seed, dtype=dtype, stream=stream)
     source = {"model": str(model), "num_hidden_layers": loaded.config.num_hidden_layers}
     if loaded.checkpoint is not None:  # the local weights, for `paged-run --parity` without a second path
         source["checkpoint"] = str(loaded.checkpoint)
@@ -246,4 +272,4 @@ def export(model: str | os.PathLike, output_dir: str | os.PathLike, opts: Export
     del loaded
     return _export(holder, output_dir, opts, weights=kind, source=source, tokenizer_dir=tokenizer_dir,
                    weight_format=weights, calibration=calibration, percentile=percentile, validate=validate,
-                   int4_lm_head=int4_lm_head, int4_accuracy_level=int4_accuracy_level)
+                   int4_lm_head=int4_lm_head, int4_accuracy_level=int4_accuracy_level, max_shard_size=max_shard_size)

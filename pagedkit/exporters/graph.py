@@ -141,11 +141,16 @@ class GraphBuilder:
         return sum(math.prod(self.vi[p.name][1]) * dtypes.numpy_dtype(p.elem_type).itemsize for p in self.initializers)
 
     def model(self, name: str, producer: str, doc: str = "", external: Path | None = None,
-              threshold: int = 1024) -> onnx.ModelProto:
+              threshold: int = 1024, max_shard_bytes: int | None = None) -> onnx.ModelProto:
         """The ModelProto. Initializers are evaluated and move into it one at a time (the builder's list is
         emptied), so a large model is never held twice (onnx.helper.make_graph / make_model would copy every
         weight). With `external` (a file path), each initializer of >= threshold bytes is written there as it is
-        evaluated and the proto keeps only its location: the weights are never all in memory."""
+        evaluated — a large lazy one in row chunks (external.py) — and the proto keeps only its location: the
+        weights are never all in memory. max_shard_bytes: start a new data file (`external`.1, .2, ...) rather
+        than grow one past this size."""
+        from . import slicing
+        from .external import ExternalData
+
         model = onnx.ModelProto()
         model.ir_version = 10
         model.producer_name = producer
@@ -157,19 +162,16 @@ class GraphBuilder:
         graph.input.extend(self.inputs)
         graph.output.extend(self.outputs)
         self.initializers.reverse()
-        sink = open(external, "wb") if external is not None else None
+        sink = ExternalData(Path(external), max_shard_bytes) if external is not None else None
         try:
             while self.initializers:
-                t = self.initializers.pop().proto()
-                if sink is not None and len(t.raw_data) >= threshold:
-                    offset, size = sink.tell(), len(t.raw_data)
-                    sink.write(t.raw_data)
-                    t.ClearField("raw_data")
-                    t.data_location = onnx.TensorProto.EXTERNAL
-                    for k, v in (("location", Path(external).name), ("offset", str(offset)), ("length", str(size))):
-                        entry = t.external_data.add()
-                        entry.key, entry.value = k, v
-                graph.initializer.append(t)
+                p = self.initializers.pop()
+                size = math.prod(self.vi[p.name][1]) * dtypes.numpy_dtype(p.elem_type).itemsize
+                if sink is not None and size >= threshold:
+                    graph.initializer.append(sink.write(p.name, p.value, p.elem_type))
+                else:
+                    graph.initializer.append(p.proto())
+                    slicing.clear()
         finally:
             if sink is not None:
                 sink.close()
@@ -181,11 +183,18 @@ class GraphBuilder:
 def linear(g: GraphBuilder, x: str, weight: torch.Tensor, bias: torch.Tensor | None, prefix: str,
            init_prefix: str) -> str:
     """y[T, out] = x[T, in] @ W^T (+ b); `weight` is torch's [out, in] (stored transposed, [in, out])."""
+    from . import prequant
+
     x = cast(g, x, g.float_type, f"{prefix}/input/Cast")  # e.g. from a float32 residual stream
     rows = g.shape_of(x)[0]
     out_features = weight.shape[0]
-    w = g.initializer(f"{init_prefix}.MatMul.weight", weight.detach().t())
-    y = g.node("MatMul", [x, w], f"{prefix}/MatMul", out_type=g.float_type, out_shape=(rows, out_features))
+    int4 = prequant.int4_rows(weight)  # rows of a GPTQ / AWQ checkpoint: MatMulNBits over its own codes
+    if int4 is not None:
+        packed = prequant.Packed(int4, dtypes.torch_dtype(g.float_type))
+        y = prequant.matmul_nbits(g, x, packed, prefix, init_prefix, rows)
+    else:
+        w = g.initializer(f"{init_prefix}.MatMul.weight", weight.detach().t())
+        y = g.node("MatMul", [x, w], f"{prefix}/MatMul", out_type=g.float_type, out_shape=(rows, out_features))
     if bias is not None:
         b = g.initializer(f"{init_prefix}.Add.bias", bias.detach())
         y = g.node("Add", [y, b], f"{prefix}/Add", out_type=g.float_type, out_shape=(rows, out_features))

@@ -28,11 +28,19 @@ class LazyTensor(torch.Tensor):
     """A tensor known by its meta (shape, dtype) and a thunk computing its value."""
 
     _thunk: Callable[[], torch.Tensor]
+    # how the value was made, for evaluating a slice of it without the whole (slicing.py): the torch operation
+    # (func, args, kwargs, output index) of an operation's result; None for a leaf
+    _src: tuple | None = None
+    # a leaf's own reader of a slice: (dim, start, stop) -> the value's [start:stop] along dim; None: none
+    _slicer: Callable[[int, int, int], torch.Tensor] | None = None
 
     @staticmethod
-    def __new__(cls, meta: torch.Tensor, thunk: Callable[[], torch.Tensor]):
+    def __new__(cls, meta: torch.Tensor, thunk: Callable[[], torch.Tensor],
+                slicer: Callable[[int, int, int], torch.Tensor] | None = None):
         t = torch.Tensor._make_subclass(cls, meta.to("meta") if meta.device.type != "meta" else meta, False)
         t._thunk = thunk
+        t._src = None
+        t._slicer = slicer
         return t
 
     def materialize(self) -> torch.Tensor:
@@ -67,8 +75,14 @@ class LazyTensor(torch.Tensor):
         def run() -> list:
             return tree_flatten(func(*tree_map(materialize, args), **tree_map(materialize, kwargs)))[0]
 
-        return tree_unflatten([LazyTensor(x, _pick(run, j)) if isinstance(x, torch.Tensor) else x
+        return tree_unflatten([_made(x, run, (func, args, kwargs, j)) if isinstance(x, torch.Tensor) else x
                                for j, x in enumerate(leaves)], spec)
+
+
+def _made(meta: torch.Tensor, run: Callable[[], list], src: tuple) -> "LazyTensor":
+    t = LazyTensor(meta, _pick(run, src[3]))
+    t._src = src
+    return t
 
 
 _PROPERTIES = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.dim, torch.Tensor.size,
@@ -110,7 +124,7 @@ def lazy_parameters(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     swapped = []
     for module in model.modules():
         for name, p in list(module._parameters.items()):
-            if p is None:
+            if p is None or isinstance(p, LazyTensor):  # a streamed model's parameters are lazy already
                 continue
             if id(p) not in made:
                 made[id(p)] = lazy(p)
@@ -121,59 +135,3 @@ def lazy_parameters(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     finally:
         for module, name, p in swapped:
             module._parameters[name] = p
-
-
-@contextlib.contextmanager
-def checkpoint_parameters(model: torch.nn.Module, folder) -> Iterator[torch.nn.Module]:
-    """Within the block, every parameter and buffer of `model` (typically built on the meta device: no memory)
-    that the safetensors checkpoint in `folder` holds is a LazyTensor reading that one tensor from the file when
-    evaluated (single file or sharded with model.safetensors.index.json), cast to the model's dtype. Tied
-    parameters (one object under two names) read the first name the checkpoint has. Checkpoints whose tensors
-    transformers renames or fuses when it loads them (its conversion mapping: per-expert MoE tensors fused into
-    [E, ...] parameters) are not mapped yet: the first parameter missing from the checkpoint is named
-    (KeyError)."""
-    import json
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        where = {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-        where = {}
-        for f in files:
-            with safe_open(str(f), "pt") as h:
-                where.update({k: f for k in h.keys()})
-
-    def reader(path, key: str, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
-        def read() -> torch.Tensor:
-            with safe_open(str(path), "pt") as h:
-                return h.get_tensor(key).to(dtype)
-        return read
-
-    made: dict[int, LazyTensor] = {}
-    swapped = []
-    named = [(n, t, "_parameters") for n, t in model.named_parameters(remove_duplicate=False)]
-    named += [(n, t, "_buffers") for n, t in model.named_buffers(remove_duplicate=False)]
-    for full, t, table in named:
-        if t is None:
-            continue
-        if id(t) not in made:
-            if full not in where:
-                if table == "_buffers":
-                    continue  # computed buffers (rotary frequencies) are not in checkpoints
-                raise KeyError(f"{folder}: the checkpoint has no tensor {full!r} (transformers may store it under "
-                               "other names and convert it when loading; that conversion is not applied here)")
-            made[id(t)] = LazyTensor(t.detach().to("meta"), reader(where[full], full, t.dtype))
-        owner, _, attr = full.rpartition(".")
-        module = model.get_submodule(owner) if owner else model
-        swapped.append((module, table, attr, getattr(module, table)[attr]))
-        getattr(module, table)[attr] = made[id(t)]
-    try:
-        yield model
-    finally:
-        for module, table, attr, t in swapped:
-            getattr(module, table)[attr] = t

@@ -8,14 +8,15 @@ and RoPE, V — exactly the values a quantized cache stores (rotated first when 
 - per-layer K and V quantization SNR (dB) of the chosen format and granularity (PER_TOKEN included),
   10 log10(sum x^2 / sum (x - dequant(quant(x)))^2), using pagedkit.kernels.quant (the kernels' code).
 
-`--weights int4` runs onnxruntime's own MatMulNBitsQuantizer (4 bits, symmetric, block 32, accuracy_level 4:
+`quantize_weights_int4` runs onnxruntime's own MatMulNBitsQuantizer (4 bits, symmetric, block 32, accuracy_level 4:
 onnxruntime-genai's builder defaults for `-p int4 -e cpu`) on the graph, the LM head included (as the builder
 does; `lm_head=False` keeps it float). A tied LM head (`Gemm(x, model.embed_tokens.weight, transB=1)`) becomes
 a MatMul over the transposed table first, so that it is quantized like any other; the embedding Gather then
 reads the same int4 weight: `Reshape` of `lm_head.MatMul.weight_Q4` to [vocab, packed row] and
 com.microsoft GatherBlockQuantized (bits 4, gather_axis 0, quantize_axis 1) with the LM head's scales
 (`Slice` of the padding when hidden_size is not a multiple of the block size), exactly the builder's layout;
-the float table is dropped. An untied embedding stays a float Gather.
+the float table is dropped. An untied embedding stays a float Gather. `--weights int4` does the same rewrite on the graph builder with
+lazy int4 weights quantized as they are written (int4_stream.py), byte for byte this function's result.
 """
 
 from __future__ import annotations

@@ -161,9 +161,19 @@ def _random_model(config, name: str, dtype: torch.dtype, seed: int, why: str) ->
     return LoadedModel(model.eval(), model.config, name, "random", None)
 
 
-def _from_dir(path: Path, name: str, config, dtype: torch.dtype) -> LoadedModel:
+def _from_dir(path: Path, name: str, config, dtype: torch.dtype, stream: bool = True) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
+    if stream:  # a meta-device model whose weights read themselves from the files when written
+        from .checkpoint import STREAMED_QUANT_METHODS, streamed_model
+
+        qcfg = getattr(config, "quantization_config", None) or {}
+        method = str((qcfg if isinstance(qcfg, dict) else qcfg.to_dict()).get("quant_method", "")).lower()
+        if not method or method in STREAMED_QUANT_METHODS:
+            model = streamed_model(path, config, dtype)
+            return LoadedModel(model, model.config, name, "safetensors", path, Path(path).resolve())
+        warnings.warn(f"{path}: {method} checkpoints are not read tensor by tensor; loading the whole model with "
+                      "from_pretrained (transformers dequantizes it)", stacklevel=3)
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, torch_dtype=dtype, use_safetensors=True, trust_remote_code=False,
         local_files_only=True, attn_implementation="eager")
@@ -187,8 +197,11 @@ def _from_gguf(file: Path, name: str, dtype: torch.dtype, num_layers: int | None
 
 
 def load_model(name_or_path: str | os.PathLike, *, num_layers: int | None = None, num_experts: int | None = None,
-               dtype: torch.dtype = torch.float32, seed: int = 0) -> LoadedModel:
-    """The HF model an export starts from (see the module doc). Never touches the network."""
+               dtype: torch.dtype = torch.float32, seed: int = 0, stream: bool = False) -> LoadedModel:
+    """The HF model an export starts from (see the module doc). Never touches the network. stream: a
+    safetensors checkpoint becomes a meta-device model whose parameters are lazy readers of its files
+    (checkpoint.streamed_model: nothing is read until the export writes each weight); GGUF files and random
+    weights are loaded in memory either way."""
     name = str(name_or_path)
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -204,7 +217,7 @@ def load_model(name_or_path: str | os.PathLike, *, num_layers: int | None = None
         cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
         config = shrink_config(_config_from_dict(cfg, str(path)), num_layers, num_experts)
         if any(path.glob("*.safetensors")):
-            return _from_dir(path, name, config, dtype)
+            return _from_dir(path, name, config, dtype, stream)
         pickles = [p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES]
         if pickles:
             raise WeightsError(f"{path}: only pickle weights ({', '.join(sorted(pickles)[:3])}); pagedkit loads "
@@ -227,7 +240,7 @@ def load_model(name_or_path: str | os.PathLike, *, num_layers: int | None = None
     config = shrink_config(_config_from_dict(cfg, f"built-in {name}"), num_layers, num_experts)
     snapshot = _hf_cache_snapshot(repo)
     if snapshot is not None:
-        return _from_dir(snapshot, name, config, dtype)
+        return _from_dir(snapshot, name, config, dtype, stream)
     return _random_model(config, name, dtype, seed, f"{repo or 'its repo'} is not in the local HF cache")
 
 

@@ -184,6 +184,13 @@ def select_variant(node: onnx.NodeProto, model: onnx.ModelProto | None, device: 
     return serving[0]
 
 
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether t lives on `device`; a device without an index ("cuda") takes any index of its type (comparing
+    cuda:0 with cuda as devices says no, and a no-op `t.to(device)` per output then costs host time)."""
+    d = t.device
+    return d.type == device.type and (device.index is None or d.index == device.index)
+
+
 @dataclass
 class AttentionCall:
     """One attention node bound to the variants that serve it: positional inputs -> contract names -> outputs."""
@@ -271,7 +278,7 @@ class AttentionCall:
                     t = src
                 else:  # a cache that grows (GQA without a shared buffer): a new tensor, like ORT
                     t = t.to(self.device)
-            elif t.device != self.device:
+            elif not _on(t, self.device):
                 t = t.to(self.device)
             outs.append(t)
         return outs

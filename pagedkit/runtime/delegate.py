@@ -29,6 +29,7 @@ from onnx import TensorProto, helper
 from onnx.external_data_helper import uses_external_data
 
 from .graph import static_facts
+from .ops.collectives import COLLECTIVE_OPS
 from .ops.control import SEGMENTS
 from .ops.registry import ORT_DOMAIN, normalize_domain
 from .segment import Segment
@@ -69,11 +70,13 @@ class DelegationReport:
 
 def _barrier(node: onnx.NodeProto) -> bool:
     """PagedAttention (onnxruntime has no CPU kernel; the ones decompose() rewrote are standard ops by now),
-    nodes holding subgraphs, unknown domains, and MoE / QMoE with use_sparse_mixer=1. GroupQueryAttention is
+    the collectives AllReduce / AllGather (ops/collectives.py), nodes holding subgraphs, unknown domains, and MoE / QMoE with use_sparse_mixer=1. GroupQueryAttention is
     not one: onnxruntime's CPU kernel is the operator's reference implementation (contract-decisions §4); a
     segment it refuses stays with torch."""
     if (normalize_domain(node.domain), node.op_type) == ("com.microsoft", "PagedAttention"):
         return True
+    if node.domain == "com.microsoft" and node.op_type in COLLECTIVE_OPS:
+        return True  # torch.distributed runs them: onnxruntime's CPU build has no collective kernels
     if node.op_type in ("MoE", "QMoE") and any(a.name == "use_sparse_mixer" and a.i for a in node.attribute):
         return True  # onnxruntime's CPU MoE ignores use_sparse_mixer (1.32: softmax top-2); pagedkit's kernel has it
     if node.domain not in _KNOWN_DOMAINS and node.domain != "ai.onnx":

@@ -9,15 +9,7 @@ replace a chain of steps whose intermediate values nobody else reads (no other s
   GEMV of a decode step runs closer to the memory bandwidth). The concatenated weight replaces both originals
   (dropped when no other step reads them); prepacking then lays it out once.
 
-- `splitk_skip_norm` (CUDA sessions with PAGEDKIT_SPLITK_NORM=1; off by default, see SPLITK_DEVICES): a MatMul on a
-  constant float16 / bfloat16 B [K, N] whose only reader is a
-  SkipSimplifiedLayerNormalization (the decoder's O and down products before the residual norms) becomes
-  `pagedkit.fused::MatMulSkipNorm` [a, B, other, gamma(, bias)] with the norm's outputs: decode-sized rows run the
-  product as split-K partials that the norm's launch reduces (runtime/ops/norms.py, kernels/triton/splitk.py).
-  A `SiluMul` (from `swiglu_mlp`) read only by that MatMul folds in as well (attribute silu_split = K; input 0 is
-  then the gate | up product): the down product's programs compute silu(gate) * up as they load it.
-
-`fuse(graph, device)` runs every rule and returns {rule: number of rewrites}; `FUSIONS` lists them.
+`fuse(graph)` runs every rule and returns {rule: number of rewrites}; `FUSIONS` lists them.
 """
 
 from __future__ import annotations
@@ -27,9 +19,8 @@ from typing import Callable
 
 import torch
 
-from .. import settings
 from .steps import Graph, Step
-from .ops.registry import FUSED_DOMAIN, MS_DOMAIN, lookup
+from .ops.registry import FUSED_DOMAIN, lookup
 
 
 def _readers(g: Graph) -> dict[str, int]:
@@ -48,7 +39,7 @@ def _plain(step: Step, op: str, n_in: int) -> bool:
             and len(step.inputs) == n_in and all(step.inputs) and len(step.outputs) == 1)
 
 
-def swiglu_mlp(g: Graph, device: torch.device | None = None) -> int:
+def swiglu_mlp(g: Graph) -> int:
     """MatMul gate / up + Sigmoid + Mul + Mul -> MatMul on [Wg | Wu] + SiluMul (see the module docstring)."""
     readers = _readers(g)
     producer = {o: s for s in g.steps for o in s.outputs if o}
@@ -103,58 +94,14 @@ def swiglu_mlp(g: Graph, device: torch.device | None = None) -> int:
     return done
 
 
-# device types splitk_skip_norm rewrites for: none by default, ("cuda",) with PAGEDKIT_SPLITK_NORM=1 (tests add
-# "cpu": the interpreter). Its splits now add as fixed-point integers, so a CUDA-graph replay equals the same step
-# run eagerly (kernels/triton/splitk.py; the float32 atomics before broke that). Still opt-in: this version (int64
-# atomics, the folded SiluMul, the weight tile before the PDL gate) has not been measured on a GPU yet
-SPLITK_DEVICES = ("cuda",) if settings.read("PAGEDKIT_SPLITK_NORM") else ()
+FUSIONS: dict[str, Callable[[Graph], int]] = {"swiglu_mlp": swiglu_mlp}
 
 
-def splitk_skip_norm(g: Graph, device: torch.device | None = None) -> int:
-    """MatMul(a, constant B) read only by a SkipSimplifiedLayerNormalization -> MatMulSkipNorm (module docstring)."""
-    if device is None or device.type not in SPLITK_DEVICES:
-        return 0
-    readers = _readers(g)
-    producer = {o: s for s in g.steps for o in s.outputs if o}
-    gone: set[int] = set()
-    done = 0
-    for i, norm in enumerate(g.steps):
-        if (norm.domain != MS_DOMAIN or norm.op_type != "SkipSimplifiedLayerNormalization" or norm.impl is None
-                or len(norm.inputs) < 3 or not all(norm.inputs[:3])):
-            continue
-        for slot in (0, 1):
-            mm = producer.get(norm.inputs[slot])
-            if mm is None or id(mm) in gone or not _plain(mm, "MatMul", 2) or readers.get(mm.outputs[0]) != 1:
-                continue
-            b = g.consts.get(mm.inputs[1])
-            if (not isinstance(b, torch.Tensor) or b.dim() != 2 or b.dtype not in (torch.float16, torch.bfloat16)
-                    or norm.inputs[1 - slot] == mm.outputs[0]):
-                continue
-            a, attrs, name = mm.inputs[0], dict(norm.attrs), f"{mm.name}+{norm.name}"
-            act = producer.get(a)  # a SiluMul read only by this product folds in too (a down product's input)
-            if (act is not None and act.domain == FUSED_DOMAIN and act.op_type == "SiluMul" and id(act) not in gone
-                    and readers.get(a) == 1 and int(act.attrs.get("split", 0)) == b.shape[0]):
-                a, attrs["silu_split"], name = act.inputs[0], int(b.shape[0]), f"{act.name}+{name}"
-                gone.add(id(act))
-            inputs = [a, mm.inputs[1], norm.inputs[1 - slot], *norm.inputs[2:]]
-            g.steps[i] = replace(norm, name=name, op_type="MatMulSkipNorm", domain=FUSED_DOMAIN, inputs=inputs,
-                                 attrs=attrs, release=[], impl=lookup(FUSED_DOMAIN, "MatMulSkipNorm", 1, norm.name))
-            gone.add(id(mm))
-            done += 1
-            break
-    if done:
-        g.steps = [st for st in g.steps if id(st) not in gone]
-    return done
-
-
-FUSIONS: dict[str, Callable[..., int]] = {"swiglu_mlp": swiglu_mlp, "splitk_skip_norm": splitk_skip_norm}
-
-
-def fuse(g: Graph, device: torch.device | None = None) -> dict[str, int]:
+def fuse(g: Graph) -> dict[str, int]:
     """Every rule on this graph (not its subgraphs); {rule: rewrites} for the rules that changed something."""
     out = {}
     for name, rule in FUSIONS.items():
-        n = rule(g, device)
+        n = rule(g)
         if n:
             out[name] = n
     return out

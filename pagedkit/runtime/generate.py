@@ -172,6 +172,10 @@ class Generator:
         if block_size is not None and block_size_error(block_size):
             raise ValueError(block_size_error(block_size))
         self.config = read_config(model_dir)
+        world = (self.config.pagedkit.get("tensor_parallel") or {}).get("world_size", 1)
+        if session is None and world != 1:
+            raise ValueError(f"{model_dir} is a tensor-parallel export of {world} ranks: run it with --tp {world} "
+                             "(paged-run), or pass the session of a pagedkit.runtime.distributed.TensorParallel set")
         providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
         model_path = inside_folder(model_dir, self.config.filename, "model.decoder.filename",
                                    str(Path(model_dir) / "genai_config.json"))

@@ -98,6 +98,8 @@ class _PagedState:
         self.mgr = KVCacheManager(KVCacheConfig(tuple(groups), max_batch_size=1, max_num_tokens=self.max_seq_len,
                                                 max_seq_len=self.max_seq_len, device=str(gen.session.device),
                                                 names=names, present_names=present))
+        if hasattr(gen.session, "mirror_copies"):  # a tensor-parallel session: every rank makes the block copies
+            gen.session.mirror_copies(self.mgr)
         if shuffle_seed is not None:  # block ids out of order and non-contiguous, as in a busy engine
             for pool in self.mgr.pools.values():
                 free = list(pool.free)

@@ -382,7 +382,7 @@ def compile_model(model: onnx.ModelProto, device: torch.device, allow_reference_
     _fold(g)
     from .fuse import fuse
 
-    fused = fuse(g, device)
+    fused = fuse(g)
     prepacked = _prepack(g, device)
     host_in = _host_graph_inputs(g)
     uses: dict = {}

@@ -455,23 +455,28 @@ class InferenceSession:
         copied, as onnxruntime inserts a memcpy; host constants use a copy made once); operands read
         on the host stay where they are."""
         dev = self.device
-        data = [i for i, t in enumerate(inputs) if t is not None and i not in step.host_in]
-        if not any(inputs[i].device.type == dev.type for i in data) and step.call is None:
-            return inputs  # a host op (shape arithmetic): everything stays on the host
+        host_in, elsewhere, on_dev = step.host_in, [], False  # one pass over the operands (every op, every run)
+        for i, t in enumerate(inputs):
+            if t is not None and i not in host_in:
+                if t.device.type == dev.type:
+                    on_dev = True
+                else:
+                    elsewhere.append(i)
+        if not elsewhere or (not on_dev and step.call is None):
+            return inputs  # all on the device already, or a host op (shape arithmetic): nothing moves
         out = list(inputs)
-        for i in data:
+        for i in elsewhere:
             t = inputs[i]
-            if t.device.type != dev.type:
-                cached = self._dev_copies.get(id(t)) if id(t) in self._compiled.host_const_ids else None
-                if cached is None and self._capture_keep is not None:  # inside a CUDA-graph capture: the
-                    # captured copy reads this host buffer at every replay, so it is pinned and kept alive (and a
-                    # constant's copy made here exists only in replays: not kept for eager runs)
-                    pinned = t.pin_memory()
-                    self._capture_keep.append(pinned)
-                    cached = pinned.to(dev, non_blocking=True)
-                elif cached is None:  # a small host value (shape arithmetic): no wait for the copy
-                    cached = t.to(dev, non_blocking=True)
-                    if id(t) in self._compiled.host_const_ids:
-                        self._dev_copies[id(t)] = cached
-                out[i] = cached
+            cached = self._dev_copies.get(id(t)) if id(t) in self._compiled.host_const_ids else None
+            if cached is None and self._capture_keep is not None:  # inside a CUDA-graph capture: the
+                # captured copy reads this host buffer at every replay, so it is pinned and kept alive (and a
+                # constant's copy made here exists only in replays: not kept for eager runs)
+                pinned = t.pin_memory()
+                self._capture_keep.append(pinned)
+                cached = pinned.to(dev, non_blocking=True)
+            elif cached is None:  # a small host value (shape arithmetic): no wait for the copy
+                cached = t.to(dev, non_blocking=True)
+                if id(t) in self._compiled.host_const_ids:
+                    self._dev_copies[id(t)] = cached
+            out[i] = cached
         return out

@@ -29,6 +29,8 @@ from onnx.external_data_helper import load_external_data_for_tensor, uses_extern
 from ..interface import names as N
 from ..interface.genai_config import GENAI_CONFIG, cache_templates, read_genai_config
 from .checks import validate_node
+from .collectives import RULE_DOCS as COLLECTIVE_RULE_DOCS
+from .collectives import collective_issues, register_collective_schemas
 from .inference import type_of_proto, register_schemas
 from .contract import BLOCK_SIZE_RULE, CONTRACTS, DOMAIN, block_size_error, get_contract
 from .genai_schema import BLOCK_SIZE_FIELDS, ConfigProblem, GenaiConfigError, config_problems
@@ -60,6 +62,7 @@ RULE_DOCS = {
     "MODEL-genai-config": "genai_config.json beside the model must be readable JSON.",
     "MODEL-block-size": f"The block size genai_config.json names (pagedkit.block_size, "
                         f"engine.dynamic_batching.block_size): {BLOCK_SIZE_RULE}.",
+    **COLLECTIVE_RULE_DOCS,  # AllReduce / AllGather of a tensor-parallel rank's graph (collectives.py)
 }
 
 PAGED_ONLY_RULES = ("MODEL-attention-metadata-graph-input", "MODEL-extension-input", "MODEL-block-size")
@@ -85,6 +88,7 @@ class ModelReport:
 
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
     register_schemas()  # our nodes' outputs get types and shapes
+    register_collective_schemas()  # and the collectives' of tensor-parallel graphs
     try:
         return onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
     except Exception:  # shape inference is a help, never a reason to fail validation
@@ -373,6 +377,7 @@ def check_model(model: onnx.ModelProto | str | os.PathLike, *, genai_config=None
         if main:
             issues += _cache_rules(node, m)
             issues += [i for i in _extension_input_rules(node, m) if (i.node, i.where) not in seen]
+    issues += collective_issues([n for g in graphs(inferred.graph) for n in g.node], value_info, genai_config)
     if any(n.op_type == "PagedAttention" for n, _ in attention):
         issues += _block_size_rule(block_problems)
     if checked and DOMAIN not in imports:

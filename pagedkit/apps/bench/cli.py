@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bandwidth", type=float, default=floor.DEFAULT_BANDWIDTH / 1e12,
                    help="read bandwidth of the floor in TB/s (default 4.4)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--tp", type=int, metavar="N",
+                   help="a tensor-parallel export (paged-export --tp N) on N ranks started here (pagedkit arm only: "
+                        "onnxruntime has no collective kernels; the floor is rank 0's weights and KV cache)")
     p.add_argument("--no-ort-cuda-graph", action="store_true",
                    help="run onnxruntime without its CUDA graph (default: enable_cuda_graph=1 for decode steps, "
                         "plain runs where onnxruntime refuses it)")
@@ -158,14 +161,20 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
     from ...engine import Engine
 
+    from ...runtime.distributed import world_size_of
+
     budget = args.max_num_tokens or min(DEFAULT_MAX_NUM_TOKENS, max([r.batch * r.prompt_tokens for r in rows] or [1]))
-    overlap = device == "cuda" and not args.no_cuda_graphs and not args.no_overlap  # needs the engine's graphs
+    tp_set = (args.tp or world_size_of(model_dir)) > 1  # eager steps; onnxruntime has no collective kernels
+    no_graphs = args.no_cuda_graphs or tp_set
+    overlap = device == "cuda" and not no_graphs and not args.no_overlap  # needs the engine's graphs
+    if tp_set:
+        arms = [a for a in arms if a != "ort"]
     rows = [engine_arm.with_headroom(r, budget, lookahead=int(overlap)) for r in rows]
     bs = _block_size(model_dir, cfg)
     blocks = max([engine_arm.blocks_needed(r, budget, cfg.context_length, bs) for r in rows] or [1])
     engine = Engine(model_dir, device, max_batch_size=max([r.batch for r in rows] or [1]), max_num_tokens=budget,
-                    num_blocks=blocks, enable_prefix_caching=False,
-                    cuda_graphs=False if args.no_cuda_graphs else None, overlap=overlap)
+                    num_blocks=blocks, enable_prefix_caching=False, cuda_graphs=False if no_graphs else None,
+                    overlap=overlap, tp=args.tp)
     graphs = engine.model.graphs is not None and engine.model.graphs.capture
     pm = engine.model
     weights = floor.weight_bytes(model_path)

@@ -4,6 +4,7 @@
     paged-run MODEL_DIR --prompt "some text"              # needs MODEL_DIR/tokenizer.json
     paged-run MODEL_DIR --prompt-ids 1,2,3 --parity HF_CHECKPOINT_DIR
     paged-run MODEL_DIR --prompt "some text" --parity   # the checkpoint paged-export recorded
+    paged-run TP_DIR --prompt-ids 1,2,3 --tp 2          # a paged-export --tp 2 folder on 2 ranks
 
 MODEL_DIR holds model.onnx and genai_config.json (pagedkit's or onnxruntime-genai's). Tokens are
 printed as they come (text when MODEL_DIR has a tokenizer, else ids), then a summary (tokens/s).
@@ -11,8 +12,11 @@ printed as they come (text when MODEL_DIR has a tokenizer, else ids), then a sum
 without a path, the source checkpoint paged-export recorded in genai_config.json) teacher-forced over
 the same tokens and prints, step by step, the largest logit difference and whether the greedy tokens
 agree, then how many steps were compared and how many were near-ties (HF's own top-2 logits closer than
-the tolerance: only there may the tokens differ; see pagedkit/runtime/parity.py). Exit status: 0 ok,
-1 parity failure, 2 bad arguments or model.
+the tolerance: only there may the tokens differ; see pagedkit/runtime/parity.py). --tp N runs a
+tensor-parallel export (`paged-export --tp N`) on N ranks this command starts (one process per device: on the
+CPU N processes on gloo, on CUDA GPUs 0..N-1 on NCCL; docs/distributed.md): this process is rank 0 and plans
+every step. A rank that dies or hangs past the collective timeout ends the run with one error line. Exit status:
+0 ok, 1 parity failure, 2 bad arguments or model (or a failed tensor-parallel set).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 
 from ... import settings
 from ...cli_errors import cli_main, one_line, report as report_error
+from ...runtime.distributed.group import TPError
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -57,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="on the CPU, who runs the standard ops (and the PagedAttention nodes it can express): "
                         "onnxruntime's CPU execution provider or pagedkit's torch kernels; auto (default): "
                         "onnxruntime unless the model holds float16 / bfloat16 weights")
+    p.add_argument("--tp", type=int, metavar="N",
+                   help="run a tensor-parallel export (paged-export --tp N) on N ranks started here (default: the "
+                        "folder's own world size; a single-device folder runs alone)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--allow-reference-fallback", action="store_true",
                    help="on --device cuda, run attention nodes no GPU kernel serves on the loop-based reference "
@@ -86,6 +94,31 @@ def _precision(gen) -> str:
 @cli_main("paged-run")
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    sets: list = []  # the tensor-parallel set this run starts, stopped whatever happens
+    try:
+        return _main(args, sets)
+    finally:
+        for tp in sets:
+            tp.close()
+
+
+def _session(args, model_dir: Path, sets: list):
+    """None (Generator makes its own session), or rank 0's session of the tensor-parallel set started here."""
+    from ...runtime.distributed import TensorParallel, resolve_world
+    from ...runtime.session import _cpu_backend
+
+    if args.tp is None:  # a tensor-parallel folder run without --tp is refused by Generator, after its folder checks
+        return None
+    world = resolve_world(model_dir, args.tp, "paged-run: --tp: ")
+    if world == 1:
+        return None
+    tp = TensorParallel(world, args.device, threads=args.threads)
+    sets.append(tp)
+    return tp.session(model_dir, threads=args.threads, cpu_backend=_cpu_backend(args.cpu_backend, "auto"),
+                      allow_reference_fallback=args.allow_reference_fallback or None)
+
+
+def _main(args, sets: list) -> int:
     settings.stay_offline("HF_HUB_OFFLINE")
     model_dir = Path(args.model_dir)
     if args.max_new_tokens < 1:
@@ -119,16 +152,20 @@ def main(argv: list[str] | None = None) -> int:
 
         t0 = time.perf_counter()
         # caches sized for this run (prompt + new tokens), not for the config's context_length
+        session = _session(args, model_dir, sets)
         gen = Generator(model_dir, device=args.device, block_size=args.block_size,
                         max_seq_len=len(prompt) + args.max_new_tokens, threads=args.threads,
                         allow_reference_fallback=args.allow_reference_fallback or None,
-                        cpu_backend=args.cpu_backend)
+                        cpu_backend=args.cpu_backend, session=session)
         setup = time.perf_counter() - t0
     except (OSError, ValueError, NotImplementedError) as exc:
         return report_error("paged-run", exc)
+    except TPError as exc:  # a rank that failed to start or load: one line, status 2
+        return report_error("paged-run", ValueError(str(exc)))
     cfg = gen.config
+    ranks = f" x {sets[0].world} tensor-parallel ranks" if sets else ""
     print(f"model: {model_dir} ({'paged' if cfg.paged else 'GQA'} layout, {cfg.num_layers} layers, "
-          f"{_precision(gen)}) on {args.device}, session ready in {setup:.2f} s")
+          f"{_precision(gen)}) on {args.device}{ranks}, session ready in {setup:.2f} s")
     print(f"prompt: {len(prompt)} tokens {prompt}")
     tokens, shown = [], ""
     try:

@@ -3,7 +3,7 @@ its special tokens and `chat_template`, or chat_template.jinja) through transfor
 
 `ServeTokenizer` wraps it with the three operations the server needs: `encode` (a completion prompt;
 special tokens as the tokenizer's post-processor adds them, e.g. BOS), `decode` (generated tokens, special
-tokens skipped) and `chat` (messages rendered with the chat template and the assistant's generation
+tokens skipped), `token_text` (one token, for logprobs) and `chat` (messages rendered with the chat template and the assistant's generation
 prompt, then tokenized without adding special tokens again: the template writes them).
 """
 
@@ -49,6 +49,7 @@ def load_tokenizer(model_dir: str | Path):
 class ServeTokenizer:
     def __init__(self, tokenizer):
         self.tok = tokenizer
+        self._kept = None  # (keep, {special token id: its text}) of decode_keeping
 
     @property
     def has_chat_template(self) -> bool:
@@ -60,13 +61,40 @@ class ServeTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True) if ids else ""
 
-    def chat(self, messages: list[dict]) -> list[int]:
+    def token_text(self, token_id: int) -> str:
+        """One token's text for logprobs (special tokens shown; a byte token alone may decode to U+FFFD)."""
+        return self.tok.decode([token_id], skip_special_tokens=False)
+
+    @property
+    def chat_template(self) -> str | None:
+        t = getattr(self.tok, "chat_template", None)
+        return t if isinstance(t, str) else None if t is None else str(t)
+
+    def decode_keeping(self, ids: list[int], keep: frozenset[str]) -> str:
+        """decode(ids), but the special tokens whose text is in `keep` are kept (tool-call markers such as
+        [TOOL_CALLS], that skip_special_tokens would drop)."""
+        if not keep:
+            return self.decode(ids)
+        if self._kept is None or self._kept[0] != keep:
+            special = {i: str(t) for i, t in self.tok.added_tokens_decoder.items() if getattr(t, "special", False)}
+            self._kept = (keep, {i: t for i, t in special.items() if t in keep})
+        kept, out, run = self._kept[1], [], []
+        for t in ids:
+            if t in kept:
+                out += [self.decode(run), kept[t]]
+                run = []
+            else:
+                run.append(t)
+        return "".join(out) + self.decode(run)
+
+    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not self.has_chat_template:
             raise RequestError("messages: this model folder has no chat template (expected \"chat_template\" in "
                                "tokenizer_config.json or a chat_template.jinja); use /v1/completions with a "
                                "prompt instead", "messages")
         try:
-            text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            extra = {"tools": tools} if tools else {}
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         except Exception as exc:  # jinja errors, the template's raise_exception (e.g. roles out of order)
             raise RequestError(f"messages: the chat template refused them ({type(exc).__name__}: "
                                f"{one_line(str(exc))})", "messages") from None

@@ -4,21 +4,35 @@ idle, and hands each RequestOutput to the asyncio queue of its request (`loop.ca
 `submit` registers the request's queue under a request id chosen here before the engine sees the request,
 so no output can arrive for an unknown id. An output with `finished` set unregisters the request; `abort`
 (a client that went away, a stop string found by the server) aborts it in the engine and drops its queue,
-so later outputs of that id are ignored. An exception raised by `engine.step()` is put on every pending
-request's queue (each of them fails with it) and those requests are aborted; the thread carries on.
+so later outputs of that id are ignored. An exception raised by `engine.step()` (or `has_unfinished()`)
+marks the worker failed: it is logged once with its traceback, put on every pending request's queue (each
+of them fails with it, once), those requests are aborted and the thread ends; `failure` then says why,
+/health answers 503 and `submit` raises EngineDown (an engine whose step failed is not trusted again:
+restart the server).
+`submit_group` queues the n choices of one prompt together (`engine.add_group`: one prefill). A `metrics`
+object (metrics.ServeMetrics) sees each submission, each step's outputs and the engine after each step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
+import time
 import uuid
+
+log = logging.getLogger("uvicorn.error")
+
+
+class EngineDown(RuntimeError):
+    """The engine failed earlier: the worker takes no more requests."""
 
 
 class EngineWorker:
-    def __init__(self, engine, idle_wait_s: float = 0.5):
+    def __init__(self, engine, idle_wait_s: float = 0.5, metrics=None):
         self.engine = engine
+        self.metrics = metrics
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -27,11 +41,12 @@ class EngineWorker:
         self._idle_wait_s = idle_wait_s
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
+        self.failure: BaseException | None = None  # what made the engine fail (then nothing more is run)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         with self._lock:
-            if self._thread is not None and self._thread.is_alive():
+            if self.failure is not None or (self._thread is not None and self._thread.is_alive()):
                 return
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="paged-serve-engine", daemon=True)
@@ -50,22 +65,46 @@ class EngineWorker:
         return self._thread is not None and self._thread.is_alive()
 
     # -- requests (called from the event loop) ---------------------------------------------------
-    def submit(self, prompt_token_ids: list[int], params) -> tuple[str, asyncio.Queue]:
-        """Queue a request; returns (request id, the asyncio queue its RequestOutputs arrive on)."""
+    def submit(self, prompt_token_ids: list[int], params, arrival: float | None = None) -> tuple[str, asyncio.Queue]:
+        """Queue a request; returns (request id, the asyncio queue its RequestOutputs arrive on). arrival: when
+        the HTTP request came (time.monotonic(); the metrics' time to first token starts there)."""
+        return self._submit(prompt_token_ids, [params], arrival, lambda ids, p: self.engine.add_request(
+            list(prompt_token_ids), p[0], request_id=ids[0]))[0]
+
+    def submit_group(self, prompt_token_ids: list[int], params: list, arrival: float | None = None
+                     ) -> list[tuple[str, asyncio.Queue]]:
+        """Queue the choices of one prompt as one engine group (engine.add_group: the prompt prefilled once);
+        ValueError when the engine has no add_group or refuses the group."""
+        add_group = getattr(self.engine, "add_group", None)
+        if add_group is None:
+            raise ValueError("this engine runs one choice per request (no add_group): n must be 1")
+        return self._submit(prompt_token_ids, params, arrival,
+                            lambda ids, p: add_group(list(prompt_token_ids), p, request_ids=ids))
+
+    def _submit(self, prompt_token_ids, params: list, arrival, add) -> list[tuple[str, asyncio.Queue]]:
         self.start()
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        request_id = f"{self._prefix}-{next(self._ids)}"
-        with self._lock:
-            self._queues[request_id] = (loop, queue)
+        out = [(f"{self._prefix}-{next(self._ids)}", asyncio.Queue()) for _ in params]
+        ids = [rid for rid, _ in out]
+        with self._lock:  # the failure is set under this lock: no queue registers after the last one failed
+            if self.failure is not None:
+                raise EngineDown(f"the engine failed earlier ({type(self.failure).__name__}: {self.failure}); "
+                                 "restart the server")
+            for rid, queue in out:
+                self._queues[rid] = (loop, queue)
+        if self.metrics is not None:  # before the engine may emit anything for them
+            self.metrics.submitted(ids, len(prompt_token_ids), arrival)
         try:
-            self.engine.add_request(list(prompt_token_ids), params, request_id=request_id)
+            add(ids, params)
         except BaseException:
             with self._lock:
-                self._queues.pop(request_id, None)
+                for rid in ids:
+                    self._queues.pop(rid, None)
+            if self.metrics is not None:
+                self.metrics.observe([], forget=ids)
             raise
         self._wake.set()
-        return request_id, queue
+        return out
 
     def abort(self, request_id: str) -> None:
         """Stop a request (idempotent): the engine frees it, its queue gets nothing more."""
@@ -97,7 +136,10 @@ class EngineWorker:
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
+            self.failure = exc
             failed, self._queues = self._queues, {}
+        log.error("the engine failed (%d requests in flight fail with it; /health reports 503 from now on)",
+                  len(failed), exc_info=exc)
         for request_id, target in failed.items():
             try:
                 self.engine.abort(request_id)
@@ -112,7 +154,7 @@ class EngineWorker:
                 busy = self.engine.has_unfinished()
             except Exception as exc:
                 self._fail_all(exc)
-                busy = False
+                return
             if not busy:
                 self._wake.wait(self._idle_wait_s)
                 continue
@@ -120,6 +162,9 @@ class EngineWorker:
                 outputs = self.engine.step()
             except Exception as exc:
                 self._fail_all(exc)
-                self._stop.wait(0.05)  # an engine that keeps failing does not spin the CPU
-                continue
+                return
             self._dispatch(outputs)
+            if self.metrics is not None:
+                now = time.monotonic()
+                self.metrics.observe(outputs, now)
+                self.metrics.after_step(self.engine)

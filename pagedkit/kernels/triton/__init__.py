@@ -5,6 +5,6 @@ Operator variants, each declared in its file and registered in `pagedkit/kernels
 decode; its launch `mla_decode`), `sdpa_prefill` (first prompts on torch's fused attention), `gqa`
 (GroupQueryAttention through the same kernels over a contiguous cache; windowed caches `gqa_window`, what both
 share `gqa_common`). `ops`: the kernels as torch.library custom ops. Helpers the runtime's fused ops and engine
-call: `norm` (RMS norms), `swiglu` (SiluMul), `splitk` (split-K decode products), `argmax` (greedy choices).
+call: `norm` (RMS norms), `swiglu` (SiluMul), `argmax` (greedy choices).
 Shared: `common`; the @triton.jit kernels themselves: `_decode_kernels`, `_mla_kernels`, `_rope_quant`.
 """

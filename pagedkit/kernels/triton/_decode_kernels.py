@@ -3,9 +3,7 @@
 - `_attn_kernel`   grid (B, Hkv * N_SUB, S * L): one program per (sequence, KV head [, head sub-group],
                    split, query-chunk lane); rows = query tokens x heads of the group; lane l of L takes the
                    sequence's query chunks l, l + L, ... (a prefill's chunks run in parallel, decode has
-                   L = 1); partials (m, l, acc) or, with S == 1, the output. FUSED (decode.FusedWrite, decode
-                   steps): first the step's K / V rows of the program's own tiles into the caches (RoPE on K, and
-                   on q as it loads it), then a block barrier.
+                   L = 1); partials (m, l, acc) or, with S == 1, the output.
 - `_reduce_kernel` grid (N, H): merges the S partials of one (token, head), head_sink, V output scale,
                    V un-rotation; writes the output (T) and, for qk_output 2, the final (M, L).
 - `_probs_kernel`  grid (H * N, cdiv(C, BLOCK)): raw scores -> probabilities exp(s - M) / L (-inf -> 0).
@@ -20,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._rope_quant import float_code, hadamard_tile, rope_rows, round_to
+from ._rope_quant import hadamard_tile
 from .common import mma as _dot
 from .common import pdl_gate
 
@@ -161,7 +159,6 @@ def _attn_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ksc_ptr, vsc_ptr,
         csl_ptr, past_ptr, bt_ptr, qpos_ptr, sink_ptr, bias_ptr,
         out_ptr, wacc_ptr, wml_ptr, qk_ptr,
-        kn_ptr, vn_ptr, kcw_ptr, vcw_ptr, cos_ptr, sin_ptr, stride_knt, stride_vnt, cos_rs, sin_rs, rope_rows_n,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_kscb, stride_kscs, stride_ksch, stride_vscb, stride_vscs, stride_vsch, stride_btb,
         stride_bb, stride_bh, stride_bq, stride_bk, bias_qcap, bias_kcap, stride_kz, stride_vz, kv_cap, row_pad,
@@ -176,9 +173,7 @@ def _attn_kernel(
         NEED_NAT: tl.constexpr, INTERP: tl.constexpr, LANES: tl.constexpr, PADDED: tl.constexpr,
         BIAS_AFTER: tl.constexpr, I8_QK: tl.constexpr = False, I8_PV: tl.constexpr = False,
         ASM_K: tl.constexpr = False, ASM_V: tl.constexpr = False, Q_POW2: tl.constexpr = False,
-        PDL: tl.constexpr = 0, FUSED: tl.constexpr = False, ROPE: tl.constexpr = False, HALF: tl.constexpr = 0,
-        ROT_OFF: tl.constexpr = 0, INTERLEAVED: tl.constexpr = False, W_ROWS: tl.constexpr = 8,
-        T_BF16: tl.constexpr = False):
+        PDL: tl.constexpr = 0):
     if PDL:
         pdl_gate(PDL)
     DT = q_ptr.dtype.element_ty
@@ -251,45 +246,6 @@ def _attn_kernel(
     k_head = kvh.to(tl.int64) * stride_kh + b.to(tl.int64) * stride_kz  # stride_kz: the BNSH accessor's batch
     v_head = kvh.to(tl.int64) * stride_vh + b.to(tl.int64) * stride_vz
 
-    if FUSED:  # the cache write fused in (decode.py `fused`): split s's tiles come from the whole query, so the
-        # program that reads a tile holding a new position is the one that writes it; new K / V rows of those tiles
-        # (RoPE on K) into the caches, then a block barrier makes them visible to this program's loads
-        f_lo = 0
-        if HAS_WINDOW:
-            f_lo = tl.maximum(past - window + 1, 0) // BLOCK_N
-        f_hi = tl.cdiv(kv_len, BLOCK_N)
-        f_per = tl.cdiv(tl.maximum(f_hi - f_lo, 0), num_splits)
-        f0 = f_lo + s * f_per
-        f1 = tl.minimum(f0 + f_per, f_hi)
-        for c0 in range(0, n_q, W_ROWS):
-            jw = c0 + tl.arange(0, W_ROWS)
-            pw = past + jw
-            tw = (q_start + jw).to(tl.int64)
-            col = pw // BS
-            mine = (jw < n_q) & (pw < kv_len) & (pw // BLOCK_N >= f0) & (pw // BLOCK_N < f1) & (col < MB)
-            mine = mine & (tw < N)
-            blk_w = tl.load(bt_row + tl.where(mine, col, 0), mask=mine, other=-1)
-            mine = mine & (blk_w >= 0) & (blk_w < NB)
-            slot_w = tl.where(mine, blk_w, 0).to(tl.int64)
-            off_w = (pw % BS).to(tl.int64)
-            k_src = tw * stride_knt + kvh * D  # [W_ROWS] int64: the step's K row of this KV head
-            kx = tl.load(kn_ptr + k_src[:, None] + kw[None, :], mask=mine[:, None] & kw_ok[None, :],
-                         other=0.0).to(tl.float32)
-            if ROPE:
-                rp = tl.minimum(tl.maximum(pw, 0), rope_rows_n - 1)
-                kx = rope_rows(kx, kn_ptr, k_src, mine, kw, D, cos_ptr, sin_ptr, cos_rs, sin_rs, rp, HALF, ROT_OFF,
-                               INTERLEAVED)
-            k_dst = slot_w * stride_kb + off_w * stride_ks + kvh.to(tl.int64) * stride_kh
-            tl.store(kcw_ptr + k_dst[:, None] + kw[None, :], float_code(kx, T_BF16),
-                     mask=mine[:, None] & kw_ok[None, :])
-            v_src = tw * stride_vnt + kvh * D
-            vx = tl.load(vn_ptr + v_src[:, None] + vw[None, :], mask=mine[:, None] & vw_ok[None, :],
-                         other=0.0).to(tl.float32)
-            v_dst = slot_w * stride_vb + off_w * stride_vs + kvh.to(tl.int64) * stride_vh
-            tl.store(vcw_ptr + v_dst[:, None] + vw[None, :], float_code(vx, T_BF16),
-                     mask=mine[:, None] & vw_ok[None, :])
-        tl.debug_barrier()
-
     for c in range(c_first, tl.cdiv(n_q, Q_CHUNK), c_step):
         j = c * Q_CHUNK + jr
         t = q_start + j
@@ -312,17 +268,9 @@ def _attn_kernel(
         per = tl.cdiv(tl.maximum(t_hi - t_lo, 0), num_splits)
         it0 = t_lo + s * per
         it1 = tl.minimum(it0 + per, t_hi)
-        if FUSED:  # the tiles this program wrote (the causal / window masks below keep each row's own range)
-            it0 = f0
-            it1 = f1
 
         q_off = t64 * stride_qt + h64 * stride_qh
         xa = _load_q(q_ptr, q_off, row_ok, kch, kw_ok, ks_ptr, kvh * D, K_SCALE == 2)
-        if FUSED:  # q is the step's raw query: RoPE here, rounded to T as the cache write would store it
-            if ROPE:
-                xa = rope_rows(xa, q_ptr, q_off, row_ok, kch, D, cos_ptr, sin_ptr, cos_rs, sin_rs,
-                               tl.minimum(tl.maximum(pos, 0), rope_rows_n - 1), HALF, ROT_OFF, INTERLEAVED)
-            xa = round_to(xa, T_BF16)
         if K_FMT == 3:
             xb = _load_q(q_ptr, q_off, row_ok, kch + 1, kw_ok, ks_ptr, kvh * D, K_SCALE == 2)
         if Q_POW2:  # bfloat16 q to float16 dots: rows scaled into [-1, 1] by a power of two, undone on the scores

@@ -61,23 +61,6 @@ def hadamard_tile(rows, cols, D):
 
 
 @triton.jit
-def rope_pairs(cols, D, HALF: tl.constexpr, ROT_OFF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Channels cols -> (in the rotated range [ROT_OFF, ROT_OFF + 2 HALF), first of its pair, the partner channel,
-    the cos / sin column), partner and column 0 outside the range."""
-    rel = cols - ROT_OFF
-    inrot = (rel >= 0) & (rel < 2 * HALF) & (cols < D)
-    if INTERLEAVED:  # pairs (2c, 2c + 1)
-        first = (rel & 1) == 0
-        partner = tl.where(first, cols + 1, cols - 1)
-        j = rel >> 1
-    else:  # pairs (c, c + HALF)
-        first = rel < HALF
-        partner = tl.where(first, cols + HALF, cols - HALF)
-        j = tl.where(first, rel, rel - HALF)
-    return inrot, first, tl.where(inrot, partner, 0), tl.where(inrot, j, 0)
-
-
-@triton.jit
 def _norm_rope(x, src, rows, cols, nrows, D, inv, w_ptr, cos_row, sin_row,
                HAS_NORM: tl.constexpr, HAS_ROPE: tl.constexpr, HALF: tl.constexpr, ROT_OFF: tl.constexpr,
                INTERLEAVED: tl.constexpr):
@@ -86,7 +69,18 @@ def _norm_rope(x, src, rows, cols, nrows, D, inv, w_ptr, cos_row, sin_row,
         w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
         x = x * inv[:, None] * w[None, :]
     if HAS_ROPE:
-        inrot, first, partner, j = rope_pairs(cols, D, HALF, ROT_OFF, INTERLEAVED)
+        rel = cols - ROT_OFF
+        inrot = (rel >= 0) & (rel < 2 * HALF) & (cols < D)
+        if INTERLEAVED:  # pairs (2c, 2c + 1)
+            first = (rel & 1) == 0
+            partner = tl.where(first, cols + 1, cols - 1)
+            j = rel >> 1
+        else:  # pairs (c, c + HALF)
+            first = rel < HALF
+            partner = tl.where(first, cols + HALF, cols - HALF)
+            j = tl.where(first, rel, rel - HALF)
+        j = tl.where(inrot, j, 0)
+        partner = tl.where(inrot, partner, 0)
         pm = (rows[:, None] < nrows) & inrot[None, :]
         xp = tl.load(src + rows[:, None] * D + partner[None, :], mask=pm, other=0.0).to(tl.float32)
         if HAS_NORM:
@@ -174,37 +168,3 @@ def encode_store(x, rows, nrows, D, write, cache, cs0, cs1, cs2, cs3, blk, off,
             c2 = tl.arange(0, BLOCK_D // 2)
             tl.store(cache + base[:, None] + c2[None, :] * cs3, byte,
                      mask=rm[:, None] & (c2[None, :] < (D + 1) // 2))
-
-
-@triton.jit
-def rope_rows(x, src, row_off, row_ok, cols, D, cos_ptr, sin_ptr, cos_rs, sin_rs, rpos,
-              HALF: tl.constexpr, ROT_OFF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """x [R, C] float32 (row r at src + row_off[r], channels cols) -> RoPE on channels [ROT_OFF, ROT_OFF + 2 HALF)
-    at each row's own position rpos [R] (cos / sin rows, clamped by the caller): `_norm_rope`'s formula without
-    the norm, for tiles whose rows are different tokens (the decode kernel's fused cache write)."""
-    inrot, first, partner, j = rope_pairs(cols, D, HALF, ROT_OFF, INTERLEAVED)
-    pm = row_ok[:, None] & inrot[None, :]
-    xp = tl.load(src + row_off[:, None] + partner[None, :], mask=pm, other=0.0).to(tl.float32)
-    rp = rpos.to(tl.int64)[:, None]
-    c = tl.load(cos_ptr + rp * cos_rs + j[None, :], mask=pm, other=1.0).to(tl.float32)
-    s = tl.load(sin_ptr + rp * sin_rs + j[None, :], mask=pm, other=0.0).to(tl.float32)
-    rotated = tl.where(first[None, :], x * c - xp * s, x * c + xp * s)
-    return tl.where(inrot[None, :], rotated, x)
-
-
-@triton.jit
-def round_to(x, BF16: tl.constexpr):
-    """float32 x rounded to float16 / bfloat16 (round to nearest even, also in the interpreter), as float32."""
-    if BF16:
-        return (bf16_bits(x).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return x.to(tl.float16).to(tl.float32)
-
-
-@triton.jit
-def float_code(x, BF16: tl.constexpr):
-    """float32 x -> what a float16 cache stores, or a bfloat16 cache's bits (int16, through an int16 view)."""
-    if BF16:
-        return bf16_bits(x)
-    else:
-        return x.to(tl.float16)

@@ -130,17 +130,9 @@ def pdl_launch(device: torch.device, programs: int = 0) -> dict:
     return {"launch_pdl": True} if _PDL_DEVICES[key] else {}
 
 
-def pdl_mode(launch: dict, early: bool = False) -> int:
-    """The kernels' PDL constexpr for pdl_launch's result: 0 off, 1 wait then release, 2 wait only. early: this
-    launch releases its dependents right after its wait whatever PDL_EARLY_RELEASE says (a short kernel whose
-    dependent has work to do before its own wait: REDUCE_EARLY_RELEASE)."""
-    return 0 if not launch else 1 if PDL_EARLY_RELEASE or early else 2
-
-
-# the split-KV reduce releases its dependent launch right after its wait (PAGEDKIT_REDUCE_EARLY=1; off by default:
-# not yet measured on a GPU): the O product's split-K programs (splitk.py) then start during the reduce and
-# load their weight slab, which does not depend on it, before their own wait
-REDUCE_EARLY_RELEASE = settings.read("PAGEDKIT_REDUCE_EARLY")
+def pdl_mode(launch: dict) -> int:
+    """The kernels' PDL constexpr for pdl_launch's result: 0 off, 1 wait then release, 2 wait only."""
+    return 0 if not launch else 1 if PDL_EARLY_RELEASE else 2
 
 
 if HAVE_TRITON:

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -191,10 +190,9 @@ def paged_decode(q, *, key_cache, value_cache, k_format: SideFormat, v_format: S
                  head_sink=None, attention_bias=None, qk_output: int = 0, v_rotation: bool = False,
                  max_query_len: int = 0, max_kv_len: int = 0, num_splits: int | None = None,
                  bnsh: bool = False, row_pad: int = 0, bias_after_softcap: bool = False,
-                 fused: FusedWrite | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Paged attention over the (already written) caches -> (output [N, H*Dv] in q's dtype, output_qk
-    [H, N, C] float32 or None). See the module docstring for layouts, splits and bounds. With `fused`, q is the
-    step's raw query and the launch writes the step's K / V itself first (`FusedWrite`)."""
+    [H, N, C] float32 or None). See the module docstring for layouts, splits and bounds."""
     return _paged_decode(
         q, key_cache=key_cache, value_cache=value_cache, k_format=k_format, v_format=v_format,
         cumulative_sequence_length=cumulative_sequence_length, past_seqlens=past_seqlens,
@@ -204,26 +202,8 @@ def paged_decode(q, *, key_cache, value_cache, k_format: SideFormat, v_format: S
         local_window_size=local_window_size, is_causal=is_causal, head_sink=head_sink,
         attention_bias=attention_bias, qk_output=qk_output, v_rotation=v_rotation, max_query_len=max_query_len,
         max_kv_len=max_kv_len, num_splits=num_splits, bnsh=bnsh, row_pad=row_pad,
-        bias_after_softcap=bias_after_softcap, fused=fused)
+        bias_after_softcap=bias_after_softcap)
 
-
-@dataclass(frozen=True)
-class FusedWrite:
-    """The cache write of a decode step done by the attention launch itself (one launch instead of two): q is
-    then the raw query [N, H*D] (rows may be strided: a packed QKV's view), key / value [N, Hkv*D] the step's raw
-    rows, RoPE (cos / sin [P, rotary_dim / 2], channels rotary_offset ..) on q and K in the kernel, rounded to T as
-    cache_write.write_kv stores them. The step's token t of sequence b goes to position past[b] + (t - csl[b]).
-    Serves float caches in q's dtype only, no LATENT / BNSH / padded rows / query_positions / v_rotation /
-    output_qk, and the caller promises distinct slots (the engine's plans: kernels/scope.py): the kernel has no
-    duplicate-slot handling. Each split writes the new positions of its own tiles, from a partition of the whole
-    query (chunk-independent), so the only program that reads a new row is the one that wrote it."""
-
-    key: torch.Tensor
-    value: torch.Tensor
-    cos_cache: torch.Tensor | None = None
-    sin_cache: torch.Tensor | None = None
-    rotary_interleaved: bool = False
-    rotary_offset: int = 0
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -257,7 +237,7 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
                   attention_bias, qk_output, v_rotation, max_query_len, max_kv_len, num_splits,
                   block_n: int | None = None, block_m: int | None = None, num_warps: int | None = None,
                   num_lanes: int | None = None, bnsh: bool = False, row_pad: int = 0,
-                  bias_after_softcap: bool = False, num_stages: int | None = None, fused: FusedWrite | None = None):
+                  bias_after_softcap: bool = False, num_stages: int | None = None):
     """paged_decode with tile overrides (block_n / block_m / num_warps / num_lanes: tests and tuning) and the
     GroupQueryAttention accessors (gqa.py): `bnsh` reads contiguous caches [B, Hkv, C, Dc] instead of the paged
     ones (block_table is then ignored: sequence b reads its own rows, virtual blocks of BNSH_BLOCK positions);
@@ -312,25 +292,6 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
     qk_output, window = int(qk_output), int(local_window_size)
     scale = float(scale) or 1.0 / math.sqrt(D)
 
-    if fused is not None:
-        _check(not latent and not bnsh and row_pad == 0 and query_positions is None and not v_rotation
-               and qk_output == 0, "the fused cache write serves paged non-LATENT caches without query_positions, "
-               "v_rotation or output_qk")
-        _check(k_format.fmt == common.FMT_FLOAT and k_format.scale == common.SCALE_NONE
-               and v_format.fmt == common.FMT_FLOAT and v_format.scale == common.SCALE_NONE
-               and key_cache.dtype == T and value_cache.dtype == T,
-               f"the fused cache write serves float caches in the query's dtype {T}")
-        for name, t in (("key", fused.key), ("value", fused.value)):
-            _check(t.dtype == T and t.dim() == 2 and tuple(t.shape) == (n_tok, Hkv * D) and t.stride(1) == 1,
-                   f"fused {name} should be [{n_tok}, {Hkv * D}] {T} with contiguous rows")
-        if fused.cos_cache is not None:
-            cs, sn = fused.cos_cache, fused.sin_cache
-            _check(sn is not None and cs.dim() == 2 and sn.shape == cs.shape and cs.shape[0] >= 1
-                   and cs.stride(1) == 1 and sn.stride(1) == 1
-                   and 0 <= int(fused.rotary_offset) and int(fused.rotary_offset) + 2 * cs.shape[1] <= D,
-                   "fused cos_cache / sin_cache should be [positions, rotary_dim / 2] alike, rotary_offset + "
-                   f"rotary_dim <= head_size {D}")
-        num_lanes = 1  # one program per (sequence, KV head, split) walks every chunk: it wrote its tiles
     out = _empty((n_tok, H * DV), T, dev)
     qk = None
     if qk_output:
@@ -452,22 +413,12 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         num_stages = DECODE_STAGES if q_bound <= DECODE_QUERY_BOUND and not bnsh else None
     stages = {} if num_stages is None else {"num_stages": int(num_stages)}
     pdl = common.pdl_launch(dev, B * Hkv * n_sub * S * lanes)
-    rope = fused is not None and fused.cos_cache is not None
-    if fused is not None:  # bfloat16 caches take the rounded bits through int16 views (as the cache write does)
-        kn, vn = fused.key, fused.value
-        kcw, vcw = ((key_cache.view(torch.int16), value_cache.view(torch.int16)) if T == torch.bfloat16
-                    else (key_cache, value_cache))
-        cos, sin = (fused.cos_cache, fused.sin_cache) if rope else (dummy, dummy)
-        f_args = (kn, vn, kcw, vcw, cos, sin, kn.stride(0), vn.stride(0), cos.stride(0) if rope else 0,
-                  sin.stride(0) if rope else 0, cos.shape[0] if rope else 1)
-    else:
-        f_args = (dummy, dummy, dummy, dummy, dummy, dummy, 0, 0, 0, 0, 1)
     K._attn_kernel[(B, Hkv * n_sub, S * lanes)](
         q, kc_arg, vc_arg, ks if ks is not None else dummy, vs if vs is not None else dummy,
         ksc if ksc is not None else dummy, vsc if vsc is not None else dummy,
         csl, past, table, qpos if qpos is not None else dummy,
         sink if sink is not None else dummy, bias if bias is not None else dummy,
-        out, wacc, wml, qk if qk is not None else dummy, *f_args,
+        out, wacc, wml, qk if qk is not None else dummy,
         q.stride(0), q.stride(1), *k_st[:3], *v_st[:3], *ksc_st, *vsc_st,
         table.stride(0), *b_st, *b_cap, k_st[3], v_st[3], kv_cap, row_pad,
         n_tok, NB, MB, S, lanes, scale, float(softcap), window,
@@ -483,10 +434,7 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         ASM_K="k" in QUANT_ASM.get(k_format.fmt, "") and not common.INTERPRET,
         ASM_V="v" in QUANT_ASM.get(v_format.fmt, "") and not common.INTERPRET,
         Q_POW2=k_format.fmt != common.FMT_FLOAT and T == torch.bfloat16, num_warps=num_warps,
-        PDL=common.pdl_mode(pdl), FUSED=fused is not None, ROPE=rope,
-        HALF=fused.cos_cache.shape[1] if rope else 0, ROT_OFF=int(fused.rotary_offset) if rope else 0,
-        INTERLEAVED=bool(fused.rotary_interleaved) if rope else False, W_ROWS=8, T_BF16=T == torch.bfloat16,
-        **stages, **pdl)
+        PDL=common.pdl_mode(pdl), **stages, **pdl)
     if direct:
         return out, qk
 
@@ -497,7 +445,7 @@ def _paged_decode(q, *, key_cache, value_cache, k_format, v_format, cumulative_s
         wacc, wml, sink if sink is not None else dummy, vs if vs is not None else dummy, out, mlf, S,
         1.0 / math.sqrt(DV), H=H, G=G, D=D, DV=DV, DV_PAD=dv_pad, S_BLOCK=min(next_pow2(S), 16),
         ROT_J=min(dv_pad, 32), HAS_SINK=sink is not None, V_SCALE=v_format.scale, ROTATE=bool(v_rotation),
-        STORE_ML=qk_output == 2, num_warps=4, PDL=common.pdl_mode(pdl_r, common.REDUCE_EARLY_RELEASE), **pdl_r)
+        STORE_ML=qk_output == 2, num_warps=4, PDL=common.pdl_mode(pdl_r), **pdl_r)
     if qk_output == 2:
         blk = min(1024, next_pow2(C))
         K._probs_kernel[(H * n_tok, -(-C // blk))](qk, mlf, n_tok, C, H=H, BLOCK=blk, num_warps=4)

@@ -9,10 +9,6 @@ on a decoder's hidden states (runtime/ops/norms.py routes CUDA tensors here).
 One program per row holds the whole row in registers (H <= MAX_HIDDEN), so a norm is one launch instead of
 the five to seven elementwise kernels of the torch composition (casts, add, norm, casts): a decode step's
 norms are launch-bound, not bandwidth-bound. Statistics outputs (mean / inv_std_var) are not served here.
-
-`rms_norm_acc` takes x as splitk.accumulate's int64 fixed-point buffer [R, H] (value = acc * 2**-splitk.FIX_BITS;
-the product before it needs no reduce launch) and zeroes the buffer after reading it; skip / bias / gamma as above;
-its outputs are in skip's dtype.
 """
 
 from __future__ import annotations
@@ -20,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from . import common
-from .splitk import FIX_BITS  # the split-K accumulator's fixed point (rms_norm_acc)
 
 MAX_HIDDEN = 16384
 
@@ -29,46 +24,24 @@ if common.HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _operands(skip_ptr, bias_ptr, gamma_ptr, off, cols, mask, HAS_SKIP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  BLOCK: tl.constexpr):
-        """(skip row, bias, gamma) as float32 [BLOCK] (zeros for an absent skip / bias: never added)."""
-        sk = tl.zeros([BLOCK], tl.float32)
-        bi = tl.zeros([BLOCK], tl.float32)
-        if HAS_SKIP:
-            sk = tl.load(skip_ptr + off, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            bi = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        return sk, bi, tl.load(gamma_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-
-    @triton.jit
     def _rms_kernel(x_ptr, skip_ptr, bias_ptr, gamma_ptr, y_ptr, sum_ptr, H, eps,
                     HAS_SKIP: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_SUM: tl.constexpr, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr = 0, ACC: tl.constexpr = False, INV_FIX: tl.constexpr = 1.0):
-        if not ACC:
-            if PDL:
-                common.pdl_gate(PDL)
+                    PDL: tl.constexpr = 0):
+        if PDL:
+            common.pdl_gate(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
         off = row * H + cols  # x / skip / y / sum [R, H] contiguous
-        if ACC:  # x is splitk's shared int64 fixed-point accumulator, the only operand the launch before (the
-            # split-K product) writes: skip, bias and gamma load before the gate; the accumulator after it, then it
-            # is zeroed for the next product
-            sk, bi, g = _operands(skip_ptr, bias_ptr, gamma_ptr, off, cols, mask, HAS_SKIP, HAS_BIAS, BLOCK)
-            if PDL:
-                common.pdl_gate(PDL)
-            s = tl.load(x_ptr + off, mask=mask, other=0).to(tl.float32) * INV_FIX
-            tl.store(x_ptr + off, tl.zeros([BLOCK], tl.int64), mask=mask)
-        else:
-            s = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
-            sk, bi, g = _operands(skip_ptr, bias_ptr, gamma_ptr, off, cols, mask, HAS_SKIP, HAS_BIAS, BLOCK)
+        s = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
         if HAS_SKIP:
-            s += sk
+            s += tl.load(skip_ptr + off, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
-            s += bi
+            s += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if WRITE_SUM:
             tl.store(sum_ptr + off, s.to(sum_ptr.dtype.element_ty), mask=mask)
         inv = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / H + eps)
+        g = tl.load(gamma_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + off, (s * inv * g).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -93,34 +66,16 @@ def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float, *, skip: torch.Te
     if not serves(x, gamma, skip, bias):
         raise ValueError(f"rms_norm: unsupported operands x {list(x.shape)} {x.dtype}, gamma {list(gamma.shape)}, "
                          f"skip {None if skip is None else list(skip.shape)}, bias {None if bias is None else list(bias.shape)}")
-    return _launch(x, gamma, eps, skip, bias, want_sum, out_dtype or x.dtype, x.dim() and x.numel() // x.shape[-1])
-
-
-def rms_norm_acc(acc: torch.Tensor, gamma: torch.Tensor, eps: float, *, skip: torch.Tensor,
-                 bias: torch.Tensor | None = None, want_sum: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """rms_norm of x = acc (splitk.accumulate's int64 fixed point [R, H], zeroed after reading; skip [.., H] with R
-    rows), outputs in skip's dtype."""
-    common.require_triton()
-    if (acc.dim() != 2 or acc.dtype != torch.int64 or not acc.is_contiguous() or acc.numel() != skip.numel()
-            or not serves(skip, gamma, None, bias)):
-        raise ValueError(f"rms_norm_acc: unsupported operands acc {list(acc.shape)} {acc.dtype}, "
-                         f"skip {list(skip.shape)} {skip.dtype}, gamma {list(gamma.shape)}")
-    return _launch(skip, gamma, eps, None, bias, want_sum, skip.dtype, acc.shape[0], acc=acc)
-
-
-def _launch(x, gamma, eps, skip, bias, want_sum, out_dtype, rows, acc=None):
-    """One _rms_kernel launch over `rows` rows of x's shape (x: the input, or the skip when `acc` is the input)."""
     h = x.shape[-1]
-    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    rows = x.numel() // h
+    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     s = torch.empty_like(x) if want_sum else None
     if rows:
         block = triton.next_power_of_2(h)
         pdl = common.pdl_launch(x.device, rows)
         gamma = gamma if gamma.is_contiguous() else gamma.contiguous()
-        src, other = (acc, x) if acc is not None else (x, skip)
-        _rms_kernel[(rows,)](src, other if other is not None else x, bias if bias is not None else gamma, gamma, y,
-                             s if s is not None else y, h, float(eps), HAS_SKIP=other is not None,
+        _rms_kernel[(rows,)](x, skip if skip is not None else x, bias if bias is not None else gamma, gamma, y,
+                             s if s is not None else y, h, float(eps), HAS_SKIP=skip is not None,
                              HAS_BIAS=bias is not None, WRITE_SUM=want_sum, BLOCK=block,
-                             num_warps=4 if block <= 4096 else 8, PDL=common.pdl_mode(pdl),
-                             ACC=acc is not None, INV_FIX=2.0 ** -FIX_BITS if acc is not None else 1.0, **pdl)
+                             num_warps=4 if block <= 4096 else 8, PDL=common.pdl_mode(pdl), **pdl)
     return y, s

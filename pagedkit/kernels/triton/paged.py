@@ -22,7 +22,6 @@ import torch
 
 from pagedkit.validators.contract import PAGED_ATTENTION
 
-from ... import settings
 from ..attention_math import default_scale
 from ..variant import OP_FEATURES, KernelVariant
 from . import common
@@ -71,7 +70,7 @@ def _bounds(meta: torch.Tensor | None) -> tuple[int, int]:
     if meta.device.type != "cpu":
         raise ValueError("input 'attention_metadata': expected a CPU (host) tensor, got one on "
                          f"{meta.device} (reading it would sync with the device)")
-    vals = [int(v) for v in meta.reshape(-1).tolist()]
+    vals = [int(v) for v in (meta.tolist() if meta.dim() == 1 else meta.reshape(-1).tolist())]
     if len(vals) not in (2, 3) or min(vals) < 0:
         raise ValueError(f"input 'attention_metadata': expected 2 or 3 entries >= 0, got {vals}")
     return vals[0], vals[1]
@@ -178,58 +177,7 @@ def run(inputs: Mapping[str, Any], *, outputs: Sequence[str] | None, validate: b
     p = prepare(inputs, attributes, outputs=outputs, validate=validate)
     if fused_mla and not p.latent:
         raise NotImplementedError("triton_mla serves kv_cache_layout LATENT only")
-    if not fused_mla:
-        out = write_decode(p)
-        if out is not None:
-            return results(p, out, None, outputs)
     return results(p, *attend(p, write(p), fused_mla=fused_mla), outputs)
-
-
-# decode steps (attention_metadata's max_query_len <= decode.DECODE_QUERY_BOUND) on float caches under the engine's
-# distinct-slots promise: the cache write inside the attention launch (`write_decode`), one launch less per call.
-# Off by default (PAGEDKIT_FUSED_WRITE=1 turns it on; tests and sweeps set it): not yet measured on a GPU
-FUSED_WRITE = settings.read("PAGEDKIT_FUSED_WRITE")
-_FUSED_REFUSING = ("slot_mapping", "query_positions", "q_norm_weight", "k_norm_weight")
-
-
-def write_decode(p: Prepared) -> torch.Tensor | None:
-    """The output [N, H*D] of a call whose cache write the attention launch does itself (decode.FusedWrite), or
-    None where that does not serve it (the caller then runs `write` and `attend`). Static facts only: the host
-    bound, formats, dtypes, inputs present, attributes and the run scope."""
-    from ..scope import distinct_slots
-    from . import ops
-    from .decode import DECODE_QUERY_BOUND
-
-    x, a = p.x, p.a
-    flt = (common.FMT_FLOAT, common.SCALE_NONE)
-    if (not FUSED_WRITE or p.latent or not 1 <= p.max_q <= DECODE_QUERY_BOUND or p.qk_output
-            or (p.kf.fmt, p.kf.scale) != flt or (p.vf.fmt, p.vf.scale) != flt or p.d > MAX_HEAD_SIZE
-            or any(x.get(n) is not None for n in _FUSED_REFUSING) or int(a["qk_rotation"]) or int(a["v_rotation"])
-            or not distinct_slots()):
-        return None
-    q, kc, vc = x["query"], x["key_cache"], x["value_cache"]
-    if kc.dtype != q.dtype or vc.dtype != q.dtype:
-        return None
-    H, Hkv, D = p.nh, p.hkv, p.d
-    if "key" in x:
-        qv, k, v = q, x["key"], x["value"]
-    else:  # packed QKV [N, (H + 2 Hkv) D]: strided views
-        qv, k, v = q[:, :H * D], q[:, H * D:(H + Hkv) * D], q[:, (H + Hkv) * D:]
-    if any(t.stride(-1) != 1 for t in (qv, k, v)):
-        return None
-    rotary = bool(int(a["do_rotary"]))
-    cos, sin = (x.get("cos_cache"), x.get("sin_cache")) if rotary else (None, None)
-    if rotary and (cos is None or sin is None):
-        return None
-    if cos is not None:
-        cos, sin = cos.contiguous(), sin.contiguous()
-    return ops.write_decode(
-        qv, k, v, x["cumulative_sequence_length"], x["past_seqlens"], x["block_table"], kc, vc, cos, sin,
-        x.get("head_sink"), x.get("attention_bias"), num_heads=H, kv_num_heads=Hkv, head_size=D,
-        scale=default_scale(float(a["scale"]), D), softcap=float(a["softcap"]),
-        local_window_size=int(a["local_window_size"]), is_causal=bool(int(a["is_causal"])),
-        rotary_interleaved=bool(int(a["rotary_interleaved"])), rotary_offset=int(a["rotary_offset"]),
-        max_query_len=p.max_q, max_kv_len=p.max_kv)
 
 
 def attend(p: Prepared, q: torch.Tensor, *, fused_mla: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,9 @@ computes [B, H, M, D] -> output [N, H*D]. Whatever the bounds do not prove runs 
 The proof rests on the bounds being bounds. The call also checks on the device (no host read) that
 cumulative_sequence_length is 0, M, 2M, ..., past_seqlens all 0 and every block the prompts cover is mapped;
 a call breaking any of it returns NaN rows for the whole step instead of a silently different result
-(triton_paged, the default for a mixed step, serves such inputs).
+(triton_paged, the default for a mixed step, serves such inputs). Those step facts (the gather indices and the
+check) depend only on the step's block_table / cumulative_sequence_length / past_seqlens, which every layer of
+a run shares: they are computed once per run scope (kernels/scope.py `memo`), not per layer.
 
 `LAST_ROUTE` names what the last call ran: "cudnn", "flash", "math" (a CPU tensor: tests through Triton's
 interpreter) or "triton_paged" (the bounds did not prove the shape); PAGEDKIT_KERNEL_DEBUG=1 prints the route
@@ -33,6 +35,7 @@ import torch
 
 from ... import settings
 from ..attention_math import default_scale
+from ..scope import memo
 from ..variant import KernelVariant
 from . import common, paged
 
@@ -140,25 +143,37 @@ def paged_attention(inputs: Mapping[str, Any], *, outputs: Sequence[str] | None 
     if m is None or nblk > table.shape[1]:
         _route("triton_paged")
         return paged.results(p, *paged.attend(p, q), outputs)
-    nb_phys = kc.shape[0]
-    ids = table[:, :nblk]  # [B, nblk]
-    mapped = ((ids >= 0) & (ids < nb_phys)).all()
-    ids = ids.clamp(0, nb_phys - 1).long()
-    # [NB, BS, Hkv, D] -> [B, nblk * BS, Hkv, D] -> the first M positions as [B, Hkv, M, D]
-    k = kc[ids].reshape(batch, nblk * bs, p.hkv, p.d)[:, :m].transpose(1, 2)
-    v = vc[ids].reshape(batch, nblk * bs, p.hkv, p.d)[:, :m].transpose(1, 2)
-    qd = q.view(batch, m, p.nh, p.d).transpose(1, 2)
+    past = x["past_seqlens"]
+    key = (NAME, id(table), id(cu), id(past), kc.shape[0], nblk, m)
+    ids, bad = memo(key, lambda: _step_facts(table, cu, past, kc.shape[0], nblk, m))
+    # the prompts' blocks [B * nblk, BS, Hkv, D] (one gather a cache), their first M positions as [B, Hkv, M, D]
+    # views; q [N, H, D] as [B, H, M, D]: one as_strided each (the view reshape / slice / transpose make)
+    hkv, d = p.hkv, p.d
+    kv_shape, kv_strides = (batch, hkv, m, d), (nblk * bs * hkv * d, d, hkv * d, 1)
+    k = torch.index_select(kc, 0, ids).as_strided(kv_shape, kv_strides)
+    v = torch.index_select(vc, 0, ids).as_strided(kv_shape, kv_strides)
+    qd = q.as_strided((batch, p.nh, m, d), (m * p.nh * d, d, p.nh * d, 1))
     o, route = fused_sdpa(qd, k, v, scale=default_scale(float(p.a["scale"]), p.d),
                           causal=bool(int(p.a["is_causal"])))
     if o is None:  # no fused backend on this GPU / build: the Triton attention
         _route("triton_paged")
         return paged.results(p, *paged.attend(p, q), outputs)
     _route(route)
-    out = o.transpose(1, 2).reshape(n, p.nh * p.d)
-    steps = torch.arange(batch + 1, device=cu.device, dtype=cu.dtype) * m
-    ok = mapped & (cu == steps).all() & (x["past_seqlens"] == 0).all()  # device bools: no host read
-    out = torch.where(ok, out, torch.full((), float("nan"), dtype=out.dtype, device=out.device))
+    out = o.transpose(1, 2).reshape(n, p.nh * p.d)  # a new tensor (or o itself: nobody else holds it)
+    out.masked_fill_(bad, float("nan"))  # a step the bounds misdescribe: NaN rows (module docstring)
     return paged.results(p, out, None, outputs)
+
+
+def _step_facts(table: torch.Tensor, cu: torch.Tensor, past: torch.Tensor, nb_phys: int, nblk: int,
+                m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gather indices [B * nblk] int64 clamped into the pool, sequence-major, and `bad` bool []) of a step of B
+    first prompts of m tokens: bad is a device bool (no host read), true unless cumulative_sequence_length is 0,
+    m, 2m, ..., past_seqlens all 0 and every block the prompts cover is mapped."""
+    ids = table[:, :nblk]  # [B, nblk]
+    mapped = ((ids >= 0) & (ids < nb_phys)).all()
+    steps = torch.arange(cu.shape[0], device=cu.device, dtype=cu.dtype) * m
+    bad = ~(mapped & (cu == steps).all() & (past == 0).all())
+    return ids.clamp(0, nb_phys - 1).long().reshape(-1), bad
 
 
 def _refuse_call(p: paged.Prepared) -> str | None:

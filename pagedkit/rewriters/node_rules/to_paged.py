@@ -158,17 +158,24 @@ def _g2p_positions(f, t, io):
     t.inputs["query_positions"] = b.cast(flat, I32)
 
 
-def _g2p_norm_eps_check(f, io):
+def _norm_eps(f) -> tuple[float, float]:
+    """The epsilons GQA applies to Q and K: q_norm_epsilon / k_norm_epsilon where written, else qk_norm_epsilon
+    (its contract default filled in)."""
+    shared = f.attrs["qk_norm_epsilon"]
     q, k = f.attrs.get("q_norm_epsilon"), f.attrs.get("k_norm_epsilon")
-    if q is not None and k is not None and q != k:
-        return (f"q_norm_epsilon {q} != k_norm_epsilon {k}: PagedAttention has one qk_norm_epsilon")
+    return (shared if q is None else q), (shared if k is None else k)
+
+
+def _g2p_norm_eps_check(f, io):
+    q, k = _norm_eps(f)
+    if q != k:
+        return (f"Q's epsilon {q} != K's {k} (q_norm_epsilon / k_norm_epsilon, else qk_norm_epsilon): "
+                "PagedAttention has one qk_norm_epsilon")
     return None
 
 
 def _g2p_norm_eps(f, t, io):
-    eps = f.attrs.get("q_norm_epsilon", f.attrs.get("k_norm_epsilon"))
-    if eps is not None:
-        t.attrs["qk_norm_epsilon"] = eps
+    t.attrs["qk_norm_epsilon"] = _norm_eps(f)[0]
 
 
 def _g2p_smooth(f, t, io):
