@@ -1,7 +1,8 @@
-"""CPU generation benchmark: SmolLM2-135M-Instruct (real weights) through Hugging Face eager, onnxruntime-genai
-and pagedkit, one table from one run on one machine. Writes benchmarks/results/cpu_generate.json and .png.
+"""CPU generation benchmark: SmolLM2-135M-Instruct (real weights) through Hugging Face eager, onnxruntime-genai,
+llama.cpp and pagedkit, one table from one run on one machine. Writes benchmarks/results/cpu_generate.json and .png.
 
     python benchmarks/cpu_generate.py                                  # every row: 128 tokens, 3 reps, 2 threads
+    python benchmarks/cpu_generate.py --threads 1 2 --reps 2 --rounds 3   # the selection at 1 and at 2 threads
     python benchmarks/cpu_generate.py --rows genai-fp32 pagedkit-fp32 --reps 5 --threads 4
     python benchmarks/cpu_generate.py --max-new-tokens 8 --reps 1 --rows hf-fp32 genai-fp32 pagedkit-fp16  # smoke
     python benchmarks/cpu_generate.py --list                           # the rows and what each runs
@@ -12,25 +13,33 @@ the same text) in lockstep. Columns per row:
 - ttft_ms: from the prompt ids in hand to the first generated token (prefill + argmax; request setup included);
 - decode_tok_s: (tokens after the first, times the batch) / their wall time;
 - peak_rss_mb: the row's process peak resident memory (getrusage ru_maxrss: loading included);
+- import_s / load_s: the engine's imports, then the model's loading (sessions built; pagedkit: external data
+  mapped by onnxruntime, not copied);
+- host_ms_per_step / host_fraction (pagedkit, a model that is one onnxruntime segment): a decode step's time
+  outside onnxruntime's run (planning, binding, sampling);
 - floor_tok_s: the memory-bandwidth bound, DRAM read bandwidth (measured in this run, same threads) / bytes one
   decode step reads (every MatMul / Gemm / MatMulNBits weight in its stored dtype, lm_head included, plus one
-  embedding row, plus the K/V cache at the mean decode context), times the batch; floor_fraction = decode / floor.
+  embedding row, plus the K/V cache at the mean decode context; llama.cpp: the GGUF file's size), times the batch;
+  floor_fraction = decode / floor.
 Each number is the median over --reps runs after one warm-up run (--warmup-tokens new tokens, not counted).
 --rounds R runs the whole selection R times, row after row in each round (a host whose speed drifts, as a
 shared 2-core machine's does by 30% within minutes, then slows every row of a round alike): a row's numbers
 are the medians over all its rounds' runs, a pair's ratio the median of its per-round ratios (the two rows
 of a round ran minutes apart at most), and each round's figures are kept in the row (`rounds`).
+--threads T1 T2 ...: the selection at each thread count (in each round); rows and pairs carry `threads`.
 
 Every row runs in its own process (`--row NAME`, this script re-invoked), so its peak RSS is its own and the thread
-count (--threads: torch.set_num_threads, onnxruntime-genai's session intra_op_num_threads, pagedkit's
-SessionOptions; OMP_NUM_THREADS in the environment) is set before the engine starts.
+count (torch.set_num_threads, onnxruntime-genai's session intra_op_num_threads, pagedkit's SessionOptions,
+llama.cpp's n_threads; OMP_NUM_THREADS in the environment) is set before the engine starts.
 
 Models (built once into $PAGEDKIT_CACHE/bench, default ~/.cache/pagedkit/bench; --rebuild rebuilds): the GGUF of
-`paged-fetch smollm2-135m` dequantized to float32 by transformers (pagedkit.runtime.parity.load_hf) and written
-with save_pretrained (hf-fp32/: the HF rows load it, onnxruntime-genai's builder reads it); the builder's
-`-p fp32 -e cpu` and `-p int4 -e cpu` models; `paged-export --model smollm2-135m` fp16, --dtype fp32,
+`paged-fetch smollm2-135m` (Q4_1: the llama.cpp row runs it as it is) dequantized to float32 by transformers
+(pagedkit.runtime.parity.load_hf) and written with save_pretrained (hf-fp32/: the HF rows load it, onnxruntime-
+genai's builder reads it); the builder's `-p fp32 -e cpu` and `-p int4 -e cpu` models; `paged-export --model
+smollm2-135m` fp16 (the README's default; on the CPU it runs widened to float32 outside attention), --dtype fp32,
 --weights int4, --dtype fp32 --weights int4. A row whose model cannot be built is skipped with the reason; a row
-whose engine fails records the error; neither stops the run. The must-hold pagedkit / genai ratios (PAIRS) are
+whose engine fails records the error; neither stops the run. The must-hold ratios (PAIRS: pagedkit against
+onnxruntime-genai, against llama.cpp, and the README's default path against pagedkit's best float row) are
 printed with pass / fail at the end.
 """
 
@@ -68,7 +77,8 @@ _OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFF
 @dataclass(frozen=True)
 class ModelSpec:
     key: str
-    kind: str  # "hf" (save_pretrained folder), "genai" (onnxruntime-genai builder), "export" (paged-export)
+    kind: str  # "hf" (save_pretrained folder), "genai" (onnxruntime-genai builder), "export" (paged-export),
+    # "gguf" (the fetched GGUF file itself)
     folder: str  # under the cache folder
     flags: tuple[str, ...] = ()
     note: str = ""
@@ -84,6 +94,7 @@ MODELS = {m.key: m for m in (
     ModelSpec("export-int4", "export", "pagedkit-int4", ("--weights", "int4"), "fp16 activations, int4 weights"),
     ModelSpec("export-fp32-int4", "export", "pagedkit-fp32-int4", ("--dtype", "fp32", "--weights", "int4"),
               "fp32 activations, int4 weights"),
+    ModelSpec("gguf-q4", "gguf", "", note="the GGUF paged-fetch unpacks (Q4_1), as it is: what llama.cpp runs"),
 )}
 
 
@@ -106,34 +117,41 @@ ROWS = {r.name: r for r in (
     Row("pagedkit-fp32-int4", "pagedkit", "export-fp32-int4", note="Generator on --dtype fp32 --weights int4"),
     Row("pagedkit-on-genai-fp32", "pagedkit", "genai-fp32", note="Generator on the builder's fp32 GQA model"),
     Row("pagedkit-on-genai-int4", "pagedkit", "genai-int4", note="Generator on the builder's int4 GQA model"),
+    Row("llamacpp-q4", "llamacpp", "gguf-q4", note="llama-cpp-python (llama.cpp) on the GGUF: eval + argmax"),
     Row("genai-fp32-batch", "genai", "genai-fp32", True, "GeneratorParams batch_size"),
     Row("genai-int4-batch", "genai", "genai-int4", True, "GeneratorParams batch_size"),
-    Row("pagedkit-fp16-batch", "pagedkit", "export-fp16", True, "KVCacheManager + run_torch, all sequences per step"),
-    Row("pagedkit-fp32-batch", "pagedkit", "export-fp32", True, "KVCacheManager + run_torch, all sequences per step"),
+    Row("pagedkit-fp16-batch", "pagedkit", "export-fp16", True, "KVCacheManager + run_torch, all sequences per step"
+        " (the LM head for each sequence's last token)"),
+    Row("pagedkit-fp32-batch", "pagedkit", "export-fp32", True, "KVCacheManager + run_torch, all sequences per step"
+        " (the LM head for each sequence's last token)"),
     Row("pagedkit-fp32-int4-batch", "pagedkit", "export-fp32-int4", True,
-        "KVCacheManager + run_torch, all sequences per step"),
+        "KVCacheManager + run_torch, all sequences per step (the LM head for each sequence's last token)"),
 )}
 
 
 @dataclass(frozen=True)
 class Pair:
-    """pagedkit row vs onnxruntime-genai row: decode ratio >= min_decode, TTFT ratio <= max_ttft (None: no check;
-    must_hold False: reported for information)."""
+    """pagedkit row vs a peer row (onnxruntime-genai, llama.cpp, or pagedkit's own best row): decode ratio >=
+    min_decode, TTFT ratio <= max_ttft, peak RSS ratio <= max_rss (None: no check; must_hold False: reported for
+    information). The peer's row name is `genai` (the first peer this benchmark had)."""
 
     pagedkit: str
     genai: str
     min_decode: float | None = None
     max_ttft: float | None = None
     must_hold: bool = True
+    max_rss: float | None = None
 
 
 PAIRS = (
-    Pair("pagedkit-fp32", "genai-fp32", min_decode=0.8, max_ttft=1.5),
-    Pair("pagedkit-fp32-int4", "genai-int4", min_decode=0.6),  # like for like: fp32 activations, int4 weights
-    Pair("pagedkit-int4", "genai-int4", min_decode=0.6),  # pagedkit's default int4 export (fp16 activations)
+    Pair("pagedkit-fp32", "genai-fp32", min_decode=1.0, max_ttft=1.0, max_rss=1.1),
+    Pair("pagedkit-fp32-int4", "genai-int4", min_decode=1.0, max_ttft=1.0, max_rss=1.1),  # fp32 activations both
+    Pair("pagedkit-int4", "genai-int4", must_hold=False),  # pagedkit's default int4 export (fp16 activations)
+    Pair("pagedkit-fp32-batch", "genai-fp32-batch", min_decode=1.0, max_ttft=1.0),
+    Pair("pagedkit-fp32-int4-batch", "genai-int4-batch", min_decode=1.0, max_ttft=1.0),
+    Pair("pagedkit-fp32-int4", "llamacpp-q4", min_decode=1.2),  # int4 of the same GGUF against llama.cpp's Q4_1
+    Pair("pagedkit-fp16", "pagedkit-fp32", min_decode=0.9),  # the README's default path vs the best float row
     Pair("pagedkit-on-genai-fp32", "genai-fp32", must_hold=False),  # the same model file: the runtimes alone
-    Pair("pagedkit-fp32-batch", "genai-fp32-batch", must_hold=False),
-    Pair("pagedkit-fp32-int4-batch", "genai-int4-batch", must_hold=False),
 )
 
 
@@ -272,6 +290,14 @@ def onnx_model_bytes(folder: Path) -> dict:
             "kv_dtype": onnx.helper.tensor_dtype_to_np_dtype(elem).name}
 
 
+def gguf_model_bytes(path: Path, num_layers: int = 30, kv_heads: int = 3, head_size: int = 64) -> dict:
+    """Bytes a llama.cpp decode step reads: the GGUF file's size (its tensors, a tied embedding read whole as the
+    output layer, plus a few MB of vocabulary: an upper bound) and a float16 K/V cache (llama.cpp's default)."""
+    size = Path(path).stat().st_size
+    return {"weights": {"matmul": size, "embedding_row": 0, "total": size, "note": "GGUF file size"},
+            "kv_bytes_per_token": kv_bytes_per_token(num_layers, kv_heads, head_size, 2), "kv_dtype": "float16"}
+
+
 # ---- assembling the results (pure) --------------------------------------------------------------------------------
 ROW_KEYS = ("name", "engine", "model", "batch", "status", "ttft_ms", "decode_tok_s", "peak_rss_mb", "floor_tok_s",
             "floor_fraction")
@@ -311,7 +337,7 @@ def merge_rounds(raws: list[dict]) -> dict:
     row["ttft_ms"] = statistics.median(x["ttft_ms"] for x in runs)
     dec = [x["decode_tok_s"] for x in runs if x.get("decode_tok_s") is not None]
     row["decode_tok_s"] = statistics.median(dec) if dec else None
-    for k in ("load_s", "rss_after_load_mb", "warmup_s"):
+    for k in ("load_s", "import_s", "rss_after_load_mb", "warmup_s", "host_ms_per_step", "host_fraction"):
         vals = [r[k] for r in ok if isinstance(r.get(k), (int, float))]
         row[k] = statistics.median(vals) if vals else None
     row["peak_rss_mb"] = max(r["peak_rss_mb"] for r in ok)
@@ -354,6 +380,10 @@ def pair_results(rows: dict[str, dict], pairs: Sequence[Pair] = PAIRS) -> list[d
         if p.max_ttft is not None:
             res["checks"][f"ttft <= {p.max_ttft:g}x"] = (res["ttft_ratio"] is not None
                                                           and res["ttft_ratio"] <= p.max_ttft)
+        res["rss_ratio"] = _ratio(a.get("peak_rss_mb"), b.get("peak_rss_mb"))
+        if p.max_rss is not None:
+            res["checks"][f"peak RSS <= {p.max_rss:g}x"] = (res["rss_ratio"] is not None
+                                                             and res["rss_ratio"] <= p.max_rss)
         res["pass"] = all(res["checks"].values()) if res["checks"] else None
         out.append(res)
     return out
@@ -441,6 +471,8 @@ def pair_lines(pairs: list[dict]) -> list[str]:
             continue
         parts = [f"decode {p['decode_ratio']:.2f}x" if p["decode_ratio"] is not None else "decode n/a",
                  f"ttft {p['ttft_ratio']:.2f}x" if p["ttft_ratio"] is not None else "ttft n/a"]
+        if p.get("rss_ratio") is not None:
+            parts.append(f"peak RSS {p['rss_ratio']:.2f}x")
         if p.get("round_ratios"):
             parts[0] += " (median of rounds " + " ".join(f"{r:.2f}" for r in p["round_ratios"]["decode"]) + ")"
         checks = ", ".join(f"{k} {'PASS' if v else 'FAIL'}" for k, v in p["checks"].items())
@@ -452,15 +484,17 @@ def table_lines(rows: list[dict]) -> list[str]:
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
 
-    out = [f"{'row':<26} {'batch':>5} {'ttft ms':>9} {'decode tok/s':>12} {'peak MB':>8} {'floor tok/s':>11} "
-           f"{'of floor':>8}"]
+    out = [f"{'row':<26} {'batch':>5} {'ttft ms':>9} {'decode tok/s':>12} {'peak MB':>8} {'load s':>6} "
+           f"{'host':>5} {'floor tok/s':>11} {'of floor':>8}"]
     for r in rows:
         if r["status"] != "ok":
             out.append(f"{r['name']:<26} {r['batch'] or '-':>5} {r['status'].upper()}: {str(r.get('reason'))[:110]}")
             continue
         frac = "-" if r["floor_fraction"] is None else f"{100 * r['floor_fraction']:.0f}%"
+        host = "-" if r.get("host_fraction") is None else f"{100 * r['host_fraction']:.0f}%"
         out.append(f"{r['name']:<26} {r['batch']:>5} {f(r['ttft_ms'], '9.1f')} {f(r['decode_tok_s'], '12.2f')} "
-                   f"{f(r['peak_rss_mb'], '8.0f')} {f(r['floor_tok_s'], '11.1f')} {frac:>8}")
+                   f"{f(r['peak_rss_mb'], '8.0f')} {f(r.get('load_s'), '6.2f')} {host:>5} "
+                   f"{f(r['floor_tok_s'], '11.1f')} {frac:>8}")
     return out
 
 
@@ -576,19 +610,62 @@ def _engine_pagedkit(folder: Path, prompts: list[list[int]], new_tokens: int, th
 
     max_len = len(prompts[0]) + new_tokens
     gen = Generator(folder, threads=threads, max_seq_len=max_len)
+    d = gen.session.delegated
     info = {"torch_threads": torch.get_num_threads(), "layout": "paged" if gen.config.paged else "gqa",
-            "attention_variants": sorted(set(gen.session.attention_variants.values()))}
+            "attention_variants": sorted(set(gen.session.attention_variants.values())),
+            "cpu_backend": gen.session.cpu_backend,
+            "delegated": {k: (len(v) if isinstance(v, (list, dict)) else v) for k, v in d.items()} if d else None}
+    ort_s = _time_onnxruntime(gen.session)  # the wall time of each onnxruntime run (None: not one segment)
     if len(prompts) == 1:
         def run(n: int) -> tuple[dict, list[list[int]]]:
+            if ort_s is not None:
+                ort_s.clear()
             timer = _Timer()
             toks = []
             for step in gen.run(prompts[0], n, stop_at_eos=False):
                 timer.token()
                 toks.append(step.token)
-            return timer.result(n, 1), [toks]
+            return _with_host(timer.result(n, 1), ort_s, n), [toks]
 
         return run, info
-    return _pagedkit_batch(gen, prompts, max_len), info
+    batch = _pagedkit_batch(gen, prompts, max_len)
+
+    def run_batch(n: int):
+        if ort_s is not None:
+            ort_s.clear()
+        res, toks = batch(n)
+        return _with_host(res, ort_s, n), toks
+
+    return run_batch, info
+
+
+def _time_onnxruntime(sess) -> list[float] | None:
+    """Wall time of each run of the session's onnxruntime segment, when the model is one (host time = a step's time
+    minus its run's)."""
+    one = sess.single_segment() if hasattr(sess, "single_segment") else None
+    if one is None:
+        return None
+    ort_sess, times = one[0].session, []
+    real = ort_sess.run_with_iobinding
+
+    def timed(binding, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return real(binding, *args, **kwargs)
+        finally:
+            times.append(time.perf_counter() - t)
+
+    ort_sess.run_with_iobinding = timed
+    return times
+
+
+def _with_host(res: dict, ort_s: list[float] | None, n: int) -> dict:
+    """res + the decode steps' host time: (their wall time - their onnxruntime runs') / steps (the first run is the
+    prefill's: one run, no windowed chunks in SmolLM2)."""
+    if ort_s is None or n < 2 or len(ort_s) != n or not res.get("decode_s"):
+        return res
+    host = (res["decode_s"] - sum(ort_s[1:])) / (n - 1)
+    return res | {"host_ms_per_step": 1000 * host, "host_fraction": host * (n - 1) / res["decode_s"]}
 
 
 def _pagedkit_batch(gen, prompts: list[list[int]], max_len: int):
@@ -614,20 +691,27 @@ def _pagedkit_batch(gen, prompts: list[list[int]], max_len: int):
     renames = {k: cfg.input(k) for k in N.STEP_INPUTS}
     inputs = {a.name for a in sess.get_inputs()}
     ids_name, logits_name = cfg.input(N.INPUT_IDS), gen.logits_name
+    # the LM head for each sequence's last token only, where the session offers it (the onnxruntime CPU path)
+    rows_name = next((a.name for a in getattr(sess, "get_overridable_initializers", list)()
+                      if a.name == "pagedkit.logit_rows"), None)
 
     def step(batch: list[tuple[int, list[int]]]) -> torch.Tensor:
         plan = mgr.plan(batch)
         feeds = {renames.get(k, k): v for k, v in plan.feeds(query_positions=True).items()}
         feeds = {k: v for k, v in feeds.items() if k in inputs} | mgr.cache_feeds()
         feeds[ids_name] = torch.tensor([t for _, ids in batch for t in ids], dtype=torch.int64, device=sess.device)
+        last = torch.tensor(plan.query_lens).cumsum(0) - 1
+        if rows_name is not None:
+            feeds[rows_name] = last
         try:
             logits = sess.run_torch(feeds, [logits_name])[logits_name]
         except BaseException:
             mgr.abort(plan)
             raise
         mgr.commit(plan)
+        if rows_name is not None:
+            return logits.reshape(len(batch), -1).float().argmax(-1)
         logits = logits.reshape(plan.num_tokens, -1)
-        last = torch.tensor(plan.query_lens).cumsum(0) - 1
         return logits[last].float().argmax(-1)
 
     def run(n: int) -> tuple[dict, list[list[int]]]:
@@ -651,7 +735,44 @@ def _pagedkit_batch(gen, prompts: list[list[int]], max_len: int):
     return run
 
 
-ENGINES = {"hf": _engine_hf, "genai": _engine_genai, "pagedkit": _engine_pagedkit}
+def _engine_llamacpp(gguf: Path, prompts: list[list[int]], new_tokens: int, threads: int):
+    """llama-cpp-python on the GGUF file: the prompt in one eval, then one eval per token, greedy (argmax of the
+    last position's logits); the same token ids as the other rows (the GGUF carries the same tokenizer). Built from
+    source without AMX where the kernel does not grant AMX tile state to every thread (this host: ldtilecfg faults
+    in ggml_backend_amx_mul_mat; CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON ... -DGGML_AMX_INT8=OFF")."""
+    import llama_cpp
+    import numpy as np
+    from llama_cpp import Llama
+
+    if len(prompts) != 1:
+        raise NotImplementedError("the llama.cpp row runs one sequence (llama-cpp-python's Llama has one)")
+    prompt = prompts[0]
+    llm = Llama(model_path=str(gguf), n_ctx=len(prompt) + new_tokens + 8, n_threads=threads,
+                n_threads_batch=threads, n_batch=512, verbose=False)
+    info = {"llama_cpp": {"n_threads": threads, "n_batch": 512, "gguf": gguf.name}}
+
+    vocab = llm.n_vocab()
+
+    def run(n: int) -> tuple[dict, list[list[int]]]:
+        llm.reset()
+        timer = _Timer()
+        llm.eval(prompt)
+        toks = []
+        for k in range(n):  # the last position's logits (llama.cpp's own buffer: Llama.scores is not filled then)
+            toks.append(int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
+                                                            shape=(vocab,)))))
+            timer.token()
+            if k + 1 < n:
+                llm.eval([toks[-1]])
+        return timer.result(n, 1), [toks]
+
+    return run, info
+
+
+ENGINES = {"hf": _engine_hf, "genai": _engine_genai, "pagedkit": _engine_pagedkit, "llamacpp": _engine_llamacpp}
+# what each engine imports before it loads a model (timed apart: import_s, then load_s)
+IMPORTS = {"hf": ("torch", "transformers"), "genai": ("numpy", "onnxruntime_genai"),
+           "pagedkit": ("torch", "pagedkit.runtime.generate"), "llamacpp": ("numpy", "llama_cpp")}
 
 
 def run_row(args) -> int:
@@ -662,10 +783,17 @@ def run_row(args) -> int:
     out = {"name": row.name, "engine": row.engine, "model": row.model, "batch": len(prompts),
            "threads": args.threads, "pid": os.getpid()}
     try:
+        import importlib
+
+        t = time.perf_counter()
+        sys.path.insert(0, str(REPO))
+        for mod in IMPORTS[row.engine]:
+            importlib.import_module(mod)
+        out["import_s"] = time.perf_counter() - t
         t = time.perf_counter()
         run, info = ENGINES[row.engine](Path(spec["folder"]), prompts, args.max_new_tokens, args.threads)
         out |= info
-        out["load_s"] = time.perf_counter() - t
+        out["load_s"] = time.perf_counter() - t  # the model's session(s), after the imports
         out["rss_after_load_mb"] = _current_rss_mb()
         t = time.perf_counter()
         run(max(1, min(args.warmup_tokens, args.max_new_tokens)))  # warm-up, not counted
@@ -675,6 +803,10 @@ def run_row(args) -> int:
             res, tokens = run(args.max_new_tokens)
             reps.append(res)
         out["reps"] = reps
+        hosts = [r["host_ms_per_step"] for r in reps if r.get("host_ms_per_step") is not None]
+        if hosts:  # pagedkit: the decode steps' time outside onnxruntime's run (planning, binding, sampling)
+            out["host_ms_per_step"] = statistics.median(hosts)
+            out["host_fraction"] = statistics.median(r["host_fraction"] for r in reps if r.get("host_fraction"))
         out["ttft_ms"] = statistics.median(r["ttft_ms"] for r in reps)
         dec = [r["decode_tok_s"] for r in reps if r["decode_tok_s"] is not None]
         out["decode_tok_s"] = statistics.median(dec) if dec else None
@@ -815,6 +947,13 @@ class Models:
         return folder
 
     def _get(self, spec: ModelSpec) -> Path:
+        if spec.kind == "gguf":  # the fetched file itself: nothing to build
+            gguf = Path(self.fetched().gguf)
+            if not gguf.is_file():
+                raise Unavailable(f"no GGUF at {gguf}")
+            self.built[spec.key] = {"folder": str(gguf), "note": spec.note,
+                                    "build": {"stamp": {"gguf": gguf.name}, "bytes": gguf.stat().st_size}}
+            return gguf
         folder = self.root / spec.folder
         stamp = self._stamp(spec)
         marker = folder / "bench_build.json"
@@ -937,12 +1076,12 @@ def _child(argv: list[str], threads: int, timeout: float, log: Path) -> tuple[in
     return rc, tail
 
 
-def measure_bandwidth(args, work: Path) -> dict:
+def measure_bandwidth(args, work: Path, threads: int) -> dict:
     result = work / "bandwidth.json"
     result.unlink(missing_ok=True)
-    rc, tail = _child(["--bandwidth", "--threads", str(args.threads), "--result", str(result),
+    rc, tail = _child(["--bandwidth", "--threads", str(threads), "--result", str(result),
                        "--bandwidth-mb", str(args.bandwidth_mb), "--bandwidth-reps", str(args.bandwidth_reps)],
-                      args.threads, 600, work / "bandwidth.log")
+                      threads, 600, work / "bandwidth.log")
     if rc or not result.is_file():
         return {"error": f"bandwidth child exited {rc}: {tail}"}
     return json.loads(result.read_text())
@@ -955,10 +1094,12 @@ def plot(doc: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = doc["rows"]
-    names = [f"{r['name']} (b{r['batch']})" if (r["batch"] or 1) > 1 else r["name"] for r in rows]
+    several = isinstance(doc.get("threads"), list)
+    names = [(f"{r['name']} (b{r['batch']})" if (r["batch"] or 1) > 1 else r["name"])
+             + (f" {r.get('threads')}T" if several else "") for r in rows]
     y = list(range(len(rows)))[::-1]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 0.45 * len(rows) + 2.2), sharey=True)
-    colors = {"hf": "tab:gray", "genai": "tab:blue", "pagedkit": "tab:orange"}
+    colors = {"hf": "tab:gray", "genai": "tab:blue", "pagedkit": "tab:orange", "llamacpp": "tab:purple"}
     for yi, r in zip(y, rows):
         c = colors.get(r["engine"], "tab:green")
         if r["status"] != "ok":
@@ -999,7 +1140,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3, help="measured runs per row (the median is reported)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the whole selection this many times, interleaved (pairs: median per-round ratio)")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, nargs="+", default=[2],
+                   help="thread counts: the whole selection runs at each (rows and pairs carry `threads`)")
+    p.add_argument("--note", help="a note recorded in the results (e.g. that the machine was shared)")
     p.add_argument("--batch", type=int, default=8, help="sequences of the *-batch rows")
     p.add_argument("--warmup-tokens", type=int, default=8, help="new tokens of the warm-up run (not counted)")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON path; the plot goes beside it (.png)")
@@ -1016,6 +1159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bandwidth", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--write-hf", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.row or args.bandwidth:  # the children take one thread count
+        args.threads = args.threads[0]
 
     if args.write_hf:
         write_hf(args.write_hf)
@@ -1033,7 +1178,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.rows or []:
         if name not in ROWS:
             p.error(f"unknown row {name!r}; rows: {', '.join(ROWS)}")
-    if args.max_new_tokens < 1 or args.reps < 1 or args.threads < 1 or args.batch < 1 or args.rounds < 1:
+    if args.max_new_tokens < 1 or args.reps < 1 or min(args.threads) < 1 or args.batch < 1 or args.rounds < 1:
         p.error("--max-new-tokens, --reps, --rounds, --threads and --batch must be >= 1")
     return run_all(args)
 
@@ -1042,6 +1187,7 @@ def run_all(args) -> int:
     from tqdm import tqdm
 
     selected = [ROWS[n] for n in (args.rows or list(ROWS))]
+    threads = list(dict.fromkeys(args.threads))
     root = args.cache or cache_dir()
     models = Models(root, rebuild=args.rebuild)
     work = root / "runs"
@@ -1049,12 +1195,14 @@ def run_all(args) -> int:
     started = time.time()
     doc = {"schema": SCHEMA_VERSION, "benchmark": "cpu_generate",
            "command": " ".join([Path(sys.executable).name, *[a if " " not in a else repr(a) for a in sys.argv]]),
-           "date": _now(), "machine": machine_info(), "threads": args.threads, "reps": args.reps,
-           "rounds": args.rounds,
+           "date": _now(), "machine": machine_info(), "threads": threads[0] if len(threads) == 1 else threads,
+           "reps": args.reps, "rounds": args.rounds,
            "warmup_tokens": args.warmup_tokens, "max_new_tokens": args.max_new_tokens,
            "prompt_tokens": PROMPT_TOKENS, "batch": args.batch, "versions": versions(),
            "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
-    print(f"models in {root}; rows: {', '.join(r.name for r in selected)}", flush=True)
+    if args.note:
+        doc["notes"] = args.note
+    print(f"models in {root}; rows: {', '.join(r.name for r in selected)}; threads {threads}", flush=True)
 
     tokenizer = models.fetched().tokenizer()
     text = PROMPT_TEXT.read_text(encoding="utf-8")
@@ -1062,32 +1210,36 @@ def run_all(args) -> int:
     doc["prompt_text"] = str(PROMPT_TEXT.relative_to(REPO))
     doc["prompt_ids"] = prompts[1][0]
 
-    bw = measure_bandwidth(args, work)
-    by_row: dict[str, list[dict]] = {r.name: [] for r in selected}
+    bw = {th: measure_bandwidth(args, work, th) for th in threads}
+    by_row: dict[tuple[str, int], list[dict]] = {(r.name, th): [] for r in selected for th in threads}
     model_bytes = {}
-    bar = tqdm([(k, r) for k in range(args.rounds) for r in selected], desc="rows", unit="row")
-    for rnd, row in bar:
-        bar.set_postfix_str(row.name if args.rounds == 1 else f"{row.name} (round {rnd + 1}/{args.rounds})")
-        raw_rows = by_row[row.name]
+    bar = tqdm([(k, th, r) for k in range(args.rounds) for th in threads for r in selected], desc="rows", unit="row")
+    for rnd, th, row in bar:
+        label = row.name if len(threads) == 1 else f"{row.name} {th}T"
+        bar.set_postfix_str(label if args.rounds == 1 else f"{label} (round {rnd + 1}/{args.rounds})")
+        raw_rows = by_row[(row.name, th)]
         batch = args.batch if row.batched else 1
-        base = {"name": row.name, "engine": row.engine, "model": row.model, "batch": batch, "note": row.note}
+        base = {"name": row.name, "engine": row.engine, "model": row.model, "batch": batch, "note": row.note,
+                "threads": th}
         try:
             folder = models.get(row.model)
         except Unavailable as exc:
             raw_rows.append(base | {"status": "skipped", "reason": str(exc)})
-            tqdm.write(f"{row.name}: skipped: {exc}")
+            tqdm.write(f"{label}: skipped: {exc}")
             continue
-        if row.model not in model_bytes and MODELS[row.model].kind != "hf":
+        if row.model not in model_bytes and MODELS[row.model].kind == "gguf":
+            model_bytes[row.model] = gguf_model_bytes(folder)
+        elif row.model not in model_bytes and MODELS[row.model].kind != "hf":
             model_bytes[row.model] = onnx_model_bytes(folder)
         spec = work / f"{row.name}.spec.json"
         spec.write_text(json.dumps({"folder": str(folder), "prompts": prompts[batch]}))
-        result = work / f"{row.name}.r{rnd}.result.json"
+        result = work / f"{row.name}.t{th}.r{rnd}.result.json"
         result.unlink(missing_ok=True)
         t = time.perf_counter()
         rc, tail = _child(["--row", row.name, "--spec", str(spec), "--result", str(result), "--threads",
-                           str(args.threads), "--reps", str(args.reps), "--max-new-tokens", str(args.max_new_tokens),
-                           "--warmup-tokens", str(args.warmup_tokens)], args.threads, args.row_timeout,
-                          work / f"{row.name}.r{rnd}.log")
+                           str(th), "--reps", str(args.reps), "--max-new-tokens", str(args.max_new_tokens),
+                           "--warmup-tokens", str(args.warmup_tokens)], th, args.row_timeout,
+                          work / f"{row.name}.t{th}.r{rnd}.log")
         if result.is_file():
             raw = base | json.loads(result.read_text())
         else:
@@ -1097,23 +1249,30 @@ def run_all(args) -> int:
         raw_rows.append(raw)
         msg = (f"ttft {raw['ttft_ms']:.0f} ms, decode {raw['decode_tok_s'] or 0:.2f} tok/s, "
                f"peak {raw['peak_rss_mb']:.0f} MB" if raw["status"] == "ok" else f"FAILED: {raw['reason'][:200]}")
-        tqdm.write(f"{row.name}: {msg}" if args.rounds == 1 else f"{row.name} (round {rnd + 1}): {msg}")
-    raw_rows = [merge_rounds(by_row[r.name]) for r in selected]
+        tqdm.write(f"{label}: {msg}" if args.rounds == 1 else f"{label} (round {rnd + 1}): {msg}")
 
-    bw_end = measure_bandwidth(args, work)
-    runs = bw.get("runs_gb_s", []) + bw_end.get("runs_gb_s", [])
-    doc["bandwidth"] = {"gb_s": max(runs) if runs else None,
-                        "median_gb_s": statistics.median(runs) if runs else None,
-                        "start": bw, "end": bw_end, "method": "torch.sum over a float32 array written first; "
-                        "gb_s = the best run (start and end of the run), used for the floor"}
+    bw_end = {th: measure_bandwidth(args, work, th) for th in threads}
     doc["models"] = {k: v | ({"bytes": model_bytes[k]} if k in model_bytes else {}) for k, v in models.built.items()}
     doc["floor_method"] = ("floor_tok_s = batch * bandwidth / (weight bytes + batch * kv_bytes_per_token * "
                            "mean_decode_context); weight bytes: every MatMul/Gemm/MatMulNBits initializer (stored "
                            "dtype, lm_head included) + one embedding row, from the ONNX files (HF: its parameters, "
-                           "float32); mean_decode_context = prompt + max_new_tokens / 2")
-    doc["rows"] = rows = build_rows(raw_rows, model_bytes, doc["bandwidth"]["gb_s"], PROMPT_TOKENS,
-                                    args.max_new_tokens)
-    doc["pairs"] = pair_results({r["name"]: r for r in rows})
+                           "float32; llama.cpp: the GGUF file's size); mean_decode_context = prompt + "
+                           "max_new_tokens / 2")
+    doc["rows"], doc["pairs"], doc["bandwidth_by_threads"] = [], [], {}
+    for th in threads:
+        runs = bw[th].get("runs_gb_s", []) + bw_end[th].get("runs_gb_s", [])
+        band = {"gb_s": max(runs) if runs else None, "median_gb_s": statistics.median(runs) if runs else None,
+                "start": bw[th], "end": bw_end[th], "method": "torch.sum over a float32 array written first; "
+                "gb_s = the best run (start and end of the run), used for the floor"}
+        doc["bandwidth_by_threads"][str(th)] = band
+        rows = build_rows([merge_rounds(by_row[(r.name, th)]) for r in selected], model_bytes, band["gb_s"],
+                          PROMPT_TOKENS, args.max_new_tokens)
+        pairs = pair_results({r["name"]: r for r in rows})
+        for x in rows + pairs:
+            x["threads"] = th
+        doc["rows"] += rows
+        doc["pairs"] += pairs
+    doc["bandwidth"] = doc["bandwidth_by_threads"][str(threads[0])]
     doc["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     doc["wall_s"] = time.time() - started
     problems = validate_results(doc)
@@ -1127,17 +1286,19 @@ def run_all(args) -> int:
         plot(doc, png)
     except Exception as exc:  # the JSON is the result; a plotting problem is reported, not fatal
         print(f"plot failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-    bwt = f"{doc['bandwidth']['gb_s']:.1f} GB/s" if doc["bandwidth"]["gb_s"] else "unmeasured"
-    print(f"\nread bandwidth {bwt} ({args.threads} threads); {len(rows)} rows in {doc['wall_s']:.0f} s")
-    print("\n".join(table_lines(rows)))
-    must = [p for p in doc["pairs"] if p["must_hold"]]
-    print("\nmust-hold pairs (pagedkit / genai):")
-    print("\n".join(pair_lines(must)))
-    info = [p for p in doc["pairs"] if not p["must_hold"]]
-    if info:
-        print("other ratios:")
-        print("\n".join(pair_lines(info)))
-    print(f"\nwrote {args.output} and {png}")
+    for th in threads:
+        band = doc["bandwidth_by_threads"][str(th)]["gb_s"]
+        rows = [r for r in doc["rows"] if r["threads"] == th]
+        pairs = [p for p in doc["pairs"] if p["threads"] == th]
+        print(f"\n{th} thread(s): read bandwidth {f'{band:.1f} GB/s' if band else 'unmeasured'}")
+        print("\n".join(table_lines(rows)))
+        print("must-hold pairs (pagedkit / peer):")
+        print("\n".join(pair_lines([p for p in pairs if p["must_hold"]])))
+        info = [p for p in pairs if not p["must_hold"]]
+        if info:
+            print("other ratios:")
+            print("\n".join(pair_lines(info)))
+    print(f"\n{len(doc['rows'])} rows in {doc['wall_s']:.0f} s; wrote {args.output} and {png}")
     return 1 if problems else 0
 
 

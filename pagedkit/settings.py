@@ -92,6 +92,13 @@ def _nbits_mode(text: str) -> str:
     return mode
 
 
+def _cpu_attention(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ("auto", "kernel", "decompose"):
+        raise ValueError("expected auto, kernel or decompose")
+    return value
+
+
 def parse_tile(value: str) -> tuple[int, int]:
     """"BNxNW" (keys per tile x warps) -> (block_n, num_warps)."""
     bn, sep, nw = value.partition("x")
@@ -157,6 +164,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "what runs a CPU session when `cpu_backend=` is not given (docs/runtime.md); `onnxruntime` falls back to "
        "`torch` where onnxruntime is not installed.", _lower_or_none,
        unset="`torch` for InferenceSession, `auto` for Generator and paged-run"),
+    _S("PAGEDKIT_CPU_ATTENTION", "user", "session", "`auto` / `kernel` / `decompose`", "auto",
+       "how the onnxruntime CPU backend runs PagedAttention (docs/runtime.md): `auto` and `kernel` as one custom op "
+       "per node (pagedkit/kernels/cpu, compiled once with the system's C compiler) where the node's features allow, "
+       "else as standard ops; `kernel` raises when the library cannot be built; `decompose` always standard ops.",
+       _cpu_attention),
     _S("PAGEDKIT_MATMULNBITS", "user", "session", "`auto` / `exact` / `int4` / `off`", "auto",
        "how MatMulNBits weights are laid out at session creation: `exact` never uses the bf16 int4 kernel, "
        "`int4` uses it whatever `accuracy_level` says, `off` dequantizes per call (docs/runtime-ops.md).",

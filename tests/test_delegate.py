@@ -1,6 +1,8 @@
 """The CPU session's onnxruntime backend (pagedkit/runtime/delegate.py; cpu_backend="onnxruntime"):
 PagedAttention rewritten into standard ops with in-place cache writes (decompose(in_place=True)) and the
-standard-op segments run by onnxruntime's CPU execution provider.
+standard-op segments run by onnxruntime's CPU execution provider. These tests run the decomposition
+(PAGEDKIT_CPU_ATTENTION=decompose); the case files also run through the CPU attention kernel
+(pagedkit/kernels/cpu, whose own tests are tests/test_cpu_attention.py).
 
 Oracles: Hugging Face eager (float32) through tests/export_utils.check_parity (prefill + teacher-forced
 decode, ragged batches, shuffled blocks, poisoned caches), and a partition checked by hand. Teeth: a 2%
@@ -31,16 +33,22 @@ def llama32(tmp_path_factory):
     return hf, out
 
 
-def test_auto_keeps_half_weights_on_torch(tmp_path, monkeypatch):
+def test_auto_keeps_bf16_weights_on_torch_and_widens_fp16(tmp_path, monkeypatch):
+    """auto: bfloat16 weights stay on torch (numpy has no bfloat16 for onnxruntime's boundaries); float16 ones run
+    in onnxruntime widened to float32 outside attention (tests/test_cpu_attention.py: the rule and its parity)."""
     monkeypatch.delenv("PAGEDKIT_CPU_BACKEND", raising=False)
-    hf = tiny_model("LlamaConfig", seed=4, vocab_size=20000)  # a 20000 x 64 fp16 embedding: 1.28 M elements
-    export_tiny(hf, tmp_path)
-    assert InferenceSession(str(tmp_path / "model.onnx"), cpu_backend="auto").cpu_backend == "torch"
+    hf = tiny_model("LlamaConfig", seed=4, vocab_size=20000)  # a 20000 x 64 embedding: 1.28 M elements
+    export_tiny(hf, tmp_path / "bf16", dtype="bf16")
+    assert InferenceSession(str(tmp_path / "bf16" / "model.onnx"), cpu_backend="auto").cpu_backend == "torch"
+    export_tiny(hf, tmp_path / "fp16")
+    sess = InferenceSession(str(tmp_path / "fp16" / "model.onnx"), cpu_backend="auto")
+    assert sess.cpu_backend == "onnxruntime" and sess.delegated["widened"] > 0, sess.delegated
 
 
 @pytest.fixture(autouse=True)
-def _keep_torch_threads():
+def _keep_torch_threads(monkeypatch):
     n = torch.get_num_threads()  # a delegating session sets torch to one thread (process-wide)
+    monkeypatch.setenv("PAGEDKIT_CPU_ATTENTION", "decompose")
     yield
     torch.set_num_threads(n)
 
@@ -126,10 +134,10 @@ def test_refused_rewrite_falls_back_to_pagedkit_kernels(llama32, monkeypatch):
     _backend(monkeypatch, "onnxruntime")
     real = D._ort_session
 
-    def picky(model, threads, spin=True, external_dir=None):
+    def picky(model, *args, **kwargs):
         if any(n.op_type == "ScatterND" for n in model.graph.node):
             raise RuntimeError("refused for the test")
-        return real(model, threads, spin, external_dir)
+        return real(model, *args, **kwargs)
 
     monkeypatch.setattr(D, "_ort_session", picky)
     sess = InferenceSession(str(out / "model.onnx"))
@@ -159,16 +167,27 @@ def _paged_cases():
     return [e["name"] for e in load_index() if e["op"] == "PagedAttention"]
 
 
+# the case files the CPU attention kernel serves (the others: quantized caches, LATENT, bias / output_qk,
+# rotations, and bfloat16 activations, which stay off onnxruntime: numpy has no bfloat16 boundary type)
+KERNEL_CASES = {"paged_llama_fp16_rotary", "paged_packed_qkv", "paged_partial_rotary", "paged_no_rotary_decode",
+                "paged_slot_mapping_explicit", "paged_slot_mapping_skips", "paged_unmapped_block",
+                "paged_zero_token_sequence", "paged_token_count_zero", "paged_sink_window_softcap", "paged_qk_norm",
+                "paged_bidirectional_window", "paged_query_positions_shifted", "paged_metadata_custom_scale"}
+
+
+@pytest.mark.parametrize("attention", ["decompose", "kernel"])
 @pytest.mark.parametrize("name", _paged_cases())
-def test_case_files_through_the_onnxruntime_backend(name, monkeypatch):
+def test_case_files_through_the_onnxruntime_backend(name, attention, monkeypatch):
     """Every PagedAttention case file as a one-node model in a session with cpu_backend="onnxruntime": the
-    in-place rewrite (or, where refused, pagedkit's kernels between onnxruntime segments) gives the case's
-    expected outputs and caches."""
+    in-place rewrite or the CPU attention kernel (where they serve the node; else pagedkit's kernels between
+    onnxruntime segments) gives the case's expected outputs and caches."""
     from cases import compare_case, load_cases
     from test_session_cases import single_node_model
 
+    monkeypatch.setenv("PAGEDKIT_CPU_ATTENTION", "auto" if attention == "kernel" else "decompose")
     (case,) = load_cases([name])
     sess = InferenceSession(single_node_model(case), cpu_backend="onnxruntime")
+    assert bool(sess.delegated["lowered"]) == (attention == "kernel" and name in KERNEL_CASES), sess.delegated
     feeds = {k: (v.clone() if isinstance(v, torch.Tensor) else torch.as_tensor(v)) for k, v in case.inputs.items()}
     got = sess.run_torch(feeds)
     compare_case(case, {k: v.clone() for k, v in got.items()})
@@ -256,9 +275,9 @@ def test_external_weights_stay_external(llama32, tmp_path, monkeypatch):
               all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
     seen, real = [], D._ort_session
 
-    def record(m, threads, spin=True, external_dir=None):
+    def record(m, threads, spin=True, external_dir=None, library=None):
         seen.append((sum(uses_external_data(t) for t in m.graph.initializer), m.ByteSize(), external_dir))
-        return real(m, threads, spin, external_dir)
+        return real(m, threads, spin, external_dir, library)
 
     monkeypatch.setattr(D, "_ort_session", record)
     sess = InferenceSession(str(tmp_path / "model.onnx"))

@@ -245,6 +245,8 @@ CASES = [  # (variable, value in the environment or None (unset), what the code 
     ("PAGEDKIT_VALIDATE_INPUTS", None, False),
     ("PAGEDKIT_CPU_BACKEND", " Torch ", "torch"), ("PAGEDKIT_CPU_BACKEND", "mlas", "mlas"),  # session refuses it
     ("PAGEDKIT_CPU_BACKEND", "  ", None), ("PAGEDKIT_CPU_BACKEND", None, None),
+    ("PAGEDKIT_CPU_ATTENTION", None, "auto"), ("PAGEDKIT_CPU_ATTENTION", " Kernel ", "kernel"),
+    ("PAGEDKIT_CPU_ATTENTION", "decompose", "decompose"),
     ("PAGEDKIT_MATMULNBITS", None, "auto"), ("PAGEDKIT_MATMULNBITS", " EXACT", "exact"),
     ("PAGEDKIT_MATMULNBITS", " ", "auto"),
     ("PAGEDKIT_DEQUANT_CACHE_MB", "0", 0.0), ("PAGEDKIT_DEQUANT_CACHE_MB", "1.5", 1.5),
@@ -290,6 +292,7 @@ def test_every_variable_has_parsing_cases():
     ("PAGEDKIT_DECODE_TILE", "64", "PAGEDKIT_DECODE_TILE='64': expected BNxNW, e.g. 64x4"),
     ("PAGEDKIT_DECODE_STAGES", "three", "PAGEDKIT_DECODE_STAGES='three': invalid literal"),
     ("PAGEDKIT_MATMULNBITS", "fast", "PAGEDKIT_MATMULNBITS='fast': expected auto, exact, int4 or off"),
+    ("PAGEDKIT_CPU_ATTENTION", "c", "PAGEDKIT_CPU_ATTENTION='c': expected auto, kernel or decompose"),
     ("PAGEDKIT_DEQUANT_CACHE_MB", "lots", "PAGEDKIT_DEQUANT_CACHE_MB='lots': could not convert"),
     ("PAGEDKIT_TP_TIMEOUT", "soon", "PAGEDKIT_TP_TIMEOUT='soon': could not convert"),
     ("PAGEDKIT_PDL_MAX_PROGRAMS", "x", "PAGEDKIT_PDL_MAX_PROGRAMS='x': invalid literal"),

@@ -5,6 +5,8 @@ node picks one (docs/kernels.md):
     gqa/          GroupQueryAttention on torch: `reference` (the oracle, onnxruntime's semantics) and its cache side
     triton/       the Triton GPU kernels and their variants (triton_paged, triton_mla, sdpa_prefill, triton_gqa)
     onnx_ops/     PagedAttention as standard ONNX ops (for a runtime without a kernel of its own)
+    cpu/          PagedAttention as one onnxruntime CPU custom op (C, built once with the system compiler), and
+                  the rewrite to it; onnx_facts.py: the static facts both rewrites read
     variant.py    a variant declares what it serves (`KernelVariant`: op, devices, dtypes, features, plans)
     dispatch.py   the variants in priority order; which serve a node (node_facts.py: its static facts) and which
                   runs a call

@@ -25,7 +25,6 @@ import itertools
 from dataclasses import dataclass, field
 
 import onnx
-import torch
 from onnx import TensorProto, helper
 from onnx.external_data_helper import uses_external_data
 
@@ -33,9 +32,10 @@ from .graph import static_facts
 from .ops.collectives import COLLECTIVE_OPS
 from .ops.control import SEGMENTS
 from .ops.registry import ORT_DOMAIN, normalize_domain
+from .segment import Segment
 
 SEGMENT_OP = "Segment"
-_KNOWN_DOMAINS = {"", "com.microsoft"}
+_KNOWN_DOMAINS = {"", "com.microsoft", "pagedkit.cpu"}  # pagedkit.cpu: kernels/cpu
 _NUMPY_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.INT8, TensorProto.UINT8,
                 TensorProto.INT16, TensorProto.INT32, TensorProto.INT64, TensorProto.BOOL}
 _ORT_TYPES = {f"tensor({n})": e for n, e in (("float", TensorProto.FLOAT), ("float16", TensorProto.FLOAT16),
@@ -54,55 +54,6 @@ def onnxruntime_available() -> bool:
     return True
 
 
-class Segment:
-    """One onnxruntime session over a run of standard nodes: torch tensors in, torch tensors out.
-    aliases: output -> input whose buffer it is written into (a cache's ScatterND, decompose(in_place=True)):
-    that output is bound to the input tensor's memory and returned as that very tensor."""
-
-    def __init__(self, key: str, inputs: list[str], outputs: list[str], nodes: int, session,
-                 aliases: dict[str, str] | None = None):
-        self.key, self.inputs, self.outputs, self.nodes, self.session = key, inputs, outputs, nodes, session
-        self.aliases = aliases or {}
-        self._pos = {n: i for i, n in enumerate(inputs)}
-        self._binding = None
-        self._bound: dict[str, tuple] = {}  # name -> ((data_ptr, shape, dtype), the bound array: kept alive)
-
-    def run(self, ins: list[torch.Tensor]) -> list[torch.Tensor]:
-        if not self.aliases:
-            feeds = {n: t.detach().contiguous().numpy() for n, t in zip(self.inputs, ins)}
-            return [torch.from_numpy(a) for a in self.session.run(self.outputs, feeds)]
-        import onnxruntime as ort
-
-        # one binding kept across runs: a tensor bound before (same memory, shape and dtype: the caches, every
-        # step) is not bound again; the bound array is held, so that memory cannot be reused under the binding
-        if self._binding is None:
-            self._binding = self.session.io_binding()
-        bind, bound = self._binding, self._bound
-        for n, t in zip(self.inputs, ins):
-            key = (t.data_ptr(), tuple(t.shape), t.dtype) if t.is_contiguous() else None
-            if key is None or bound.get(n, (None,))[0] != key:
-                a = t.detach().contiguous().numpy()
-                bind.bind_cpu_input(n, a)
-                bound[n] = (key, a)
-        for o in self.outputs:
-            src = self.aliases.get(o)
-            if src is None:  # bound anew every run: onnxruntime would otherwise reuse the last run's buffer
-                bind.bind_output(o, "cpu")
-                continue
-            t = ins[self._pos[src]]
-            if not t.is_contiguous():
-                raise ValueError(f"input '{src}': a cache updated in place must be contiguous")
-            key = ("out", t.data_ptr(), tuple(t.shape), t.dtype)
-            if bound.get(o, (None,))[0] != key:
-                a = t.detach().numpy()
-                bind.bind_ortvalue_output(o, ort.OrtValue.ortvalue_from_numpy(a))
-                bound[o] = (key, a)
-        self.session.run_with_iobinding(bind)
-        vals = bind._iobinding.get_outputs()  # the C values: no Python wrapper for each (aliased) cache
-        return [ins[self._pos[self.aliases[o]]] if o in self.aliases else torch.from_numpy(v.numpy())
-                for o, v in zip(self.outputs, vals)]
-
-
 @dataclass
 class DelegationReport:
     """What delegate() did: segments run by onnxruntime (name -> node count) and those kept (name -> why)."""
@@ -112,6 +63,9 @@ class DelegationReport:
     barriers: int = 0
     decomposed: list[str] = field(default_factory=list)  # PagedAttention nodes run as standard ops in onnxruntime
     fused: bool = False  # their attention runs as ONNX Attention nodes (onnxruntime's kernel), where allowed
+    lowered: list[str] = field(default_factory=list)  # PagedAttention nodes run as one pagedkit.cpu node each
+    cpu_kernel: str = ""  # the CPU attention library's path, or why it is not used
+    widened: int = 0  # float16 weights widened to float32 (kernels/cpu/widen.py)
 
 
 def _barrier(node: onnx.NodeProto) -> bool:
@@ -160,7 +114,8 @@ def _value_info(name: str, facts: dict) -> onnx.ValueInfoProto | None:
     return helper.make_tensor_value_info(name, elem, dims)
 
 
-def _ort_session(model: onnx.ModelProto, threads: int, spin: bool = True, external_dir: str | None = None):
+def _ort_session(model: onnx.ModelProto, threads: int, spin: bool = True, external_dir: str | None = None,
+                 library: str | None = None):
     """An onnxruntime CPU session with its own pool of `threads`. spin: let its workers spin between ops and
     runs (onnxruntime's default; only for a session holding the whole model: several sessions' spinning
     workers, or torch's threads between segments, fight for the cores). No global thread pool: it would
@@ -174,43 +129,109 @@ def _ort_session(model: onnx.ModelProto, threads: int, spin: bool = True, extern
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     if external_dir is not None:  # the model's external data, read (memory-mapped) by onnxruntime from there
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", external_dir)
+    if library is not None:  # the pagedkit.cpu attention op (kernels/cpu)
+        so.register_custom_ops_library(library)
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
 def delegate(model: onnx.ModelProto, base_dir: str | None, threads: int) -> tuple[onnx.ModelProto, list[Segment],
                                                                                DelegationReport]:
     """(the model with delegated segments replaced, the live segments, the report). `model` is not changed.
-    PagedAttention nodes are first rewritten into standard ops with in-place cache writes (decompose(
-    in_place=True)); if onnxruntime then refuses a segment holding such a rewrite (a dtype or op it lacks on
-    the CPU), the whole delegation is redone without the rewrite (the nodes stay pagedkit's kernels)."""
+    PagedAttention nodes the CPU attention library serves become one pagedkit.cpu node each (kernels/cpu: lower),
+    the others are rewritten into standard ops with in-place cache writes (decompose(in_place=True)); if
+    onnxruntime then refuses a segment holding such a node (a dtype or op it lacks on the CPU), the delegation
+    is redone without the library, then without the rewrite (the nodes stay pagedkit's kernels)."""
     if not onnxruntime_available():
         return model, [], DelegationReport(kept={"*": "onnxruntime is not installed"})
-    if any(n.op_type == "PagedAttention" and normalize_domain(n.domain) == "com.microsoft" for n in model.graph.node):
-        from ..kernels.onnx_ops import decompose  # PagedAttention as standard ops, caches written in place
+    if not any(n.op_type == "PagedAttention" and normalize_domain(n.domain) == "com.microsoft"
+               for n in model.graph.node):
+        return _delegate(model, base_dir, threads, [])
+    from ..kernels.cpu.logits import select_logit_rows
+    from ..kernels.cpu.lower import LowerReport, lower
+    from ..kernels.cpu.widen import why_not as widen_refusal, widen
 
-        first = None
+    widened = 0
+    if widen_refusal(model) is None:  # float16 weights: float32 outside attention (onnxruntime has no fp16 MatMul)
+        model, wrep = widen(model)
+        widened = wrep.widened_weights
+    else:
+        model = _copy(model)
+    select_logit_rows(model)  # the LM head for the rows a caller asks for (Generator: the last), else all
+    library, why_not = cpu_attention_library()
+    first = None
+    for lowering in ((True, False) if library else (False,)):
+        base, lrep = lower(model, threads) if lowering else (model, LowerReport())
+        if lowering and not lrep.lowered:
+            continue
         for fused in (True, False):  # attention as ONNX Attention nodes where allowed, else op by op
             try:
-                rewritten, drep = decompose(model, in_place=True, fused=fused)
+                rewritten, drep = _decompose(base, fused)
             except Exception as exc:  # a model onnx-ir cannot read: pagedkit's own loader reports it, clearly
                 why = f"the attention rewrite failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                 out, live, report = _delegate(model, base_dir, threads, [])
                 report.kept.setdefault("(attention rewrite)", why)
                 return out, live, report
-            if not drep.changed:
+            if not drep.changed and not lrep.lowered:
                 break
-            out, live, report = _delegate(rewritten, base_dir, threads, list(drep.changed))
+            out, live, report = _delegate(rewritten, base_dir, threads, list(drep.changed),
+                                          library if lowering else None, lrep.in_place)
             if not report.kept:
                 report.fused = fused and any(n.op_type == "Attention" and n.domain in ("", "ai.onnx")
                                              for n in rewritten.graph.node)
+                report.lowered = list(lrep.lowered)
+                report.widened = widened
+                report.cpu_kernel = library if lowering else why_not or "not used: onnxruntime refused its nodes"
                 return out, live, report
             _forget(live)
             first = first or next(iter(report.kept.items()))
-        if first is not None:
-            result = _delegate(model, base_dir, threads, [])
-            result[2].kept.setdefault("(attention rewrite)", f"not used: {first[0]}: {first[1]}")
-            return result
+            if not drep.changed:
+                break
+    if first is not None:
+        out, live, report = _delegate(model, base_dir, threads, [])
+        report.kept.setdefault("(attention rewrite)", f"not used: {first[0]}: {first[1]}")
+        return out, live, report
     return _delegate(model, base_dir, threads, [])
+
+
+@dataclass(frozen=True)
+class _Nothing:
+    changed: tuple = ()
+
+
+_NOTHING_DECOMPOSED = _Nothing()
+
+
+def _decompose(model: onnx.ModelProto, fused: bool):
+    """decompose(in_place=True) of the PagedAttention nodes left (none left: the model as it is, and onnx-ir
+    is not even imported)."""
+    if not any(n.op_type == "PagedAttention" and normalize_domain(n.domain) == "com.microsoft"
+               for n in model.graph.node):
+        return model, _NOTHING_DECOMPOSED
+    from ..kernels.onnx_ops import decompose  # PagedAttention as standard ops, caches written in place
+
+    return decompose(model, in_place=True, fused=fused)
+
+
+def cpu_attention_library() -> tuple[str | None, str]:
+    """(the CPU attention library, "") or (None, why not): PAGEDKIT_CPU_ATTENTION=decompose turns it off, `kernel`
+    makes its absence an error."""
+    from .. import settings
+    from ..kernels.cpu.build import library
+
+    path, why = library()
+    if path is None and settings.read("PAGEDKIT_CPU_ATTENTION") == "kernel":
+        raise KernelUnavailable(f"PAGEDKIT_CPU_ATTENTION=kernel: the CPU attention library is not available: {why}")
+    return path, why
+
+
+class KernelUnavailable(RuntimeError):
+    """PAGEDKIT_CPU_ATTENTION=kernel and the CPU attention library cannot be built (the session raises it)."""
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)  # weights in external data (the session's lazy load) are references, not bytes
+    return out
 
 
 def _forget(live: list[Segment]) -> None:
@@ -218,11 +239,17 @@ def _forget(live: list[Segment]) -> None:
         SEGMENTS.pop(seg.key, None)
 
 
-def _delegate(model: onnx.ModelProto, base_dir: str | None, threads: int, decomposed: list[str]):
+def _delegate(model: onnx.ModelProto, base_dir: str | None, threads: int, decomposed: list[str],
+              library: str | None = None, in_place: dict[str, str] | None = None):
     g = model.graph
     facts, _ = static_facts(model)
     inits = {t.name: t for t in g.initializer}
     graph_inputs = {vi.name for vi in g.input}
+    for vi in g.input:  # an overridable initializer (a graph input with a default) takes any shape it declares
+        if vi.name in inits and vi.type.tensor_type.HasField("shape"):
+            dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                         for d in vi.type.tensor_type.shape.dim)
+            facts[vi.name] = (vi.type.tensor_type.elem_type, dims)
     segs, bars = partition(g)
     # spinning workers only when one session holds the whole model (SmolLM2 fp32, 2 cores, same run: 30.5 tok/s
     # with, 28.0 without; with several sessions or torch in between they fight for the cores)
@@ -240,7 +267,7 @@ def _delegate(model: onnx.ModelProto, base_dir: str | None, threads: int, decomp
         name = f"segment_{lv}"
         if seg:
             node = _build(name, seg, g, facts, inits, graph_inputs, readers, graph_outputs, base_dir, threads,
-                          model, report, live, moved, spin)
+                          model, report, live, moved, spin, (library, in_place or {}))
             new_nodes.extend([node] if node is not None else [g.node[i] for i in seg])
         new_nodes.extend(g.node[i] for i in bar)
     out = _shell(model)
@@ -278,9 +305,9 @@ def _shell(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _build(name, seg, g, facts, inits, graph_inputs, readers, graph_outputs, base_dir, threads, model, report,
-           live, moved, spin) -> onnx.NodeProto | None:
+           live, moved, spin, lowered) -> onnx.NodeProto | None:
     """One segment's onnxruntime session and the node that stands for it; None (reason in the report) when
-    it stays with pagedkit."""
+    it stays with pagedkit. lowered: (the CPU attention library, cache output -> cache input of its nodes)."""
     mine = set(seg)
     produced = [o for i in seg for o in g.node[i].output if o]
     made = set(produced)
@@ -309,9 +336,18 @@ def _build(name, seg, g, facts, inits, graph_inputs, readers, graph_outputs, bas
     sub.functions.extend(model.functions)
     sg = sub.graph
     sg.name = name
-    sg.node.extend(g.node[i] for i in seg)
+    library, in_place = lowered
+    cpu_nodes = [i for i in seg if g.node[i].domain == "pagedkit.cpu"]
+    # the caches a pagedkit.cpu node writes in its input buffers: outputs of the Segment, not of onnxruntime
+    written = {o: in_place[o] for i in cpu_nodes for o in g.node[i].output[1:] if o in in_place and o in outs}
+    for i in seg:
+        node = g.node[i]
+        if i in cpu_nodes:  # onnxruntime sees its one output (the attention's)
+            node = helper.make_node(node.op_type, node.input, node.output[:1], name=node.name, domain=node.domain)
+            node.attribute.extend(g.node[i].attribute)
+        sg.node.append(node)
     sg.input.extend(vis[x] for x in ins)
-    sg.output.extend(vis[x] for x in outs)
+    sg.output.extend(vis[x] for x in outs if x not in written)
     size, external = 0, False
     for x in used_inits:
         t = TensorProto()
@@ -328,7 +364,7 @@ def _build(name, seg, g, facts, inits, graph_inputs, readers, graph_outputs, bas
             return None
         sg.initializer.append(t)
     try:
-        session = _ort_session(sub, threads, spin, base_dir if external else None)
+        session = _ort_session(sub, threads, spin, base_dir if external else None, library if cpu_nodes else None)
     except Exception as exc:  # onnxruntime refuses: an op, type or opset it lacks
         report.kept[name] = f"onnxruntime refused it: {str(exc).splitlines()[0][:200]}"
         return None
@@ -341,7 +377,7 @@ def _build(name, seg, g, facts, inits, graph_inputs, readers, graph_outputs, bas
     producer = {o: g.node[i] for i in seg for o in g.node[i].output if o}
     aliases = {o: producer[o].input[0] for o in outs
                if producer[o].op_type == "ScatterND" and producer[o].input[0] in ins}
-    seg_obj = Segment(key, ins, outs, len(seg), session, aliases)
+    seg_obj = Segment(key, ins, outs, len(seg), session, aliases, written)
     SEGMENTS[key] = seg_obj  # the op's implementation (ops/control.py) finds it there
     live.append(seg_obj)
     moved.update(used_inits)

@@ -18,6 +18,7 @@ checks, so a bad input is still a ValidationError naming the node and every issu
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
@@ -31,13 +32,12 @@ from ..kernels.variant import PLANS
 from ..validators.issues import ValidationError
 from . import plan as plan_mod
 from .graph import CompiledModel, Graph, Step, compile_model
-from .delegate import DelegationReport, delegate, onnxruntime_available
+from .cpu_backend import CPU_BACKENDS, _auto_backend, _cpu_backend  # noqa: F401 (re-exported)
+from .delegate import DelegationReport, KernelUnavailable, delegate
 from .loading import load_model
 from .tensors import TORCH_TO_ONNX, to_numpy, to_torch, torch_type_name, type_name
 
 _PROVIDERS = ("CPUExecutionProvider", "CUDAExecutionProvider")
-CPU_BACKENDS = ("onnxruntime", "torch", "auto")
-_HALF_WEIGHTS = 1 << 20  # auto: a float16 / bfloat16 initializer of this many elements keeps a model on torch
 
 
 def _node_error(step: Step, exc: Exception) -> Exception:
@@ -101,34 +101,6 @@ def _apply_threads(options: Any) -> None:
         torch.set_num_threads(n)
 
 
-def _cpu_backend(value: str | None, default: str = "torch") -> str:
-    """cpu_backend as given, else the environment variable PAGEDKIT_CPU_BACKEND, else `default` ("onnxruntime"
-    falls back to "torch" when onnxruntime is not installed)."""
-    if value is None:
-        value = settings.read("PAGEDKIT_CPU_BACKEND") or default
-        if value == "onnxruntime" and not onnxruntime_available():
-            return "torch"
-    if value not in CPU_BACKENDS:
-        raise ValueError(f"cpu_backend: expected one of {list(CPU_BACKENDS)}, got {value!r}")
-    return value
-
-
-def _auto_backend(model: onnx.ModelProto) -> str:
-    """"auto": onnxruntime for models whose weights are float32 or quantized; torch for float16 / bfloat16
-    weights (onnxruntime's CPU path holds them in several copies and dtypes: SmolLM2-135M fp16 peaked at
-    1.85 GB there against 0.73 GB on torch, which keeps them once)."""
-    if not onnxruntime_available():
-        return "torch"
-    half = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
-    for t in model.graph.initializer:
-        n = 1
-        for d in t.dims:
-            n *= int(d)
-        if t.data_type in half and n >= _HALF_WEIGHTS:
-            return "torch"
-    return "onnxruntime"
-
-
 def _select_device(providers) -> tuple[torch.device, list[str]]:
     names = [p[0] if isinstance(p, (tuple, list)) else p for p in (providers or ["CPUExecutionProvider"])]
     unknown = [p for p in names if p not in _PROVIDERS]
@@ -187,11 +159,14 @@ class InferenceSession:
             threads = getattr(sess_options, "intra_op_num_threads", 0) or os.cpu_count() or 1
             try:
                 model, self._segments, self._delegation = delegate(self._model, self._base_dir, threads)
+            except KernelUnavailable:
+                raise
             except Exception as exc:  # a malformed model: the torch compiler below names what is wrong
                 self._delegation = DelegationReport(kept={"*": f"not delegated: {type(exc).__name__}: {exc}"[:300]})
             else:
                 owned = owned or model is not self._model  # delegate's model is a proto of our own
                 self._model = model
+                gc.collect()  # the rewrites' intermediate protos (reference cycles): freed now, not at the peak
             if self._segments and torch.get_num_threads() != 1:
                 torch.set_num_threads(1)  # what runs on torch is small; the cores are onnxruntime's pool's
         if allow_reference_fallback is None:
@@ -206,6 +181,7 @@ class InferenceSession:
         init_names = {i.name for i in graph.initializer}
         self._inputs, self._input_types, self._ranks = [], {}, {}
         self._feeds_ok: dict[str, tuple] = {}  # input name -> (dtype, shape, device type) that passed _check_feed
+        self._feed_objs: dict[str, tuple] = {}  # input name -> (the tensor that passed last, its shape)
         for vi in graph.input:
             if vi.name not in init_names:
                 arg, elem = _node_arg(vi)
@@ -215,6 +191,7 @@ class InferenceSession:
         self._outputs = [_node_arg(vi)[0] for vi in graph.output]
         self._args = {a.name: a for a in self._inputs}
         self._input_names = set(self._args)
+        self._overridable: set[str] = set()  # below, once the graph is compiled
         self._output_names = [a.name for a in self._outputs]
         self._compiled: CompiledModel = compile_model(self._model, self.device, allow_reference_fallback,
                                                       capturable=capturable, base_dir=self._base_dir,
@@ -224,6 +201,16 @@ class InferenceSession:
         self._programs: dict[int, plan_mod.Program] = {}  # id(subgraph) -> its plan
         self._envs: list = []  # values of the graphs being run (subgraphs read their enclosing scopes)
         self._main = self._bind(self._compiled.graph)
+        # overridable initializers a delegated segment reads (a graph input with a default value, e.g.
+        # kernels/cpu/logits.py's row selection): run_torch may feed them; elsewhere folding fixed their value
+        segment_ins = {n for op in self._main.ops if op.step.op_type == "Segment" for n in op.step.inputs}
+        for vi in graph.input:
+            if vi.name in init_names and vi.name in segment_ins and vi.name not in self._args:
+                arg, elem = _node_arg(vi)
+                self._args[vi.name] = arg
+                self._input_types[vi.name] = elem
+                self._ranks[vi.name] = len(arg.shape) if vi.type.tensor_type.HasField("shape") else None
+                self._overridable.add(vi.name)
 
     # ---- what creation decided -------------------------------------------------------------------
     @property
@@ -253,13 +240,34 @@ class InferenceSession:
     @property
     def delegated(self) -> dict[str, Any]:
         """On the CPU with cpu_backend "onnxruntime": {"onnxruntime": {segment: node count}, "torch": {segment:
-        why it stayed}, "attention_nodes": n, "decomposed": [PagedAttention nodes run as standard ops],
-        "onnx_attention": whether their attention is ONNX Attention nodes}; {} otherwise."""
+        why it stayed}, "attention_nodes": n, "lowered": [PagedAttention nodes run as one pagedkit.cpu node each
+        (kernels/cpu)], "decomposed": [PagedAttention nodes run as standard ops], "onnx_attention": whether their
+        attention is ONNX Attention nodes, "cpu_kernel": the CPU attention library or why not}; {} otherwise."""
         r = self._delegation
         if r is None:
             return {}
         return {"onnxruntime": dict(r.delegated), "torch": dict(r.kept), "attention_nodes": r.barriers,
-                "decomposed": list(r.decomposed), "onnx_attention": r.fused}
+                "lowered": list(r.lowered), "decomposed": list(r.decomposed), "onnx_attention": r.fused,
+                "cpu_kernel": r.cpu_kernel, "widened": r.widened}
+
+    def single_segment(self):
+        """(the onnxruntime Segment, its input names, its output names, {input: value} of those that are the model's
+        constants, e.g. kernels/cpu/logits.py's row selection) when the whole model is one delegated segment (the
+        onnxruntime CPU backend's usual result), else None. Its `run(list of tensors in input order)` is run_torch
+        without the per-call feed checks, for callers whose feeds are correct by construction and whose first call
+        went through run_torch (runtime/generate.py)."""
+        from .ops.control import SEGMENTS
+        from .ops.registry import ORT_DOMAIN
+
+        prog = self._main
+        if len(prog.ops) != 1 or prog.ops[0].step.op_type != "Segment" or prog.ops[0].step.domain != ORT_DOMAIN:
+            return None
+        step = prog.ops[0].step
+        seg = SEGMENTS.get(step.attrs.get("key"))
+        constants = {n: prog.template[prog.slot[n]] for n in step.inputs if n not in self._input_names}
+        if seg is None or any(v is None for v in constants.values()):
+            return None
+        return seg, list(step.inputs), list(step.outputs), constants
 
     @property
     def fused(self) -> dict[str, int]:
@@ -279,6 +287,11 @@ class InferenceSession:
     # ---- ORT-compatible API ---------------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
         return list(self._inputs)
+
+    def get_overridable_initializers(self) -> list[NodeArg]:
+        """Graph inputs with a default value that run_torch / run may feed (onnxruntime's API): the ones a delegated
+        onnxruntime segment reads, e.g. `pagedkit.logit_rows` (kernels/cpu/logits.py)."""
+        return [self._args[n] for n in sorted(self._overridable)]
 
     def get_outputs(self) -> list[NodeArg]:
         return list(self._outputs)
@@ -347,7 +360,7 @@ class InferenceSession:
 
     # ---- feeds ------------------------------------------------------------------------------------
     def _check_name(self, name: str) -> None:
-        if name not in self._input_names:
+        if name not in self._input_names and name not in self._overridable:
             raise ValueError(f"invalid input name '{name}'; the model's inputs are {sorted(self._input_names)}")
 
     def _requested(self, output_names) -> list[str]:
@@ -358,8 +371,12 @@ class InferenceSession:
         return names
 
     def _check_feed(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        last = self._feed_objs.get(name)
+        if last is not None and last[0] is t and last[1] == t.shape:  # this very tensor passed last run (caches)
+            return t
         seen = (t.dtype, t.shape, t.device.type)
-        if self._feeds_ok.get(name) == seen:  # passed before with this dtype, shape and device (the caches)
+        if self._feeds_ok.get(name) == seen:  # passed before with this dtype, shape and device
+            self._feed_objs[name] = (t, t.shape)
             return t
         arg = self._args[name]
         want = self._input_types[name]
@@ -382,6 +399,7 @@ class InferenceSession:
             t = t.to(dev)
         else:
             self._feeds_ok[name] = seen
+            self._feed_objs[name] = (t, t.shape)
         return t
 
     # ---- execution ------------------------------------------------------------------------------

@@ -167,6 +167,10 @@ class PlanBuffers:
         self.ring = (PinnedRing.of(total, torch.int32, True, staging_depth, fill=-1) if self.on_cuda
                      else PinnedRing([self.dev], False))
         self.metadata = torch.zeros(3, dtype=torch.int32)  # CPU-resident by contract
+        self._metadata_np = self.metadata.numpy()  # written through numpy: no torch op per step
+        self._slices: dict[tuple, torch.Tensor] = {}  # (segment, rows) -> the device view (made once: same memory)
+        self._table_names = {g.name: g.block_table_name for g in config.groups}
+        self._slot_names = {g.name: g.slot_name for g in config.groups}
         # the views never change: made once (numpy views of each staging buffer, device views by segment)
         self._host_views = [{key: self._view(flat, key).numpy() for key in shapes} for flat in self.ring.bufs]
         self._dev_views = {key: self._view(self.dev, key) for key in shapes}
@@ -191,7 +195,10 @@ class PlanBuffers:
                 continue
             shape = self.shapes[key]
             spans.append((self.offsets[key], rows * (math.prod(shape[1:]) if len(shape) > 1 else 1)))
-            out[key] = self._dev_views[key][:rows]
+            view = self._slices.get((key, rows))
+            if view is None:
+                view = self._slices[(key, rows)] = self._dev_views[key][:rows]
+            out[key] = view
         if self.on_cuda:
             src = self.ring.bufs[self.ring.current]
             for off, n in copy_ranges(spans):
@@ -211,10 +218,16 @@ class PlanBuffers:
         B, T = len(seq_ids), sum(query_lens)
         lens = list(query_lens) + [1] * n_pad
         host["cu"][0] = 0
-        host["cu"][1 : B + n_pad + 1] = np.cumsum(lens)
+        if B + n_pad == 1:
+            host["cu"][1] = lens[0]
+        else:
+            host["cu"][1 : B + n_pad + 1] = np.cumsum(lens)
         host["past"][:B] = past_lens
         host["past"][B : B + n_pad] = 0
-        host["qpos"][:T] = np.concatenate([np.arange(p, p + q) for p, q in zip(past_lens, query_lens)])
+        if B == 1:
+            host["qpos"][:T] = np.arange(past_lens[0], past_lens[0] + T)
+        else:
+            host["qpos"][:T] = np.concatenate([np.arange(p, p + q) for p, q in zip(past_lens, query_lens)])
         host["qpos"][T : T + n_pad] = 0
         for g in cfg.groups:
             table = host[("table", g.name)]
@@ -227,7 +240,7 @@ class PlanBuffers:
                 host[("slots", g.name)][T : T + n_pad] = pad_blocks[g.name] * g.block_size
         B, T = B + n_pad, T + n_pad  # the device rows
         meta = step_metadata(query_lens, [p + q for p, q in zip(past_lens, query_lens)], bounds)
-        self.metadata.copy_(torch.tensor(meta, dtype=torch.int32))
+        self._metadata_np[:] = meta
         used = {("table", g.name): B for g in cfg.groups} | {("slots", g.name): T for g in cfg.groups}
         dev = self.finish(used | {"cu": B + 1, "past": B, "qpos": T})
         return StepPlan(
@@ -243,7 +256,7 @@ class PlanBuffers:
             query_positions=dev["qpos"],
             attention_metadata=self.metadata,
             host_slots={g.name: list(slots[g.name]) for g in cfg.groups},
-            table_names={g.name: g.block_table_name for g in cfg.groups},
-            slot_names={g.name: g.slot_name for g in cfg.groups},
+            table_names=self._table_names,
+            slot_names=self._slot_names,
             pad_rows=n_pad,
         )
