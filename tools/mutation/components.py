@@ -59,10 +59,11 @@ COMPONENTS: dict[str, Component] = {
         timeout=90, budget=2400,
         notes="the parity checker (paged-run --parity): pagedkit's logits against Hugging Face eager"),
     "delegate": Component(
-        sources=("pagedkit/runtime/delegate.py",),
-        tests=("tests/test_delegate.py",),
+        sources=("pagedkit/runtime/delegate.py", "pagedkit/runtime/segment.py"),
+        tests=("tests/test_delegate.py", "tests/test_cpu_attention.py"),
         timeout=120, budget=3600,
-        notes="the onnxruntime CPU delegate (plan option: segments run by onnxruntime's CPU provider)"),
+        notes="the onnxruntime CPU delegate (plan option: segments run by onnxruntime's CPU provider) and its "
+              "Segment (one onnxruntime session, caches in place, the pagedkit.cpu attention node)"),
     "rewriters": Component(
         sources=("pagedkit/rewriters/*.py", "pagedkit/rewriters/node_rules/*.py"),
         tests=("tests/test_rewrite_nodes.py", "tests/test_decompose.py", "tests/test_paged_vs_gqa.py",
