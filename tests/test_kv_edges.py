@@ -64,6 +64,18 @@ def test_padded_plan_rows_are_one_token_no_past_on_the_pad_block():
     assert p.cumulative_sequence_length.tolist() == [0, 1, 2, 3, 4] and p.past_seqlens.tolist() == [6, 4, 0, 0]
     assert p.block_tables["full"].shape == (4, 4) and p.pad_rows == 2
     m.commit(p)
+    m.commit(m.plan([("c", 1), ("b", 1), ("a", 1)]))  # row 2 holds a's two-block row, cu / past non-zero
+    rb, ra = m.block_table_row("b", "full"), m.block_table_row("a", "full")
+    p = m.plan([("a", 2), ("b", 3)], pad_to=3)  # two sequences, one pad row where a's row was
+    assert p.cumulative_sequence_length.tolist() == [0, 2, 5, 6] and p.past_seqlens.tolist() == [24, 8, 0]
+    assert p.block_tables["full"].tolist() == [ra + [-1] * (4 - len(ra)), rb + [-1] * (4 - len(rb)),
+                                               [nb, -1, -1, -1]]
+    assert p.slot_mappings["full"].tolist()[5:] == [nb * bs] and p.query_positions.tolist()[5:] == [0]
+    m.commit(p)
+    p = m.plan([("a", 1), ("b", 1)], pad_to=2)  # a full bucket: no pad rows
+    assert p.pad_rows == 0 and p.cumulative_sequence_length.tolist() == [0, 1, 2]
+    assert p.block_tables["full"].shape == (2, 4) and nb not in p.block_tables["full"].tolist()[1]
+    m.commit(p)
     assert m.check_invariants() == []
 
 
@@ -114,6 +126,20 @@ def test_set_tokens_replaces_placeholder_ids_and_the_prefix_cache_sees_them():
     m2.set_tokens("a", 0, [1, 2, 3, 4, 5])
 
 
+def test_a_step_may_be_all_drafts_but_not_fewer_tokens_than_declared():
+    m = manager()
+    m.add_sequence("a", 4)
+    m.commit(m.plan([("a", 4)]))
+    m.speculate("a", 3)
+    with pytest.raises(ValueError, match=r"plan: sequence 'a' declared 3 drafts but the step has 2 tokens"):
+        m.plan([("a", 2)])
+    p = m.plan([("a", 3)])
+    assert p.draft_lens == (3,)
+    m.commit(p)
+    m.accept("a", 1)
+    assert m.length("a") == 5 and m.check_invariants() == []
+
+
 # ---- invariant checks --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("group", ["full", "win"])
@@ -130,11 +156,11 @@ def test_check_invariants_catches_a_refcount_corruption_in_every_group(group):
 
 def test_check_invariants_catches_a_table_entry_outside_the_ring():
     m = manager(window=32, bs=16)
-    m.add_sequence("a", 20)
-    m.commit(m.plan([("a", 20)]))
-    st = m.seqs["a"].groups["win"]
-    outside = next(b for b in range(16) if b not in st.ring)
-    st.table[0] = outside
+    for s in ("x", "a"):
+        m.add_sequence(s, 20)
+    m.commit(m.plan([("x", 20), ("a", 20)]))
+    assert m.block_table_row("x", "win") == [0, 1] and m.check_invariants() == []
+    m.seqs["a"].groups["win"].table[0] = 0  # x's block 0: outside a's ring
     assert m.check_invariants() == ["group 'win': sequence 'a' maps a block outside its ring"]
 
 
@@ -211,6 +237,34 @@ def test_more_config_errors_name_the_problem(make, needle):
     assert any(re.search(needle, e) for e in errs), errs
     with pytest.raises(ValueError, match=needle):
         KVCacheManager(cfg)
+
+
+def test_smallest_valid_configuration_values_pass_the_checks():
+    assert LayerCacheSpec(0, 1, 1).check() == []
+    assert GroupConfig("g", 1, 16, (layer(0),)).check() == []  # one block
+    assert GroupConfig("w", 2, 16, (layer(0),), window=1).check() == []  # window 1: a ring of exactly 2 blocks
+    assert GroupConfig("w", 4, 16, (layer(0),), window=32, chunk_tokens=16).check() == []  # ring of exactly 4
+    assert KVCacheConfig((GroupConfig("g", 1, 16, (layer(0),)),), max_batch_size=1, max_num_tokens=1,
+                         max_seq_len=1).check() == []
+    assert LayerCacheSpec(0, 2, 8, key_scale_dtype="float16", value_scale_dtype="float16").check() == []
+
+
+def test_windowed_group_with_fewer_blocks_than_its_ring_is_refused():
+    assert GroupConfig("w", 3, 16, (layer(0),), window=32, chunk_tokens=16).check() == [
+        "group 'w': num_blocks 3 cannot hold one sequence's ring of 4 blocks (window 32, chunk_tokens 16)"]
+    assert GroupConfig("w", 1, 16, (layer(0),), window=1).check() == [
+        "group 'w': num_blocks 1 cannot hold one sequence's ring of 2 blocks (window 1, chunk_tokens 1)"]
+    assert GroupConfig("w", 0, 16, (layer(0),), window=1).check() == [
+        "group 'w': num_blocks should be >= 1, got 0"]  # said once
+
+
+def test_scale_dtypes_must_be_spelled_as_the_docs_say():
+    """ONNX spellings of an allowed type ('float', 'tensor(float16)') are refused: the cache tensors are built from
+    the numpy / torch names float16 / float32."""
+    for sd in ("float", "tensor(float16)", "half"):
+        errs = LayerCacheSpec(0, 2, 8, key_scale_dtype=sd, value_scale_dtype=sd).check()
+        assert errs[:2] == [f"layer 0: {side} should be one of ['float16', 'float32'] (T_SCALE_CACHE), got {sd!r}"
+                            for side in ("key_scale_dtype", "value_scale_dtype")], (sd, errs)
 
 
 def test_value_scale_dtype_is_checked_when_the_key_has_no_scale():
