@@ -56,3 +56,25 @@ def test_windowed_preemption(tiny_gemma2, gemma_oracle):
         assert o.finish_reason == "length"
         assert_same_greedy(o.token_ids, gemma_oracle, p, 20, "windowed, preempted", ignore_eos=True)
     assert_pool_free(engine)
+
+
+def test_windowed_rings_come_off_the_memory_before_the_full_pool(tiny_gemma2, monkeypatch):
+    """The default full-attention pool is CPU_MEMORY_FRACTION of the available RAM left once the windowed rings
+    (max_batch_size x ring_blocks blocks) are counted: hand arithmetic on the model's geometry."""
+    import json
+    import math
+
+    from pagedkit.engine import model as model_module
+    from pagedkit.engine.model import CPU_MEMORY_FRACTION
+
+    dec = json.loads((tiny_gemma2 / "genai_config.json").read_text())["model"]["decoder"]
+    per_layer_block = 2 * 16 * dec["num_key_value_heads"] * dec["head_size"] * 2  # fp16 K and V of 16 tokens
+    ring_blocks = math.ceil((16 + 16 - 1) / 16) + 1  # window 16, chunks of one block: ceil((W + chunk - 1) / bs) + 1
+    ring_bytes = 3 * ring_blocks * per_layer_block  # 3 sequences' rings of the one windowed layer
+    ram = ring_bytes + int(20.5 * per_layer_block / CPU_MEMORY_FRACTION)  # 20.5 full blocks' worth after the rings
+    monkeypatch.setattr(model_module, "available_ram", lambda: ram)
+    engine = Engine(tiny_gemma2, max_batch_size=3, max_num_tokens=24)
+    windowed, full = engine.model.groups["windowed"], engine.model.groups["full"]
+    assert engine.model.block_size == 16 and windowed.ring_blocks == ring_blocks
+    assert windowed.num_blocks == 3 * ring_blocks and len(full.layers) == len(windowed.layers) == 1
+    assert full.num_blocks == 20, engine.model.pool_summary()
