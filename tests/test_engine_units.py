@@ -302,3 +302,20 @@ def test_decode_graphs_key_and_bounds():
     plain = graphs.plan([("short", [8, 9])])  # two tokens: not a graph step, exact metadata
     assert not graphs.serves(plain) and plain.attention_metadata.tolist() == [2, 7, 7]
     mgr.abort(plain)
+
+
+def test_admission_stops_at_max_batch_size(tiny_llama):
+    engine = Engine(tiny_llama, max_batch_size=2, max_num_tokens=64)
+    for i in range(3):
+        engine.add_request([3 + i, 4, 5], SamplingParams(max_new_tokens=2), request_id=f"r{i}")
+    engine._drain()
+    entries = engine._schedule([])
+    assert [e.req.request_id for e in entries] == ["r0", "r1"] and [r.request_id for r in engine.waiting] == ["r2"]
+    assert [r.admitted for r in engine.running] == [1, 2]
+    # a group's parent waits until the batch has room for its siblings too
+    engine = Engine(tiny_llama, max_batch_size=3, max_num_tokens=64)
+    engine.add_request([3, 4, 5], SamplingParams(max_new_tokens=2), request_id="alone")
+    engine.add_group([6, 7, 8], [SamplingParams(max_new_tokens=2)] * 3)
+    engine._drain()
+    entries = engine._schedule([])
+    assert [e.req.request_id for e in entries] == ["alone"] and len(engine.waiting) == 1

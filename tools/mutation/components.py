@@ -37,7 +37,8 @@ COMPONENTS: dict[str, Component] = {
                "tests/test_engine_genai.py", "tests/test_engine_windowed.py", "tests/test_engine_stress.py",
                "tests/test_engine_graphs.py", "tests/test_engine_pool.py", "tests/test_sampling*.py",
                "tests/test_engine_*oracle*.py", "tests/test_stop*.py", "tests/test_engine_logits.py",
-               "tests/test_engine_group.py", "tests/test_engine_constraint.py"),
+               "tests/test_engine_group.py", "tests/test_engine_constraint.py",
+               "tests/test_engine_units.py"),
         timeout=120, budget=3600,
         notes="the continuous-batching Engine, sampling, speculative decoding, the genai-style wrapper"),
     "serve": Component(
