@@ -61,7 +61,7 @@ COMPONENTS: dict[str, Component] = {
         notes="the parity checker (paged-run --parity): pagedkit's logits against Hugging Face eager"),
     "delegate": Component(
         sources=("pagedkit/runtime/delegate.py", "pagedkit/runtime/segment.py"),
-        tests=("tests/test_delegate.py", "tests/test_cpu_attention.py"),
+        tests=("tests/test_delegate_units.py", "tests/test_delegate.py", "tests/test_cpu_attention.py"),
         timeout=120, budget=3600,
         notes="the onnxruntime CPU delegate (plan option: segments run by onnxruntime's CPU provider) and its "
               "Segment (one onnxruntime session, caches in place, the pagedkit.cpu attention node)"),
