@@ -308,6 +308,24 @@ def test_row_guess_misses_take_the_search(q_lens, past):
     compare(x, a)
 
 
+@pytest.mark.parametrize("form", ["every_other_column", "transposed"])
+def test_strided_cos_sin_caches(form):
+    """cos / sin caches whose columns are not adjacent (a [:, ::2] slice, a transposed view): the launcher passes
+    only the row stride, so it must copy such views; the result equals the reference's on the contiguous caches."""
+    x, a = case(head_size=16, rotary_dim=12, rotary_offset=2, seed=15)
+    got = {}
+    for k in ("cos_cache", "sin_cache"):
+        c = x[k]
+        if form == "every_other_column":
+            wide = torch.full((c.shape[0], 2 * c.shape[1]), 7.0, dtype=c.dtype)
+            wide[:, ::2] = c
+            got[k] = wide[:, ::2]
+        else:
+            got[k] = c.t().contiguous().t()
+        assert got[k].stride(1) != 1 and torch.equal(got[k], c)
+    compare(x, a, got=run_kernel(poison(x), a, **got))
+
+
 def test_token_count_zero_and_decode_of_one():
     x, a = case(past=(4, 0, 2), q_lens=(0, 0, 0), seed=13)
     q, caches = run_kernel(poison(x), a)
