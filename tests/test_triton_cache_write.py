@@ -308,6 +308,33 @@ def test_row_guess_misses_take_the_search(q_lens, past):
     compare(x, a)
 
 
+def test_norm_weights_read_within_head_size():
+    """QK-norm weights that end where NaN begins (views into a longer buffer), head_size 11 in a 16-channel tile:
+    a weight load past head_size puts NaN into the pad channels, hence into the int4 pad nibble (zero code 8)."""
+    x, a = case(head_size=11, rotary_dim=8, qk_norm=True, cache="int4", quant="PER_TOKEN", seed=16)
+    views = {}
+    for k in ("q_norm_weight", "k_norm_weight"):
+        buf = torch.full((16 + 11,), float("nan"), dtype=x[k].dtype)
+        buf[:11] = x[k]
+        views[k] = buf[:11]
+    compare(x, a, got=run_kernel(poison(x), a, **views))
+
+
+def test_rotation_reads_within_head_size():
+    """qk_rotation at head_size 8 (a 16-channel tile) with key / value ending where NaN begins: a rotation chunk
+    load past head_size (the last head's pad channels) would carry NaN into the product (NaN * 0 is NaN)."""
+    x, a = case(head_size=8, rotation=True, seed=17)
+    a["v_rotation"] = 1
+    views = {}
+    for k in ("query", "key", "value"):
+        buf = torch.full((x[k].numel() + 16,), float("nan"), dtype=x[k].dtype)
+        buf[:x[k].numel()] = x[k].reshape(-1)
+        views[k] = buf[:x[k].numel()].view(x[k].shape)
+    x = poison(x)
+    q = cache_write.write_kv(views["query"], views["key"], views["value"], **kernel_kwargs(x, a))
+    compare(x, a, got=(q, {k: x[k] for k in CACHES if k in x}))
+
+
 @pytest.mark.parametrize("form", ["every_other_column", "transposed"])
 def test_strided_cos_sin_caches(form):
     """cos / sin caches whose columns are not adjacent (a [:, ::2] slice, a transposed view): the launcher passes
