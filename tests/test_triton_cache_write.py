@@ -131,6 +131,8 @@ def compare(x: dict, a: dict, got=None, exact: bool | None = None) -> None:
         else:
             steps = int((_steps(h, head_size) - _steps(r, head_size)).abs().max()) if r.numel() else 0
             assert steps <= steps_tol, f"{name}: codes differ by {steps} steps"
+            if exact and want.dtype == torch.uint8:  # int4: the pad nibble of an odd head_size too (zero code 8)
+                assert torch.equal(h, r), f"{name}: packed int4 bytes differ (the pad nibble of an odd head_size?)"
 
 
 def case(**kw):
@@ -177,10 +179,27 @@ RANDOM = {
 }
 
 
+# head sizes below their power-of-two tile (BLOCK_D 16): the masked pad channels must stay out of the QK-norm's
+# sum of squares, the PER_TOKEN amax (inputs < 1: a pad of 1.0 would be the max) and the int4 pad nibble
+PAD_EDGES = {
+    "qk_norm_odd_head_fp16": {"qk_norm": True, "head_size": 12, "rotary_dim": 8},
+    "qk_norm_odd_head_int8_per_token_small": {"qk_norm": True, "head_size": 12, "rotary_dim": 8, "cache": "int8",
+                                              "quant": "PER_TOKEN", "input_scale": 0.125},
+    "fp8_per_token_odd_head_small": {"cache": "fp8", "quant": "PER_TOKEN", "head_size": 10, "rotary": False,
+                                     "input_scale": 0.125},
+    "int4_per_tensor_odd_head_no_rope": {"cache": "int4", "quant": "PER_TENSOR", "head_size": 7, "rotary": False},
+}
+
+
 def random_case(name: str, seed: int = 0):
-    kw = dict(RANDOM[name])
+    kw = dict(RANDOM[name] if name in RANDOM else PAD_EDGES[name])
     extra, shift, f32 = kw.pop("attrs", {}), kw.pop("shift_positions", False), kw.pop("cache_float32", False)
+    small = kw.pop("input_scale", None)
     x, a = case(seed=seed, **kw)
+    if small is not None:  # a power of two: exact in every float dtype
+        for k in ("query", "key", "value"):
+            if k in x:
+                x[k] = x[k] * small
     a.update(extra)
     if shift:  # positions other than the derived ones (cos rows suffice: max derived + 7)
         x["query_positions"] = torch.randint(0, x["cos_cache"].shape[0], x["query_positions"].shape,
@@ -193,6 +212,12 @@ def random_case(name: str, seed: int = 0):
 @pytest.mark.parametrize("name", sorted(RANDOM))
 def test_matches_reference(name):
     compare(*random_case(name, seed=sorted(RANDOM).index(name)))
+
+
+@pytest.mark.parametrize("name", sorted(PAD_EDGES))
+def test_pad_channels_stay_out(name):
+    """head_size not a power of two: the tile's pad channels (masked loads) reach no norm, scale or byte."""
+    compare(*random_case(name, seed=100 + sorted(PAD_EDGES).index(name)))
 
 
 def test_slot_mapping_with_skips_and_duplicates_last_wins():
@@ -281,6 +306,51 @@ def test_row_guess_misses_take_the_search(q_lens, past):
     sequences: every missed guess falls back to the search over csl, the uniform last case hits throughout."""
     x, a = case(past=past, q_lens=q_lens, cache="int8", quant="PER_TENSOR", seed=sum(q_lens) + len(past))
     compare(x, a)
+
+
+def test_norm_weights_read_within_head_size():
+    """QK-norm weights that end where NaN begins (views into a longer buffer), head_size 11 in a 16-channel tile:
+    a weight load past head_size puts NaN into the pad channels, hence into the int4 pad nibble (zero code 8)."""
+    x, a = case(head_size=11, rotary_dim=8, qk_norm=True, cache="int4", quant="PER_TOKEN", seed=16)
+    views = {}
+    for k in ("q_norm_weight", "k_norm_weight"):
+        buf = torch.full((16 + 11,), float("nan"), dtype=x[k].dtype)
+        buf[:11] = x[k]
+        views[k] = buf[:11]
+    compare(x, a, got=run_kernel(poison(x), a, **views))
+
+
+def test_rotation_reads_within_head_size():
+    """qk_rotation at head_size 8 (a 16-channel tile) with key / value ending where NaN begins: a rotation chunk
+    load past head_size (the last head's pad channels) would carry NaN into the product (NaN * 0 is NaN)."""
+    x, a = case(head_size=8, rotation=True, seed=17)
+    a["v_rotation"] = 1
+    views = {}
+    for k in ("query", "key", "value"):
+        buf = torch.full((x[k].numel() + 16,), float("nan"), dtype=x[k].dtype)
+        buf[:x[k].numel()] = x[k].reshape(-1)
+        views[k] = buf[:x[k].numel()].view(x[k].shape)
+    x = poison(x)
+    q = cache_write.write_kv(views["query"], views["key"], views["value"], **kernel_kwargs(x, a))
+    compare(x, a, got=(q, {k: x[k] for k in CACHES if k in x}))
+
+
+@pytest.mark.parametrize("form", ["every_other_column", "transposed"])
+def test_strided_cos_sin_caches(form):
+    """cos / sin caches whose columns are not adjacent (a [:, ::2] slice, a transposed view): the launcher passes
+    only the row stride, so it must copy such views; the result equals the reference's on the contiguous caches."""
+    x, a = case(head_size=16, rotary_dim=12, rotary_offset=2, seed=15)
+    got = {}
+    for k in ("cos_cache", "sin_cache"):
+        c = x[k]
+        if form == "every_other_column":
+            wide = torch.full((c.shape[0], 2 * c.shape[1]), 7.0, dtype=c.dtype)
+            wide[:, ::2] = c
+            got[k] = wide[:, ::2]
+        else:
+            got[k] = c.t().contiguous().t()
+        assert got[k].stride(1) != 1 and torch.equal(got[k], c)
+    compare(x, a, got=run_kernel(poison(x), a, **got))
 
 
 def test_token_count_zero_and_decode_of_one():
