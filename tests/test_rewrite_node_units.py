@@ -497,3 +497,41 @@ def test_gqa_to_paged_rule_set_order_is_checks_first():
     msg = str(exc.value)
     assert msg.startswith("attention_bias: attention_bias with softcap > 0") and "; sliding_window_cache: " in msg
     assert GQA_TO_PAGED[0].name == "activation dtype"
+
+
+def _untyped_output_case(to):
+    """A float32 source node whose attention output carries no declared type, rewritten with cast_to=FLOAT16."""
+    out = ir.Value(name="output", type=None)
+    if to == "paged":
+        v = dict(query=val("query", F32, [1, S, H * D]), key=val("key", F32, [1, S, HKV * D]),
+                 value=val("value", F32, [1, S, HKV * D]), past_key=val("past_key", F16, [1, HKV, 8, D]),
+                 past_value=val("past_value", F16, [1, HKV, 8, D]), seqlens_k=val("seqlens_k", I32, [1]),
+                 total_sequence_length=val("total_len", I32, [1]))
+        node = _node(GQA, v, dict(num_heads=H, kv_num_heads=HKV), [out, "present_key", "present_value"], "l/GQA")
+        return gqa_node_to_paged(node, paged_io(cast_to=F16)), "PagedAttention"
+    v = dict(query=val("query", F32, [S, H * D]), key=val("key", F32, [S, HKV * D]), value=val("value", F32, [S, HKV * D]),
+             key_cache=val("key_cache", F16, ["nb", 16, HKV, D]), value_cache=val("value_cache", F16, ["nb", 16, HKV, D]),
+             cumulative_sequence_length=val("csl", I32, [2]), past_seqlens=val("past", I32, [1]),
+             block_table=val("bt", I32, [1, 4]))
+    node = _node(PA, v, dict(num_heads=H, kv_num_heads=HKV), [out, "key_cache_out", "value_cache_out"], "l/PA")
+    return paged_node_to_gqa(node, gqa_io(cast_to=F16)), "GroupQueryAttention"
+
+
+@pytest.mark.parametrize("to", ["paged", "gqa"])
+def test_an_untyped_output_is_cast_back_to_the_querys_type(to):
+    """The attention output has the query's type (both operators): with cast_to=FLOAT16 on a float32 node whose
+    output is not typed, the rewrite still casts the result back to float32 (a float16 output would feed the
+    float32 graph after it: a type error in onnxruntime)."""
+    (nodes, replaces, _), op = _untyped_output_case(to)
+    attn = attention(nodes, op)
+    after = nodes[nodes.index(attn) + 1:]
+    casts = [n for n in after if n.op_type == "Cast"]
+    assert [n.attributes["to"].value for n in casts] == [F32], [n.op_type for n in after]
+    (y,) = [v for k, v in replaces.items() if k.name == "output"]
+    seen, frontier = set(), [y]
+    while frontier:  # the replacement value is reached from the Cast
+        v = frontier.pop()
+        if v.producer() is not None and v.producer() not in seen:
+            seen.add(v.producer())
+            frontier.extend(i for i in v.producer().inputs if i is not None)
+    assert casts[0] in seen

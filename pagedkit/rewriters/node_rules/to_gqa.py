@@ -93,8 +93,9 @@ def _p2g_core(f, t, io: GqaIO):
         y = b.op("Reshape", out, b.cat(b.i64(-1), b.dim(out, 2)))
         if io.token_rows is not None:
             y = b.gather(y, io.token_rows)
-        if io.cast_to is not None and _dtype(src_out) not in (io.cast_to, None):
-            y = b.cast(y, _dtype(src_out))
+        src_t = _dtype(src_out) or _dtype(f.inputs["query"])  # an untyped output has the query's type (both ops)
+        if io.cast_to is not None and src_t not in (io.cast_to, None):
+            y = b.cast(y, src_t)
         t.replaces[src_out] = y
     t.after.append(restore)
     for src, dst, name, past in (("key_cache_out", "present_key", io.present_key, io.past_key),

@@ -94,8 +94,9 @@ def _g2p_core(f: NodeFacts, t: Target, io: PagedIO):
     def restore(node):
         del node
         y = out
-        if io.cast_to is not None and _dtype(src_out) not in (io.cast_to, None):
-            y = b.cast(y, _dtype(src_out))
+        src_t = _dtype(src_out) or _dtype(f.inputs["query"])  # an untyped output has the query's type (both ops)
+        if io.cast_to is not None and src_t not in (io.cast_to, None):
+            y = b.cast(y, src_t)
         if io.token_rows is None:
             shape = io.output_shape if io.output_shape is not None else None
             y = b.unsq(y, 0) if shape is None else b.op("Reshape", y, shape)
