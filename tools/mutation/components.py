@@ -77,7 +77,7 @@ COMPONENTS: dict[str, Component] = {
                "tests/test_export_checkpoint_forms.py", "tests/test_export_lazy.py", "tests/test_export_int4.py",
                "tests/test_export_kvquant.py", "tests/test_export_rope_scaling.py", "tests/test_export_fp32.py",
                "tests/test_export_int4_moe.py", "tests/test_export_qwen3_moe.py", "tests/test_export_gemma3.py",
-               "tests/test_export_deepseek.py", "tests/test_export_gpt_oss.py"),
+               "tests/test_export_deepseek.py", "tests/test_export_gpt_oss.py", "tests/test_export_units.py"),
         tests_by_source=(
             ("pagedkit/exporters/families/base.py", ("tests/test_export_llama.py", "tests/test_export_fp32.py",
                                                      "tests/test_export_checkpoint_forms.py",
