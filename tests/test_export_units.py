@@ -133,3 +133,93 @@ def test_narrow_split_positional_dim():
     _check(x, want, 2, 1, 2)
     _check(x, want, 0, 2, 5)
     assert ("a", 0, 2, 5) in asked
+
+
+# ---- graph / moe building blocks, run in onnxruntime against numpy -------------------------------------------
+
+def _run(g, outs: dict, feeds: dict) -> list:
+    """Run the GraphBuilder's graph (outputs: name -> (elem_type, shape)) on CPU."""
+    import onnxruntime as ort
+
+    for name, (t, shape) in outs.items():
+        g.output(name, t, shape)
+    m = g.model("units", "test")
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(list(outs), feeds)
+
+
+@pytest.mark.parametrize("act", ["silu", "swish", "gelu", "gelu_pytorch_tanh", "relu", "relu2"])
+def test_activation_matches_numpy(act):
+    import math
+
+    import numpy as np
+    from onnx import TensorProto
+
+    from pagedkit.exporters.graph import GraphBuilder, activation
+
+    f32 = TensorProto.FLOAT
+    g = GraphBuilder(f32)
+    x = g.input("x", f32, (3, 5))
+    y = activation(g, x, act, "/act")
+    assert g.vi[y] == (f32, (3, 5))
+    xv = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+    got, = _run(g, {y: (f32, (3, 5))}, {"x": xv})
+    x64 = xv.astype(np.float64)
+    erf = np.vectorize(math.erf)
+    want = {"silu": x64 / (1 + np.exp(-x64)), "swish": x64 / (1 + np.exp(-x64)),
+            "gelu": 0.5 * x64 * (1 + erf(x64 / math.sqrt(2))),
+            "gelu_pytorch_tanh": 0.5 * x64 * (1 + np.tanh(math.sqrt(2 / math.pi) * (x64 + 0.044715 * x64 ** 3))),
+            "relu": np.maximum(x64, 0), "relu2": np.maximum(x64, 0) ** 2}[act]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("act", ["foo", "gelu_10", "tanh"])
+def test_activation_unsupported_names_the_activation(act):
+    from onnx import TensorProto
+
+    from pagedkit.exporters.graph import GraphBuilder, activation
+
+    g = GraphBuilder(TensorProto.FLOAT)
+    x = g.input("x", TensorProto.FLOAT, (3, 5))
+    with pytest.raises(NotImplementedError, match=f"hidden activation '{act}' is not supported"):
+        activation(g, x, act, "/act")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_router_logits_float32_with_bias(bias):
+    import numpy as np
+    from onnx import TensorProto
+
+    from pagedkit.exporters.graph import GraphBuilder
+    from pagedkit.exporters.moe import router_logits
+
+    f16, f32 = TensorProto.FLOAT16, TensorProto.FLOAT
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(6, 8, generator=gen), torch.randn(6, generator=gen)
+    g = GraphBuilder(f16)
+    x = g.input("x", f16, (4, 8))
+    y = router_logits(g, x, w, b if bias else None, "/r", "r")
+    assert g.vi[y] == (f32, (4, 6))  # [T, E] float32: what the routing after it reads
+    xv = np.random.default_rng(1).standard_normal((4, 8)).astype(np.float16)
+    got, = _run(g, {y: (f32, (4, 6))}, {"x": xv})
+    want = xv.astype(np.float64) @ w.double().numpy().T + (b.double().numpy() if bias else 0.0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_top_k_is_the_largest_sorted():
+    import numpy as np
+    from onnx import TensorProto
+
+    from pagedkit.exporters.graph import GraphBuilder
+    from pagedkit.exporters.moe import top_k
+
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    g = GraphBuilder(f32)
+    s = g.input("s", f32, (5, 7))
+    v, i = top_k(g, s, 3, "/p")
+    assert g.vi[v] == (f32, (5, 3)) and g.vi[i] == (i64, (5, 3))
+    sv = np.random.default_rng(2).permutation(35).reshape(5, 7).astype(np.float32)  # distinct: no ties
+    got_v, got_i = _run(g, {v: (f32, (5, 3)), i: (i64, (5, 3))}, {"s": sv})
+    want_i = np.argsort(-sv, axis=-1)[:, :3]
+    np.testing.assert_array_equal(got_i, want_i)
+    np.testing.assert_array_equal(got_v, np.take_along_axis(sv, want_i, -1))
