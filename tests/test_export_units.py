@@ -223,3 +223,33 @@ def test_top_k_is_the_largest_sorted():
     want_i = np.argsort(-sv, axis=-1)[:, :3]
     np.testing.assert_array_equal(got_i, want_i)
     np.testing.assert_array_equal(got_v, np.take_along_axis(sv, want_i, -1))
+
+
+# ---- paged_caches.quantize_caches: per side, per layer ---------------------------------------------------------
+
+def test_quantize_caches_per_side(tmp_path):
+    """A layer whose K stays float16 while V goes int8 PER_TOKEN still gets its V side rewritten; the count of
+    rewritten nodes is the layer count."""
+    import onnx
+    from onnx import TensorProto
+
+    from export_utils import attention_attrs, export_tiny, tiny_model
+    from pagedkit.exporters.paged_caches import quantize_caches
+    from pagedkit.interface import names as N
+    from pagedkit.interface.genai_config import CacheSpec, LayerSpec
+
+    export_tiny(tiny_model("LlamaConfig", seed=3), tmp_path)
+    model = onnx.load(str(tmp_path / "model.onnx"))
+    tok = CacheSpec("int8", "PER_TOKEN", False, "float16")
+    layers = [LayerSpec(0, 4, 2, 16, k_cache=CacheSpec(), v_cache=tok),
+              LayerSpec(1, 4, 2, 16, k_cache=tok, v_cache=CacheSpec())]
+    assert quantize_caches(model, layers) == 2
+    elem = {v.name: v.type.tensor_type.elem_type for v in list(model.graph.input) + list(model.graph.output)}
+    assert elem[N.past_name("value", 0)] == TensorProto.INT8 and elem[N.past_name("key", 0)] == TensorProto.FLOAT16
+    assert elem[N.past_name("key", 1)] == TensorProto.INT8 and elem[N.past_name("value", 1)] == TensorProto.FLOAT16
+    assert N.past_name("value_scale", 0) in elem and N.past_name("key_scale", 1) in elem
+    assert N.past_name("key_scale", 0) not in elem and N.past_name("value_scale", 1) not in elem
+    onnx.save(model, str(tmp_path / "model.onnx"))
+    a0, a1 = attention_attrs(tmp_path / "model.onnx")
+    assert a0.get("v_quant_type") == "PER_TOKEN" and a0.get("k_quant_type", "NONE") == "NONE", a0
+    assert a1.get("k_quant_type") == "PER_TOKEN" and a1.get("v_quant_type", "NONE") == "NONE", a1
