@@ -253,3 +253,19 @@ def test_quantize_caches_per_side(tmp_path):
     a0, a1 = attention_attrs(tmp_path / "model.onnx")
     assert a0.get("v_quant_type") == "PER_TOKEN" and a0.get("k_quant_type", "NONE") == "NONE", a0
     assert a1.get("k_quant_type") == "PER_TOKEN" and a1.get("v_quant_type", "NONE") == "NONE", a1
+
+
+# ---- attention.paged_attention: layers with and without RoPE in the node --------------------------------------
+
+def test_nope_layer_node_has_no_rope_inputs(tmp_path):
+    """SmolLM3 with a NoPE layer: that layer's node has no cos / sin caches and do_rotary 0, the RoPE layer's
+    has both (float32 graph: the node's T inputs are float16); the export is valid."""
+    from export_utils import assert_valid_export, attention_attrs, export_tiny, tiny_model
+
+    hf = tiny_model("SmolLM3Config", seed=5, no_rope_layers=[1, 0], use_sliding_window=False)
+    export_tiny(hf, tmp_path, dtype="fp32")
+    assert_valid_export(tmp_path)
+    assert not (tmp_path / "model.onnx.data").exists()  # far below export.EXTERNAL_DATA_BYTES (16 MiB): inline
+    a0, a1 = attention_attrs(tmp_path / "model.onnx")
+    assert a0.get("do_rotary") == 1 and a0["inputs"].get("cos_cache") and a0["inputs"].get("sin_cache"), a0
+    assert not a1.get("do_rotary") and not a1["inputs"].get("cos_cache") and not a1["inputs"].get("sin_cache"), a1
