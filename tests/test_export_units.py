@@ -269,3 +269,25 @@ def test_nope_layer_node_has_no_rope_inputs(tmp_path):
     a0, a1 = attention_attrs(tmp_path / "model.onnx")
     assert a0.get("do_rotary") == 1 and a0["inputs"].get("cos_cache") and a0["inputs"].get("sin_cache"), a0
     assert not a1.get("do_rotary") and not a1["inputs"].get("cos_cache") and not a1["inputs"].get("sin_cache"), a1
+
+
+# ---- registry: one family per model_type -----------------------------------------------------------------------
+
+def test_registry_refuses_a_model_type_claimed_twice(tmp_path, monkeypatch):
+    import sys
+
+    from pagedkit.exporters import families, registry
+
+    body = ("from pagedkit.exporters.families.base import DecoderFamily\n\n"
+            "class {0}(DecoderFamily):\n    model_types = ('dup_type', '{1}')\n")
+    (tmp_path / "zz_units_a.py").write_text(body.format("FirstFamily", "only_a"))
+    monkeypatch.setattr(families, "__path__", [str(tmp_path)])
+    try:
+        found = registry._families.__wrapped__()
+        assert found["dup_type"].__name__ == "FirstFamily" and found["only_a"] is found["dup_type"]
+        (tmp_path / "zz_units_b.py").write_text(body.format("SecondFamily", "only_b"))
+        with pytest.raises(RuntimeError, match="model_type 'dup_type' is claimed by FirstFamily and SecondFamily"):
+            registry._families.__wrapped__()
+    finally:
+        for m in ("zz_units_a", "zz_units_b"):
+            sys.modules.pop(f"{families.__name__}.{m}", None)
