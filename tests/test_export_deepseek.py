@@ -387,6 +387,15 @@ def _mlp_graph(hf, layer: int):
     return g.model("moe", "test"), y
 
 
+def test_v2_unknown_topk_method_names_it():
+    """V2 routes greedy or group_limited_greedy only (as Hugging Face's gate): another method is refused by name,
+    not exported as greedy."""
+    hf = deepseek("DeepseekV2Config", seed=21, **(V2 | dict(n_routed_experts=8, num_experts_per_tok=3,
+                                                             topk_method="noaux_tc", n_group=4, topk_group=2)))
+    with pytest.raises(NotImplementedError, match="topk_method 'noaux_tc' is not supported"):
+        _mlp_graph(hf, 1)
+
+
 @pytest.mark.parametrize("case", ["v2-greedy", "v2-group-limited", "v3", "v3-no-norm"])
 def test_moe_block_fp32_exact(case):
     """The exported MoE block (routing + experts + shared experts) in float32 == HF's module on 400 tokens."""

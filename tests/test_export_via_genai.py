@@ -392,3 +392,24 @@ def test_doc_example_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "via onnxruntime-genai" in out and "parity OK" in out
     assert json.loads((tmp_path / "phi-paged" / "genai_config.json").read_text())["model"]["type"] == "phi"
+
+
+@pytest.mark.parametrize("window, context, want", [
+    (1024, 4096, 1024), (4095, 4096, 4095), (4096, 4096, -1), (8192, 4096, -1), (0, 4096, -1), (None, 4096, -1),
+    (-1, 4096, -1), (512, None, 512), ("256", 0, 256)])
+def test_effective_window(window, context, want):
+    """A sliding window that never binds within the context (>= max_position_embeddings) is full attention."""
+    from pagedkit.exporters.genai_fixups import _effective
+
+    assert _effective(window, context) == want
+
+
+@pytest.mark.parametrize("layers, refused", [([1, 1, 1, 0], True), ([0, 1], True), ([1, 1, 1, 1], False),
+                                             (None, False), ([], False)])
+def test_smollm3_nope_layers_refused(layers, refused):
+    """--via genai refuses SmolLM3 with NoPE layers (a 0 in no_rope_layers), not one that rotates every layer."""
+    cfg = {} if layers is None else {"no_rope_layers": layers}
+    got = via_genai.config_problem("SmolLM3ForCausalLM", cfg)
+    assert (got is not None) == refused, got
+    if refused:
+        assert "NoPE layers" in got

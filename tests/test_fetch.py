@@ -168,3 +168,16 @@ def test_recorded_source_inside_the_model_cache_is_allowed(tmp_path, monkeypatch
     assert recorded_checkpoint(tmp_path / "model", str(fetched)) == fetched.resolve()
     with pytest.raises(UnsafePathError, match="outside the model folder"):
         recorded_checkpoint(tmp_path / "model", str(tmp_path / "elsewhere"))
+
+
+def test_module_runs_as_a_script():
+    """`python -m pagedkit.exporters.fetch --help` runs the paged-fetch CLI (its `if __name__ == "__main__"`)."""
+    import os
+    import subprocess
+    import sys
+
+    root = str(Path(F.__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "pagedkit.exporters.fetch", "--help"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 0 and "usage:" in r.stdout, (r.returncode, r.stdout[-500:], r.stderr[-500:])

@@ -34,9 +34,13 @@ def parse_size(text: str | int | None) -> int | None:
              "g": 1000 ** 3, "gb": 1000 ** 3, "gib": 1024 ** 3, "t": 1000 ** 4, "tb": 1000 ** 4, "tib": 1024 ** 4}
     num = t.rstrip("kmgtib")
     unit = t[len(num):]
-    if unit not in units or not num:
-        raise ValueError(f"size {text!r}: expected a number with an optional unit (B, KB, MB, GB, TB, KiB, ...)")
-    value = int(float(num) * units[unit])
+    try:
+        if unit not in units or not num:
+            raise ValueError
+        value = int(float(num) * units[unit])
+    except ValueError:
+        raise ValueError(f"size {text!r}: expected a number with an optional unit (B, KB, MB, GB, TB, KiB, ...)"
+                         ) from None
     if value <= 0:
         raise ValueError(f"size {text!r} must be positive")
     return value

@@ -33,24 +33,23 @@ class Component:
 COMPONENTS: dict[str, Component] = {
     "engine": Component(
         sources=("pagedkit/engine/*.py",),
-        tests=("tests/test_engine.py", "tests/test_engine_spec.py", "tests/test_engine_overlap.py",
-               "tests/test_engine_genai.py", "tests/test_engine_windowed.py", "tests/test_engine_stress.py",
+        tests=("tests/test_engine_units.py", "tests/test_engine.py", "tests/test_engine_spec.py",
+               "tests/test_engine_overlap.py", "tests/test_engine_genai.py", "tests/test_engine_windowed.py", "tests/test_engine_stress.py",
                "tests/test_engine_graphs.py", "tests/test_engine_pool.py", "tests/test_sampling*.py",
                "tests/test_engine_*oracle*.py", "tests/test_stop*.py", "tests/test_engine_logits.py",
-               "tests/test_engine_group.py", "tests/test_engine_constraint.py",
-               "tests/test_engine_units.py"),
+               "tests/test_engine_group.py", "tests/test_engine_constraint.py"),
         timeout=120, budget=3600,
         notes="the continuous-batching Engine, sampling, speculative decoding, the genai-style wrapper"),
     "serve": Component(
         sources=("pagedkit/apps/serve/*.py",),
-        tests=("tests/test_serve.py", "tests/test_serve_engine.py", "tests/test_serve_helpers.py",
-               "tests/test_example_serve.py", "tests/test_serve_*.py"),
+        tests=("tests/test_serve_units.py", "tests/test_serve.py", "tests/test_serve_engine.py",
+               "tests/test_serve_helpers.py", "tests/test_example_serve.py", "tests/test_serve_*.py"),
         timeout=150, budget=3600,
         notes="paged-serve, the OpenAI-compatible server (the -m gpu serve test is not in the CPU selection)"),
     "kv": Component(
         sources=("pagedkit/runtime/kv/*.py",),
-        tests=("tests/test_kv_cache.py", "tests/test_kv_cache_attention.py", "tests/test_kv_cache_props.py",
-               "tests/test_block_size_rule.py", "tests/test_engine_pool.py", "tests/test_kv_*.py"),
+        tests=("tests/test_kv_edges.py", "tests/test_kv_cache.py", "tests/test_kv_cache_attention.py",
+               "tests/test_kv_cache_props.py", "tests/test_block_size_rule.py", "tests/test_engine_pool.py", "tests/test_kv_*.py"),
         timeout=120, budget=3600,
         notes="the KV block manager (runtime/kv: config, pool, blocks, plan, staging, cache)"),
     "parity": Component(
@@ -73,12 +72,12 @@ COMPONENTS: dict[str, Component] = {
         notes="paged-rewrite: GQA <-> PagedAttention, PagedAttention decomposed into standard ONNX ops"),
     "exporters": Component(
         sources=("pagedkit/exporters/*.py", "pagedkit/exporters/families/*.py"),
-        tests=("tests/test_export_llama.py", "tests/test_export_cli.py", "tests/test_export_builtin.py",
+        tests=("tests/test_export_units.py", "tests/test_export_units_quant.py",  # fast unit tests first (-x)
+               "tests/test_export_llama.py", "tests/test_export_cli.py", "tests/test_export_builtin.py",
                "tests/test_export_checkpoint_forms.py", "tests/test_export_lazy.py", "tests/test_export_int4.py",
                "tests/test_export_kvquant.py", "tests/test_export_rope_scaling.py", "tests/test_export_fp32.py",
                "tests/test_export_int4_moe.py", "tests/test_export_qwen3_moe.py", "tests/test_export_gemma3.py",
-               "tests/test_export_deepseek.py", "tests/test_export_gpt_oss.py",
-               "tests/test_export_units_quant.py"),
+               "tests/test_export_deepseek.py", "tests/test_export_gpt_oss.py"),
         tests_by_source=(
             ("pagedkit/exporters/families/base.py", ("tests/test_export_llama.py", "tests/test_export_fp32.py",
                                                      "tests/test_export_checkpoint_forms.py",

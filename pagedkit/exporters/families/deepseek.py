@@ -201,6 +201,9 @@ class DeepseekFamily(DecoderFamily):
             return sigmoid_group_route(ctx.g, logits, mlp.gate.e_score_correction_bias, k, int(config.n_group),
                                        int(config.topk_group), norm=bool(config.norm_topk_prob), scale=scale, p=p,
                                        ip=ip)
+        if config.topk_method not in ("greedy", "group_limited_greedy"):  # what Hugging Face's V2 gate routes
+            raise NotImplementedError(f"DeepSeek-V2 topk_method {config.topk_method!r} is not supported "
+                                      "(greedy, group_limited_greedy)")
         grouped = config.topk_method == "group_limited_greedy"
         return softmax_group_route(ctx.g, logits, k, int(config.n_group) if grouped else None,
                                    int(config.topk_group) if grouped else None, scale=scale, p=p)
