@@ -34,7 +34,8 @@ COMPONENTS: dict[str, Component] = {
     "engine": Component(
         sources=("pagedkit/engine/*.py",),
         tests=("tests/test_engine_units.py", "tests/test_engine.py", "tests/test_engine_spec.py",
-               "tests/test_engine_overlap.py", "tests/test_engine_genai.py", "tests/test_engine_windowed.py", "tests/test_engine_stress.py",
+               "tests/test_engine_overlap.py", "tests/test_engine_genai.py", "tests/test_engine_windowed.py",
+               "tests/test_engine_stress.py",
                "tests/test_engine_graphs.py", "tests/test_engine_pool.py", "tests/test_sampling*.py",
                "tests/test_engine_*oracle*.py", "tests/test_stop*.py", "tests/test_engine_logits.py",
                "tests/test_engine_group.py", "tests/test_engine_constraint.py"),
@@ -49,7 +50,8 @@ COMPONENTS: dict[str, Component] = {
     "kv": Component(
         sources=("pagedkit/runtime/kv/*.py",),
         tests=("tests/test_kv_edges.py", "tests/test_kv_cache.py", "tests/test_kv_cache_attention.py",
-               "tests/test_kv_cache_props.py", "tests/test_block_size_rule.py", "tests/test_engine_pool.py", "tests/test_kv_*.py"),
+               "tests/test_kv_cache_props.py", "tests/test_block_size_rule.py", "tests/test_engine_pool.py",
+               "tests/test_kv_*.py"),
         timeout=120, budget=3600,
         notes="the KV block manager (runtime/kv: config, pool, blocks, plan, staging, cache)"),
     "parity": Component(
