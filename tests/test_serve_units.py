@@ -296,3 +296,30 @@ def test_an_engine_exception_fails_every_pending_request_once(where, abort_raise
     assert all(type(g) is Exception and str(g) == message for g in got), got
     assert type(worker.failure) is Exception and str(worker.failure) == message
     assert sorted(engine.aborted) == sorted(ids) and worker.pending() == 0
+
+
+def test_the_documented_limit_defaults_are_the_servers():
+    """docs/serve.md's limits table (flag | default) against ServeLimits' defaults, through the CLI's flag table;
+    and the request-field limits a parser uses by default are the server's (FieldLimits() == ServeLimits().fields)."""
+    import re
+    from pathlib import Path
+
+    from pagedkit.apps.serve.cli import LIMIT_FLAGS
+    from pagedkit.apps.serve.limits import ServeLimits
+    from pagedkit.apps.serve.protocol import FieldLimits
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "serve.md").read_text()
+    rows = dict(re.findall(r"^\| `(--[a-z-]+)` \| ([0-9.]+)", doc, re.M))
+    defaults = ServeLimits()
+    assert {flag for flag, *_ in LIMIT_FLAGS} <= set(rows), sorted(set(f for f, *_ in LIMIT_FLAGS) - set(rows))
+    for flag, field, typ, *_ in LIMIT_FLAGS:
+        assert typ(rows[flag]) == getattr(defaults, field), (flag, rows[flag], getattr(defaults, field))
+    assert defaults.max_header_bytes == 16 * 1024
+    assert FieldLimits() == defaults.fields
+
+
+def test_structured_keeps_only_eos_ids_inside_the_vocabulary():
+    from pagedkit.apps.serve.structured import Structured
+
+    assert Structured(None, 10, [0, 3, 9, 10, -1, 12]).eos == [0, 3, 9]
+    assert Structured(None, None, [0, 7, 100000]).eos == [0, 7, 100000]
