@@ -253,6 +253,18 @@ def test_rewrite_report_on_a_float32_path():
     D._forget(live)
 
 
+
+def _refuse_sessions_with(monkeypatch, op_type: str, message: str) -> None:
+    """onnxruntime made to refuse every segment that holds an `op_type` node (RuntimeError(message))."""
+    real = D._ort_session
+
+    def picky(m, *args, **kwargs):
+        if any(x.op_type == op_type for x in m.graph.node):
+            raise RuntimeError(message)
+        return real(m, *args, **kwargs)
+
+    monkeypatch.setattr(D, "_ort_session", picky)
+
 def test_refused_fused_attention_falls_back_to_the_op_by_op_rewrite(monkeypatch):
     """At opset 23 the rewrite first tries one ONNX Attention node; a session onnxruntime refuses with it is
     rewritten op by op instead (still decomposed, not kept); the outputs match the case."""
@@ -260,14 +272,7 @@ def test_refused_fused_attention_falls_back_to_the_op_by_op_rewrite(monkeypatch)
     out, live, rep = D.delegate(model, None, 1)
     assert rep.fused is True and rep.decomposed == [case.name] and rep.kept == {}, rep
     D._forget(live)
-    real = D._ort_session
-
-    def no_attention(m, *args, **kwargs):
-        if any(x.op_type == "Attention" for x in m.graph.node):
-            raise RuntimeError("refused for the test")
-        return real(m, *args, **kwargs)
-
-    monkeypatch.setattr(D, "_ort_session", no_attention)
+    _refuse_sessions_with(monkeypatch, "Attention", "refused for the test")
     out, live, rep = D.delegate(model, None, 1)
     assert rep.fused is False and rep.decomposed == [case.name] and rep.kept == {}, rep
     assert not any(x.op_type == "PagedAttention" for x in out.graph.node)
@@ -276,14 +281,7 @@ def test_refused_fused_attention_falls_back_to_the_op_by_op_rewrite(monkeypatch)
 
 
 def test_refused_rewrite_says_which_segment_and_why(monkeypatch):
-    real = D._ort_session
-
-    def no_scatter(m, *args, **kwargs):
-        if any(x.op_type == "ScatterND" for x in m.graph.node):
-            raise RuntimeError("refused for the test\nmore")
-        return real(m, *args, **kwargs)
-
-    monkeypatch.setattr(D, "_ort_session", no_scatter)
+    _refuse_sessions_with(monkeypatch, "ScatterND", "refused for the test\nmore")
     case, model = _paged_case(23)
     out, live, rep = D.delegate(model, None, 1)
     assert rep.kept == {"(attention rewrite)": "not used: segment_0: onnxruntime refused it: refused for the test"}
