@@ -535,3 +535,15 @@ def test_an_untyped_output_is_cast_back_to_the_querys_type(to):
             seen.add(v.producer())
             frontier.extend(i for i in v.producer().inputs if i is not None)
     assert casts[0] in seen
+
+
+def test_gqa_to_paged_output_goes_back_through_the_given_output_shape():
+    """A padded batch without token rows: the [T, W] output is reshaped to io.output_shape ([B, S, W]), not
+    unsqueezed to [1, T, W]."""
+    shape = val("out_shape", I64, [3])
+    nodes, replaces, _ = gqa_node_to_paged(gqa_node(), paged_io(output_shape=shape))
+    (y,) = [v for k, v in replaces.items() if k.name == "output"]
+    assert y.producer().op_type == "Reshape" and y.producer().inputs[1] is shape
+    nodes, replaces, _ = gqa_node_to_paged(gqa_node(), paged_io())
+    (y,) = [v for k, v in replaces.items() if k.name == "output"]
+    assert y.producer().op_type == "Unsqueeze"
