@@ -33,7 +33,8 @@ from ..runtime.distributed.launch import TensorParallel, resolve_world
 from ..runtime.kv.cache import KVCacheManager
 from ..runtime.kv.config import GroupConfig, KVCacheConfig
 from ..runtime.kv.plan import StepPlan
-from ..runtime.session import InferenceSession, _cpu_backend
+from ..runtime.kv.staging import PinnedRing
+from ..runtime.session import ROWS_INPUT, InferenceSession, _cpu_backend
 from .graphs import DecodeGraphs
 
 
@@ -129,6 +130,8 @@ class PagedModel:
             self.session = InferenceSession(str(path), None, providers=providers,
                                             cpu_backend=_cpu_backend(None, "auto"))
         self.max_seq_len = cfg.context_length
+        over = {a.name for a in self.session.get_overridable_initializers()} if self.tp is None else set()
+        self.rows = _RowFeed(self.session.device) if ROWS_INPUT in over else None  # the LM head on the rows read
         self.logits_name = cfg.outputs.get(N.LOGITS) or N.LOGITS
         args = {a.name: a for a in self.session.get_inputs()}
         key0 = cfg.name(N.past_names_key("key"), 0)
@@ -230,7 +233,12 @@ class PagedModel:
             elif device_ids is not None:
                 raise ValueError("PagedModel.run: device_ids need a decode step CUDA graphs serve (graphs.plan)")
             else:
-                out = self.forward(self.feeds(plan, token_ids), plan.hint)
+                feeds = self.feeds(plan, token_ids)
+                if self.rows is not None and rows is not None and list(rows) != list(range(len(token_ids))):
+                    # the LM head on the rows read only (a middle prompt chunk reads none: one row computed)
+                    feeds[ROWS_INPUT] = self.rows.feed(list(rows) or [len(token_ids) - 1])
+                    return self.forward(feeds, plan.hint).reshape(max(len(rows), 1), -1)[:len(rows)]
+                out = self.forward(feeds, plan.hint)
         except BaseException:
             if self.graphs is not None:
                 self.graphs.abort(plan)
@@ -240,3 +248,28 @@ class PagedModel:
         if rows is not None and list(rows) != list(range(len(token_ids))):
             out = out.index_select(0, torch.tensor(list(rows), dtype=torch.int64, device=out.device))
         return out
+
+
+class _RowFeed:
+    """The `pagedkit.logit_rows` feed of a step (runtime/fuse.py's `logit_rows`, or the CPU onnxruntime path's
+    kernels/cpu/logits.py): row indices [R] int64 on the session's device, copied from a pinned ring without
+    blocking the host (CUDA) into a persistent buffer that grows to the largest R seen."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.ring: PinnedRing | None = None
+        self.buf: torch.Tensor | None = None
+
+    def feed(self, rows: list[int]) -> torch.Tensor:
+        n = len(rows)
+        if not self.cuda:
+            return torch.tensor(rows, dtype=torch.int64)
+        if self.buf is None or self.buf.numel() < n:
+            size = max(n, 64, 2 * (self.buf.numel() if self.buf is not None else 0))
+            self.ring = PinnedRing.of(size, torch.int64, cuda=True)
+            self.buf = torch.empty(size, dtype=torch.int64, device=self.device)
+        host = self.ring.take()
+        host[:n] = torch.tensor(rows, dtype=torch.int64)
+        self.buf[:n].copy_(host[:n], non_blocking=True)
+        self.ring.done()
+        return self.buf[:n]

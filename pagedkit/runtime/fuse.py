@@ -9,6 +9,13 @@ replace a chain of steps whose intermediate values nobody else reads (no other s
   GEMV of a decode step runs closer to the memory bandwidth). The concatenated weight replaces both originals
   (dropped when no other step reads them); prepacking then lays it out once.
 
+- `logit_rows` (only with `fuse(graph, logits=NAME)`: the session passes the logits output when the model declares it
+  2-D, [tokens, vocabulary]): the LM head (MatMul / Gemm / MatMulNBits, through row-wise ops: Cast, Tanh, Identity,
+  Mul / Div / Add / Sub by a constant) reads `pagedkit.fused::SelectRows(hidden, pagedkit.logit_rows)`, a new
+  optional graph input: absent or empty, every row (the hidden states themselves, no copy, no launch); fed, only
+  the rows named, in that order. The engine feeds a prefill's last rows: the head's [T, K] x [K, V] product and its
+  [T, V] logits shrink to the rows sampled (the CPU onnxruntime path does the same: kernels/cpu/logits.py).
+
 `fuse(graph)` runs every rule and returns {rule: number of rewrites}; `FUSIONS` lists them.
 """
 
@@ -19,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from ..kernels.cpu.logits import BY_CONSTANT, HEADS, ROW_WISE, ROWS_INPUT
 from .steps import Graph, Step
 from .ops.registry import FUSED_DOMAIN, lookup
 
@@ -94,14 +102,58 @@ def swiglu_mlp(g: Graph) -> int:
     return done
 
 
+def _lm_head(g: Graph, logits: str) -> Step | None:
+    """The step computing the LM head that `logits` comes from through row-wise steps, or None."""
+    producer = {o: s for s in g.steps for o in s.outputs if o}
+    name = logits
+    for _ in range(8):
+        s = producer.get(name)
+        if s is None or s.has_subgraph or s.call is not None or not s.inputs or not s.inputs[0]:
+            return None
+        if s.domain in ("", "com.microsoft") and s.op_type in HEADS:
+            if s.op_type == "Gemm" and (int(s.attrs.get("transA", 0)) or (len(s.inputs) > 2 and s.inputs[2] and (
+                    not isinstance(g.consts.get(s.inputs[2]), torch.Tensor) or g.consts[s.inputs[2]].dim() > 1))):
+                return None  # rows of A are not the tokens, or a bias C that is not one row broadcast to all
+            return s
+        if s.domain == "" and s.op_type in ROW_WISE and len(s.inputs) == 1:
+            name = s.inputs[0]
+        elif s.domain == "" and s.op_type in BY_CONSTANT and len(s.inputs) == 2 and s.inputs[1] in g.consts:
+            name = s.inputs[0]
+        else:
+            return None
+    return None
+
+
+def logit_rows(g: Graph, logits: str) -> int:
+    """The LM head over the rows `pagedkit.logit_rows` names (see the module docstring); 1 if inserted, else 0."""
+    if logits not in g.outputs or ROWS_INPUT in g.inputs:
+        return 0
+    head = _lm_head(g, logits)
+    if head is None:
+        return 0
+    hidden = head.inputs[0]
+    rows = f"{hidden}::rows"
+    select = Step(f"{head.name}::SelectRows", "SelectRows", FUSED_DOMAIN, [hidden, ROWS_INPUT], [rows], {},
+                  impl=lookup(FUSED_DOMAIN, "SelectRows", 1, head.name),
+                  ctx=replace(head.ctx, node_name=head.name, num_outputs=1, requested=(True,)) if head.ctx else None)
+    at = next(i for i, s in enumerate(g.steps) if s is head)
+    head.inputs[0] = rows
+    g.steps.insert(at, select)
+    g.inputs.append(ROWS_INPUT)
+    return 1
+
+
 FUSIONS: dict[str, Callable[[Graph], int]] = {"swiglu_mlp": swiglu_mlp}
 
 
-def fuse(g: Graph) -> dict[str, int]:
-    """Every rule on this graph (not its subgraphs); {rule: rewrites} for the rules that changed something."""
+def fuse(g: Graph, logits: str | None = None) -> dict[str, int]:
+    """Every rule on this graph (not its subgraphs); {rule: rewrites} for the rules that changed something.
+    logits: the model's [tokens, vocabulary] logits output, for `logit_rows` (None: not applied)."""
     out = {}
     for name, rule in FUSIONS.items():
         n = rule(g)
         if n:
             out[name] = n
+    if logits is not None and logit_rows(g, logits):
+        out["logit_rows"] = 1
     return out

@@ -25,8 +25,10 @@ from typing import Any, Mapping, Sequence
 
 import onnx
 import torch
+from onnx import TensorProto, helper
 
 from .. import settings
+from ..kernels.cpu.logits import ROWS_INPUT
 from ..kernels.scope import run_scope
 from ..kernels.variant import PLANS
 from ..validators.issues import ValidationError
@@ -211,6 +213,10 @@ class InferenceSession:
                 self._input_types[vi.name] = elem
                 self._ranks[vi.name] = len(arg.shape) if vi.type.tensor_type.HasField("shape") else None
                 self._overridable.add(vi.name)
+        if ROWS_INPUT in self._compiled.graph.inputs and ROWS_INPUT not in self._args:  # fuse.py's `logit_rows`
+            arg, elem = _node_arg(helper.make_tensor_value_info(ROWS_INPUT, TensorProto.INT64, ["logit_rows"]))
+            self._args[ROWS_INPUT], self._input_types[ROWS_INPUT], self._ranks[ROWS_INPUT] = arg, elem, 1
+            self._overridable.add(ROWS_INPUT)
 
     # ---- what creation decided -------------------------------------------------------------------
     @property

@@ -16,9 +16,10 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 ROWS_INPUT = "pagedkit.logit_rows"
-_HEADS = {"MatMul", "Gemm", "MatMulNBits"}
-_ROW_WISE = {"Cast", "Tanh", "Identity"}
-_BY_CONSTANT = {"Mul", "Div", "Add", "Sub"}
+# the LM head and the row-wise ops between it and the logits (also runtime/fuse.py's `logit_rows`, the torch path)
+HEADS = {"MatMul", "Gemm", "MatMulNBits"}
+ROW_WISE = {"Cast", "Tanh", "Identity"}
+BY_CONSTANT = {"Mul", "Div", "Add", "Sub"}
 
 
 def _head(g: onnx.GraphProto, output: str):
@@ -30,13 +31,13 @@ def _head(g: onnx.GraphProto, output: str):
         node = producer.get(name)
         if node is None:
             return None
-        if node.op_type in _HEADS and node.domain in ("", "ai.onnx", "com.microsoft"):
+        if node.op_type in HEADS and node.domain in ("", "ai.onnx", "com.microsoft"):
             if node.op_type == "Gemm" and any(a.name == "transA" and a.i for a in node.attribute):
                 return None
             return node
-        if node.op_type in _ROW_WISE:
+        if node.op_type in ROW_WISE:
             name = node.input[0]
-        elif node.op_type in _BY_CONSTANT and len(node.input) == 2 and node.input[1] in consts:
+        elif node.op_type in BY_CONSTANT and len(node.input) == 2 and node.input[1] in consts:
             name = node.input[0]
         else:
             return None
@@ -83,4 +84,4 @@ def select_logit_rows(model: onnx.ModelProto, logits: str = "logits") -> bool:
     return True
 
 
-__all__ = ["ROWS_INPUT", "select_logit_rows"]
+__all__ = ["BY_CONSTANT", "HEADS", "ROWS_INPUT", "ROW_WISE", "select_logit_rows"]

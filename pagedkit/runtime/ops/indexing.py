@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .registry import register
+from .registry import FUSED_DOMAIN, register
 from .util import host_scalar, norm_axis
 
 _REDUCE = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}
@@ -134,3 +134,20 @@ def one_hot(inputs, attrs, ctx):
     shape[axis] = depth
     hot = idx == torch.arange(depth, device=idx.device).reshape(shape)
     return [torch.where(hot, values[1], values[0])]
+
+
+@register("SelectRows", domain=FUSED_DOMAIN)
+def select_rows(inputs, attrs, ctx):
+    """runtime/fuse.py's `logit_rows`: x [T, ...] -> the rows `rows` [R] int64 names (x itself, no copy, when rows is
+    absent or empty). Rows on the host are checked against T (a ValueError naming the input); rows on a device are
+    not read back (no synchronization), the caller (the engine) makes them in range."""
+    x, rows = inputs[0], inputs[1] if len(inputs) > 1 else None
+    if rows is None or rows.numel() == 0:
+        return [x]
+    if rows.dim() != 1:
+        raise ValueError(f"input 'pagedkit.logit_rows': expected 1-D row indices, got shape {list(rows.shape)}")
+    if rows.device.type == "cpu":
+        lo, hi = int(rows.min()), int(rows.max())
+        if lo < 0 or hi >= x.shape[0]:
+            raise ValueError(f"input 'pagedkit.logit_rows': row indices must be in [0, {x.shape[0]}), got {lo}..{hi}")
+    return [x.index_select(0, rows.to(x.device, torch.int64))]
