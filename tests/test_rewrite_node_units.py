@@ -450,6 +450,16 @@ def test_created_node_refusal_shows_symbolic_dims():
         gqa_node_to_paged(node, paged_io(cache=I8))
 
 
+def test_created_node_refusal_quotes_the_first_six_issues(monkeypatch):
+    """A created node with many contract issues: the Refused message quotes the first six, in order, and no more."""
+    import pagedkit.rewriters.node_rules.base as base
+
+    monkeypatch.setattr(base, "validate_node", lambda *a, **k: [f"issue-{i}" for i in range(9)])
+    with pytest.raises(Refused) as info:
+        gqa_node_to_paged(gqa_node({}), paged_io())
+    assert str(info.value) == "the created PagedAttention node is invalid: " + "; ".join(f"issue-{i}" for i in range(6))
+
+
 # ------------------------------------------------------------------------------------------------
 # cast_to, PagedAttention -> GQA: onnxruntime CPU's GroupQueryAttention as the oracle
 # ------------------------------------------------------------------------------------------------
