@@ -186,6 +186,47 @@ def test_moe_shared_expert_weight_is_kept_and_odd_sizes_stay_float():
     assert [n.op_type for n in odd.graph.node] == ["MoE"] and {t.name for t in odd.graph.initializer} == {"fc1", "fc2"}
 
 
+
+def test_streamed_qmoe_keeps_the_expert_biases():
+    """int4_stream._qmoe (the streamed --weights int4 rewrite on the builder): a MoE node's fc1 / fc2 expert
+    biases move to QMoE's bias slots (the contrib schema: input, router, fc1 W, fc1 scales, fc1 bias, fc2 W,
+    fc2 scales, fc2 bias), and onnxruntime's QMoE computes relu(W1 x + b1) -> W2 h + b2 with the int4 experts
+    decoded by hand (k 1, renormalized: the chosen expert's weight is 1)."""
+    import onnxruntime as ort
+
+    from pagedkit.exporters.graph import GraphBuilder
+    from pagedkit.exporters.int4_stream import quantize_builder_int4
+
+    f32 = TensorProto.FLOAT
+    rng = np.random.default_rng(11)
+    e, hidden, inter, t = 3, 32, 64, 6
+    fc1, fc2 = (rng.standard_normal(s).astype(np.float32) for s in ((e, inter, hidden), (e, hidden, inter)))
+    b1, b2 = (rng.standard_normal(s).astype(np.float32) for s in ((e, inter), (e, hidden)))
+    g = GraphBuilder(f32)
+    ins = [g.input("x", f32, ("T", hidden)), g.input("router", f32, ("T", e))]
+    ins += [g.initializer(n, torch.from_numpy(v)) for n, v in (("fc1", fc1), ("fc1_b", b1), ("fc2", fc2), ("fc2_b", b2))]
+    y = g.node("MoE", ins, "/moe/MoE", domain="com.microsoft", k=1, activation_type="relu",
+               normalize_routing_weights=1, out_type=f32, out_shape=("T", hidden))
+    quantize_builder_int4(g, 32, 0)
+    (node,) = g.nodes
+    assert node.op_type == "QMoE" and node.name == "/moe/MoE_Q4"
+    assert list(node.input) == ["x", "router", "fc1_Q4", "fc1_scales", "fc1_b", "fc2_Q4", "fc2_scales", "fc2_b"]
+    g.output(y, f32, ("T", hidden))
+    m = g.model("qmoe", "test")
+    inits = {p.name: numpy_helper.to_array(p) for p in m.graph.initializer}
+    w1, w2 = (np.stack([_decode_rows(inits[f"{n}_Q4"][j].reshape(-1, inits[f"{n}_scales"].shape[2], 16),
+                                     inits[f"{n}_scales"][j].reshape(-1), k) for j in range(e)])
+              for n, k in (("fc1", hidden), ("fc2", inter)))
+    assert np.abs(w1 - fc1).max() <= np.abs(fc1).max() / 8 * 1.01 and np.abs(w2 - fc2).max() <= np.abs(fc2).max() / 8 * 1.01
+    x, r = rng.standard_normal((t, hidden)).astype(np.float32), rng.standard_normal((t, e)).astype(np.float32)
+    got, = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x, "router": r})
+    want = np.zeros((t, hidden))
+    for i in range(t):
+        j = int(np.argmax(r[i]))
+        want[i] = w2[j] @ np.maximum(w1[j] @ x[i].astype(np.float64) + b1[j], 0) + b2[j]
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), np.abs(got - want).max()
+
+
 # ---- prequant.py: GPTQ / AWQ -> MatMulNBits ------------------------------------------------------------------
 
 
@@ -249,6 +290,21 @@ def test_gptq_leaf_unpacks_codes_zeros_and_dequantizes():
     assert not v2.zero_plus_one and torch.equal(v2.zeros(), torch.from_numpy(z).to(torch.int16))
 
 
+
+def test_group_size_default_128_and_autoawq_key():
+    """No group_size in the quantization config: groups of 128 rows (GPTQ's and AutoAWQ's default); AutoAWQ's
+    own key q_group_size is read too. Dequantized against the float64 formula with those groups."""
+    k = 256
+    t, q, z, s = _gptq("m", 8, k, 128, seed=6)
+    src = _leaf(FakeIndex(t), "m", 8, k, {"quant_method": "gptq", "bits": 4})._int4
+    assert src.group_size == 128 and src.groups() == 2 and src.block(src.g_idx()) == 128
+    gi = np.arange(k) // 128
+    want = (q.T - (z + 1).T[:, gi]) * s.astype(np.float64).T[:, gi]
+    np.testing.assert_allclose(src.dequantized(torch.float32).numpy(), want, rtol=1e-6, atol=1e-7)
+    t64, _, _, _ = _gptq("m", 8, k, 64, seed=6)
+    assert _leaf(FakeIndex(t64), "m", 8, k, {"quant_method": "gptq", "q_group_size": 64})._int4.group_size == 64
+
+
 def test_awq_leaf_reads_autoawq_order():
     rng = np.random.default_rng(1)
     n, k = 16, 32
@@ -297,6 +353,10 @@ def test_take_keeps_only_overlapping_rows():
     assert prequant._take(rows, 0, 3) == [(a, 0, 3)]
     assert prequant._take(rows, 5, 8) == [(b, 3, 6)]
     assert prequant._take(rows, 3, 6) == [(a, 3, 4), (b, 2, 4)]
+    # a range ending or starting exactly at a boundary touches the other linear in no row: no empty piece
+    assert prequant._take(rows, 0, 4) == [(a, 0, 4)]
+    assert prequant._take(rows, 4, 8) == [(b, 2, 6)]
+    assert prequant._take(rows, 8, 9) == []
 
 
 def _nbits_oracle(qs: list[np.ndarray], zs: list[np.ndarray], k: int, block: int):
