@@ -225,6 +225,88 @@ def test_top_k_is_the_largest_sorted():
     np.testing.assert_array_equal(got_v, np.take_along_axis(sv, want_i, -1))
 
 
+
+# ---- rope.py: token positions and RoPE in the graph, against numpy ---------------------------------------------
+
+@pytest.mark.parametrize("given", [False, True])
+def test_token_positions_derived_or_given(given):
+    """Without query_positions: past_sequence_lengths[b] + the token's offset in its sequence b (sequences of 3, 1
+    and 2 new tokens after 5, 0 and 9 cached ones); with it: query_positions itself, as int64, whatever the
+    lengths say. Made once: a second call adds no node."""
+    import numpy as np
+    from onnx import TensorProto
+
+    from pagedkit.exporters.attention import GraphInputs
+    from pagedkit.exporters.graph import GraphBuilder
+    from pagedkit.exporters.rope import token_positions
+    from pagedkit.interface import names as N
+
+    i32, i64 = TensorProto.INT32, TensorProto.INT64
+    g = GraphBuilder(TensorProto.FLOAT)
+    g.input(N.INPUT_IDS, i64, ("num_tokens",))
+    g.input(N.CUMULATIVE_SEQUENCE_LENGTHS, i32, ("batch_size_plus_1",))
+    g.input(N.PAST_SEQUENCE_LENGTHS, i32, ("batch_size",))
+    feeds = {N.INPUT_IDS: np.arange(6, dtype=np.int64), N.CUMULATIVE_SEQUENCE_LENGTHS: np.array([0, 3, 4, 6], np.int32),
+             N.PAST_SEQUENCE_LENGTHS: np.array([5, 0, 9], np.int32)}
+    want = np.array([5, 6, 7, 0, 9, 10])
+    if given:
+        g.input(N.QUERY_POSITIONS, i32, ("num_tokens",))
+        feeds[N.QUERY_POSITIONS] = want_q = np.array([2, 40, 7, 1, 0, 3], np.int32)
+        want = want_q.astype(np.int64)
+    io = GraphInputs(query_positions=N.QUERY_POSITIONS if given else None)
+    pos = token_positions(g, io)
+    count = len(g.nodes)
+    assert token_positions(g, io) == pos and len(g.nodes) == count
+    assert g.vi[pos] == (i64, ("num_tokens",))
+    got, = _run(g, {pos: (i64, ("num_tokens",))}, feeds)
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rot", [8, 4])  # every channel rotates; the first half only (partial rotary)
+def test_apply_rope_matches_numpy(interleaved, rot):
+    """apply_rope on x [T, heads * head_dim] float16 at positions, cos / sin tables [P, R / 2]: half-split
+    pairs (i, i + R / 2) or interleaved pairs (2i, 2i + 1) rotated by angle pos * f_i, the channels past R
+    unchanged, float16 out, against a float64 loop."""
+    import numpy as np
+    from onnx import TensorProto
+
+    from pagedkit.exporters.graph import GraphBuilder
+    from pagedkit.exporters.rope import apply_rope
+
+    f16, i64 = TensorProto.FLOAT16, TensorProto.INT64
+    heads, head_dim, t, p_max = 3, 8, 5, 32
+    half = rot // 2
+    freq = 10000.0 ** (-np.arange(half) * 2.0 / rot)
+    ang = np.arange(p_max)[:, None] * freq[None, :]  # [P, R / 2]
+    g = GraphBuilder(f16)
+    x = g.input("x", f16, (t, heads * head_dim))
+    pos = g.input("pos", i64, (t,))
+    tabs = (g.initializer("cos", torch.from_numpy(np.cos(ang))), g.initializer("sin", torch.from_numpy(np.sin(ang))))
+    y = apply_rope(g, x, heads, head_dim, tabs, pos, interleaved, "/rope")
+    assert g.vi[y] == (f16, (t, heads * head_dim))
+    xv = np.random.default_rng(4).standard_normal((t, heads * head_dim)).astype(np.float16)
+    pv = np.array([0, 1, 7, 19, 31], np.int64)
+    got, = _run(g, {y: (f16, (t, heads * head_dim))}, {"x": xv, "pos": pv})
+    cos16 = np.cos(ang).astype(np.float16).astype(np.float64)  # the tables are stored in the graph's float16
+    sin16 = np.sin(ang).astype(np.float16).astype(np.float64)
+    x64 = xv.astype(np.float64).reshape(t, heads, head_dim)
+    want = x64.copy()
+    for ti in range(t):
+        for h in range(heads):
+            for i in range(half):
+                ia, ib = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+                c, s_ = cos16[pv[ti], i], sin16[pv[ti], i]
+                a, b = x64[ti, h, ia], x64[ti, h, ib]
+                want[ti, h, ia], want[ti, h, ib] = a * c - b * s_, b * c + a * s_
+    want = want.reshape(t, -1)
+    assert got.dtype == np.float16
+    assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max(), np.abs(got - want).max()
+    if rot < head_dim:  # the unrotated channels pass through exactly
+        np.testing.assert_array_equal(got.reshape(t, heads, head_dim)[..., rot:], xv.reshape(t, heads, head_dim)[..., rot:])
+
+
 # ---- paged_caches.quantize_caches: per side, per layer ---------------------------------------------------------
 
 def test_quantize_caches_per_side(tmp_path):
@@ -240,6 +322,9 @@ def test_quantize_caches_per_side(tmp_path):
 
     export_tiny(tiny_model("LlamaConfig", seed=3), tmp_path)
     model = onnx.load(str(tmp_path / "model.onnx"))
+    k1 = next(v for v in model.graph.input if v.name == N.past_name("key", 1)).type.tensor_type.shape.dim[0]
+    k1.Clear()
+    k1.dim_value = 7  # a cache of fixed size: its scale cache gets the same block count
     tok = CacheSpec("int8", "PER_TOKEN", False, "float16")
     layers = [LayerSpec(0, 4, 2, 16, k_cache=CacheSpec(), v_cache=tok),
               LayerSpec(1, 4, 2, 16, k_cache=tok, v_cache=CacheSpec())]
@@ -249,6 +334,11 @@ def test_quantize_caches_per_side(tmp_path):
     assert elem[N.past_name("key", 1)] == TensorProto.INT8 and elem[N.past_name("value", 1)] == TensorProto.FLOAT16
     assert N.past_name("value_scale", 0) in elem and N.past_name("key_scale", 1) in elem
     assert N.past_name("key_scale", 0) not in elem and N.past_name("value_scale", 1) not in elem
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in list(model.graph.input) + list(model.graph.output)}
+    for side, layer, blocks in (("value_scale", 0, "num_blocks"), ("key_scale", 1, 7)):  # [blocks, block_size, kv_heads]
+        assert dims[N.past_name(side, layer)] == dims[N.present_name(side, layer)] == [blocks, "block_size", 2], dims
+        assert elem[N.past_name(side, layer)] == elem[N.present_name(side, layer)] == TensorProto.FLOAT16
     onnx.save(model, str(tmp_path / "model.onnx"))
     a0, a1 = attention_attrs(tmp_path / "model.onnx")
     assert a0.get("v_quant_type") == "PER_TOKEN" and a0.get("k_quant_type", "NONE") == "NONE", a0
