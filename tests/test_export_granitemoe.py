@@ -70,3 +70,18 @@ def test_granitemoeshared_shared_expert_has_teeth(tmp_path, monkeypatch):
 def test_granitemoe_builtin(tmp_path):
     print("granite-3.1-1b-a400m-instruct builtin",
           check_builtin("granite-3.1-1b-a400m-instruct", tmp_path, num_layers=4, num_experts=16))
+
+
+def test_granitemoe_features_list_the_granite_multipliers():
+    """--list / docs/export.md: both model types name every Granite multiplier the export applies (embedding,
+    residual, attention scale, logits / logits_scaling), its attention biases and the MoE, and not Granite's
+    MLP biases (the experts have none)."""
+    from pagedkit.exporters import registry
+
+    feats = registry.supported()
+    for mt in ("granitemoe", "granitemoeshared"):
+        text = "; ".join(feats[mt])
+        for word in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
+                     "attention biases", "com.microsoft::MoE", "shared expert"):
+            assert word in text, (mt, word, text)
+        assert "MLP biases" not in text, (mt, text)
