@@ -90,6 +90,38 @@ def test_floor_arithmetic(bench, tiny_llama):
         assert pk["fraction_of_floor"] == pytest.approx(pk["tokens_per_s"] / f["tokens_per_s"])
 
 
+def test_prefill_floor_arithmetic(bench):
+    """The prefill floor from the HF config's dimensions (tests/export_utils.TINY), counted by hand: every product of a
+    token (q, k, v, o, gate, up, down), the tied LM head for one row a prompt, causal attention, one weight read."""
+    from export_utils import TINY
+
+    h, inter, layers, heads, kv, d, vocab = (TINY[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                                "num_attention_heads", "num_key_value_heads", "head_dim",
+                                                                "vocab_size"))
+    per_token = layers * (h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * inter)
+    result, _ = bench
+    weights = result["model"]["weight_bytes"]
+    for r in result["rows"]:
+        if "skipped" in r:
+            continue
+        b, t = r["batch"], r["prompt_tokens"]
+        attention = b * layers * 4 * heads * d * t * (t + 1) // 2
+        flops = 2 * per_token * b * t + 2 * h * vocab * b + attention
+        f = r["prefill_floor"]
+        assert (f["flops"], f["attention_flops"], f["weight_bytes"]) == (flops, attention, weights)
+        assert f["ms"] == pytest.approx((flops / 790e12 + weights / 4.4e12) * 1e3)
+
+
+def test_prefill_floor_of_windowed_layers_and_experts():
+    from pagedkit.apps.bench import floor
+
+    layers = [floor.CacheLayer(0, 1), floor.CacheLayer(1, 1, window=3)]
+    f = floor.prefill_floor(0, (10, 7), layers, 2, 4, batch=2, tokens=5)
+    seen = (1 + 2 + 3 + 4 + 5) + (1 + 2 + 3 + 3 + 3)  # a query sees min(i, window) keys
+    assert f["attention_flops"] == 2 * 4 * 2 * 4 * seen
+    assert f["flops"] == 2 * 10 * 2 * 5 + 2 * 7 * 2 + f["attention_flops"]
+
+
 def test_context_beyond_length_skipped(bench):
     result, _ = bench
     skipped = [r for r in result["rows"] if r["context"] == 1000]

@@ -178,6 +178,7 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
     graphs = engine.model.graphs is not None and engine.model.graphs.capture
     pm = engine.model
     weights = floor.weight_bytes(model_path)
+    products = floor.product_weights(model_path)
     layers = floor.cache_layers(pm.groups.values())
     bandwidth = args.bandwidth * 1e12
     ort_reason, runner = None, None
@@ -230,7 +231,9 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
     for i, row in enumerate(rows):
         rec = {"batch": row.batch, "context": row.context, "prompt_tokens": row.prompt_tokens, "headroom": row.headroom,
                "decode_steps": row.decode_steps,
-               "floor": floor.floor_row(weights, layers, row.batch, row.context, bandwidth), "arms": {}}
+               "floor": floor.floor_row(weights, layers, row.batch, row.context, bandwidth),
+               "prefill_floor": floor.prefill_floor(weights, products, layers, cfg.num_heads, cfg.head_size, row.batch,
+                                                    row.prompt_tokens, bandwidth), "arms": {}}
         runs: dict[str, list[dict]] = {arm: [] for arm in arms}
         for k in range(args.repeats):  # the arms interleaved, so slow drifts of the device hit both alike
             for arm in arms:

@@ -9,6 +9,17 @@ a whole external file when no length is given). Constant nodes and activations a
 kv_bytes_per_token(layer) = Hkv x (K width + V width) x bytes per cache element (+ the PER_TOKEN scales):
 widths are the caches' last dimension (CACHE_FORMATS: int4 packs two channels a byte), LATENT layers
 have no value cache; windowed (sliding-window) layers read at most `window` tokens.
+
+The floor of a prefill (time to first token), B prompts of T tokens each: its products at the tensor cores' peak
+plus one read of the weights,
+
+    flops    = 2 x product_weights x B x T + 2 x head_weights x B + attention
+    attention = B x sum over layers of 4 x num_heads x head_size x sum_{i=1..T} min(i, window)  (causal)
+    floor_s  = flops / peak (default 790 TFLOP/s, an H200's dense fp16 / bf16) + weight_bytes / bandwidth
+
+product_weights: the elements of every constant B of a MatMul / Gemm / MatMulNBits (a token's multiply-adds);
+MoE / QMoE experts count k / num_experts of their weights (the routed share). head_weights: the LM head's, counted
+for one row a prompt (the engine computes the logits of the rows it samples: runtime/fuse.py `logit_rows`).
 """
 
 from __future__ import annotations
@@ -25,6 +36,9 @@ from ...interface import dtypes
 from ...engine.model import block_bytes
 
 DEFAULT_BANDWIDTH = 4.4e12  # bytes / s
+DEFAULT_PEAK_FLOPS = 790e12  # dense fp16 / bf16 FLOP / s
+_PRODUCTS = {"MatMul", "Gemm", "MatMulNBits"}
+_EXPERTS = {"MoE", "QMoE"}
 
 
 def weight_bytes(model_path: str | Path) -> int:
@@ -100,3 +114,49 @@ def floor_row(weights: int, layers: Sequence[CacheLayer], batch: int, context: i
     seconds = total / bandwidth
     return {"weight_bytes": weights, "kv_bytes": kv, "bytes_per_step": total, "bandwidth_bytes_per_s": bandwidth,
             "ms_per_step": seconds * 1e3, "tokens_per_s": batch / seconds}
+
+
+def product_weights(model_path: str | Path) -> tuple[int, int]:
+    """(multiply-adds a token makes in the products of the main graph, the LM head's): see the module docstring."""
+    from ...kernels.cpu.logits import _head
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    g = model.graph
+    dims = {t.name: [int(d) for d in t.dims] for t in g.initializer}
+    head = _head(g, "logits")
+    per_token = head_elems = 0
+    for node in g.node:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "MatMulNBits":
+            n = int(attrs["K"]) * int(attrs["N"])
+        elif node.op_type in _PRODUCTS and len(node.input) > 1 and node.input[1] in dims:
+            n = int(np.prod(dims[node.input[1]]))
+        elif node.op_type in _EXPERTS:
+            ws = [dims[w] for w in node.input[2:5] if w in dims]
+            if not ws:
+                continue
+            unpack = 8 // int(attrs.get("expert_weight_bits", 8)) if node.op_type == "QMoE" else 1
+            n = sum(int(np.prod(w)) for w in ws) * unpack * int(attrs.get("k", 1)) // max(ws[0][0], 1)
+        else:
+            continue
+        if head is not None and node is head:
+            head_elems += n
+        else:
+            per_token += n
+    return per_token, head_elems
+
+
+def prefill_floor(weights: int, products: tuple[int, int], layers: Sequence[CacheLayer], num_heads: int,
+                  head_size: int, batch: int, tokens: int, bandwidth: float = DEFAULT_BANDWIDTH,
+                  peak_flops: float = DEFAULT_PEAK_FLOPS) -> dict:
+    """The floor of a prefill of `batch` prompts of `tokens` tokens as the JSON records it (module docstring)."""
+    per_token, head = products
+    attention = 0
+    for c in layers:
+        w = c.window or tokens
+        seen = w * (w + 1) // 2 + max(tokens - w, 0) * w  # sum over i = 1..T of min(i, w)
+        attention += 4 * num_heads * head_size * seen
+    flops = 2 * per_token * batch * tokens + 2 * head * batch + batch * attention
+    seconds = flops / peak_flops + weights / bandwidth
+    return {"flops": flops, "attention_flops": batch * attention, "weight_bytes": weights, "peak_flops": peak_flops,
+            "bandwidth_bytes_per_s": bandwidth, "ms": seconds * 1e3}

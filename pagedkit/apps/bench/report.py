@@ -84,6 +84,8 @@ def table(result: dict) -> list[str]:
             else:
                 parts.append(f"{name} skipped")
         parts.append(f"floor {r['floor']['ms_per_step']:.4g} ms/step {r['floor']['tokens_per_s']:.4g} tok/s")
+        if "prefill_floor" in r:
+            parts.append(f"prefill floor {r['prefill_floor']['ms']:.4g} ms")
         if "parity" in r:
             parts.append("greedy tokens equal" if r["parity"]["equal"]
                          else f"greedy tokens differ in requests {r['parity']['mismatched_requests']}")
