@@ -92,3 +92,28 @@ def test_argmax_rows_cuda_vocab_rows(dtype):
     got = argmax.argmax_rows(x.cuda())
     assert got.cpu().tolist() == x.float().argmax(-1).tolist()
     assert got[0].item() == 1234
+
+
+class _Spy:
+    """Stands in for a @triton.jit kernel: records each launch's grid and forwards it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
+def test_the_triton_kernels_run_and_the_fallbacks_do_not(monkeypatch):
+    """argmax_rows launches its two kernels (one chunk program a row and chunk, one final program a row); an empty
+    tensor and an integer tensor take torch.argmax without a launch."""
+    chunk, final = _Spy(argmax._argmax_chunk_kernel), _Spy(argmax._argmax_final_kernel)
+    monkeypatch.setattr(argmax, "_argmax_chunk_kernel", chunk)
+    monkeypatch.setattr(argmax, "_argmax_final_kernel", final)
+    x = _cases(torch.float32).to(DEVICE)
+    assert argmax.argmax_rows(x).cpu().tolist() == _oracle(x)
+    assert chunk.grids == [(6, 3)] and final.grids == [(6,)]
+    for other in (torch.zeros(0, 5), torch.tensor([[1, 4, 4, 0], [3, 2, 1, 0]], dtype=torch.int32)):
+        assert argmax.argmax_rows(other.to(DEVICE)).cpu().tolist() == other.argmax(-1).tolist()
+    assert len(chunk.grids) == 1 and len(final.grids) == 1

@@ -451,6 +451,9 @@ def _bad(**changes):
 
 
 @pytest.mark.parametrize("changes, match", [
+    ({"num_heads": 0}, r"^write_kv: attributes: num_heads \(0\) should be a positive multiple of kv_num_heads \(2\)"),
+    ({"kv_num_heads": 0}, r"^write_kv: attributes: num_heads \(4\) should be a positive multiple of kv_num_heads \(0\)"),
+    ({"num_heads": 3}, r"^write_kv: attributes: num_heads \(3\) should be a positive multiple"),
     ({"key_cache": torch.zeros(9, 16, 2, 16, dtype=torch.float16)}, r"'key_cache'.*dtype should be torch.int8"),
     ({"key_cache": torch.zeros(9, 16, 2, 8, dtype=torch.int8)}, r"'key_cache'.*dimension 3 should be 16"),
     ({"value_cache": torch.zeros(7, 32, 2, 16, dtype=torch.int8)}, r"'value_cache'.*dimension 1 should be 16"),

@@ -156,6 +156,12 @@ def test_dispatch_serves_latent_decode_and_refuses_the_rest():
                                                                           "k_quant_type": "PER_CHANNEL"}))
     assert "softcap" in v.refusal(info(attrs={"kv_cache_layout": "LATENT", "softcap": 30.0}))
     assert "bfloat16" in v.refusal(info(k_cache_format="bfloat16"))
+    # the (latent, rope) limit (512, 128), both sides of each bound
+    assert v.refusal(info(head_size=48, v_head_size=32)) is None
+    assert v.refusal(info(head_size=640, v_head_size=512)) is None
+    assert v.refusal(info(head_size=192, v_head_size=128)) is None
+    assert "beyond (512, 128)" in v.refusal(info(head_size=1024 + 64, v_head_size=1024))
+    assert "beyond (512, 128)" in v.refusal(info(head_size=512 + 256, v_head_size=512))
     case = build(spec())
     st = prepare(clone_inputs(case.inputs), case.attrs, None)
     with pytest.raises(ValueError, match=r"query should be \[N, 4 \* 64\]"):

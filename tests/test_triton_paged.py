@@ -111,3 +111,16 @@ def test_fake_shapes_follow_the_contract():
         assert tuple(got["output"].shape) == tuple(case.expected["output"].shape)
         assert tuple(got["output_qk"].shape) == tuple(case.expected["output_qk"].shape)
         assert got["output_qk"].dtype == torch.float32
+
+
+def test_head_size_limits_both_sides():
+    """triton_paged serves Q/K heads up to 256 (LATENT: 576) and refuses the next size, naming it and the limit."""
+    from types import SimpleNamespace
+
+    def info(head_size, layout="SEPARATE"):
+        return SimpleNamespace(head_size=head_size, layout=layout)
+
+    assert paged._supports(info(256)) is None and paged._supports(info(None)) is None
+    assert paged._supports(info(257)) == "head_size 257 > 256"
+    assert paged._supports(info(576, "LATENT")) is None
+    assert paged._supports(info(577, "LATENT")) == "head_size 577 > 576"

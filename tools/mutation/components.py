@@ -95,7 +95,8 @@ COMPONENTS: dict[str, Component] = {
               "fetch, --via genai); a family module runs its own test file and the fp32 export of every family"),
     "kernels": Component(
         sources=("pagedkit/kernels/triton/*.py",),
-        tests=("tests/test_triton_paged.py", "tests/test_triton_decode.py", "-k", "not query_chunk_lanes[40"),
+        tests=("tests/test_triton_paged.py", "tests/test_triton_decode.py", "tests/test_int8_mma.py", "-k",
+               "not query_chunk_lanes[40"),
         tests_by_source=(
             ("pagedkit/kernels/triton/argmax.py", ("tests/test_triton_argmax.py",)),
             ("pagedkit/kernels/triton/swiglu.py", ("tests/test_triton_swiglu.py",)),
