@@ -107,6 +107,12 @@ def test_broken_promises_give_nan_not_a_different_result():
     _, case = _case(unmapped=((1, 1),), seed=302)
     _, got = _run(case)
     assert bool(got["output"].isnan().all())
+    # a prompt block id past the pool (num_blocks): NaN, not an index error
+    _, case = _case(seed=304)
+    table = case.inputs["block_table"].clone()
+    table[1, 1] = case.inputs["key_cache"].shape[0]
+    _, got = _run(case, inputs=clone_inputs(case.inputs) | {"block_table": table})
+    assert sdpa_prefill.LAST_ROUTE in FUSED and bool(got["output"].isnan().all())
     # the same prompts with correct inputs: finite and right (the check above is not always NaN)
     _, case = _case(seed=303)
     _, got = _run(case)

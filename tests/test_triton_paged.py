@@ -124,3 +124,23 @@ def test_head_size_limits_both_sides():
     assert paged._supports(info(257)) == "head_size 257 > 256"
     assert paged._supports(info(576, "LATENT")) is None
     assert paged._supports(info(577, "LATENT")) == "head_size 577 > 576"
+
+
+@pytest.mark.parametrize("h,hkv", [(4, 1), (4, 4), (6, 3)])
+def test_packed_qkv_with_other_kv_head_counts(h, hkv):
+    """Packed QKV [N, (H + 2 Hkv) D]: the head size is derived from the width (the case files pack 4 / 2 heads only);
+    output and caches against the loop reference on a copy of the inputs."""
+    from test_paged_vs_gqa import make_paged
+
+    from pagedkit.kernels.paged import reference
+
+    x, a = make_paged(num_heads=h, kv_num_heads=hkv, packed=True, rotary="half", seed=40 + h + hkv)
+    names = ["output", "key_cache_out", "value_cache_out"]
+    ref = reference.paged_attention({k: v.clone() for k, v in x.items()}, outputs=names, **a)
+    got = paged.paged_attention({k: v if k == "attention_metadata" else v.clone().to(DEVICE) for k, v in x.items()},
+                                outputs=names, validate=False, **a)
+    for n in names:
+        r, g = ref[n].float(), got[n].float().cpu()
+        nan = r.isnan()  # unwritten cache slots keep the case's NaN poison
+        assert g.shape == r.shape and torch.equal(g.isnan(), nan), n
+        assert float((g - r)[~nan].abs().max()) <= 2e-3 * float(r[~nan].abs().max()), n
