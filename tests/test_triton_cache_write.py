@@ -220,6 +220,18 @@ def test_pad_channels_stay_out(name):
     compare(*random_case(name, seed=100 + sorted(PAD_EDGES).index(name)))
 
 
+def test_slot_mapping_writes_slot_zero():
+    """Slot 0 (block 0, offset 0) is a slot like any other: a token mapped there is written."""
+    x, a = case(slot_mapping=True, past=(0, 5, 20), q_lens=(4, 3, 2), seed=12)
+    sm = x["slot_mapping"].clone()
+    sm[sm == 0] = -1  # no other token there
+    sm[2] = 0
+    x["slot_mapping"] = sm
+    compare(x, a)
+    _, caches = run_kernel(poison(x), a)
+    assert not caches["key_cache"][0, 0].float().isnan().any()
+
+
 def test_slot_mapping_with_skips_and_duplicates_last_wins():
     x, a = case(slot_mapping=True, past=(0, 5, 20), q_lens=(4, 3, 2), seed=11)
     sm = x["slot_mapping"].clone()

@@ -166,5 +166,7 @@ def test_dispatch_serves_latent_decode_and_refuses_the_rest():
     st = prepare(clone_inputs(case.inputs), case.attrs, None)
     with pytest.raises(ValueError, match=r"query should be \[N, 4 \* 64\]"):
         run_mla(st, head_size=64, v_head_size=32)
+    with pytest.raises(ValueError, match=r"query should be \[N, 4 \* 32\]"):  # a wider query than H * D
+        run_mla(st, head_size=32, v_head_size=16)
     with pytest.raises(ValueError, match=r"key_cache should be \[NB, BS, 1, 48\]"):
         run_mla(st, key_cache=st.kside.cache[..., :40])

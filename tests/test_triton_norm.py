@@ -65,6 +65,7 @@ def test_rms_norm_matches_the_float64_oracle(dtype, hidden, skip, bias):
 def test_unsupported_operands_are_refused_naming_them():
     x = torch.zeros(2, 8)
     assert not norm.serves(x, torch.ones(4))
+    assert not norm.serves(torch.tensor(1.0), torch.ones(1))  # a 0-d x: no rows
     assert not norm.serves(x, torch.ones(8), skip=torch.zeros(1, 8))  # a broadcast skip: the torch path
     with pytest.raises(ValueError, match=r"rms_norm: unsupported operands x \[2, 8\]"):
         norm.rms_norm(x, torch.ones(4), 1e-5)
