@@ -246,6 +246,16 @@ def test_zero_token_sequence_and_empty_step():
     assert out.shape == (0, 4 * 16) and qk.shape == (4, 0, st.capacity)
 
 
+def test_query_rows_without_sequences_give_zeros():
+    """No sequence (B = 0) but query rows (paged_decode is public): the rows are zeros, not the poisoned buffer."""
+    st = prepare(clone_inputs(build(base(q_lens=[2, 1], past=[3, 0])).inputs), {"num_heads": 4, "kv_num_heads": 2},
+                 None)
+    out, _ = run_kernel(st, cumulative_sequence_length=torch.zeros(1, dtype=torch.int32),
+                        past_seqlens=torch.zeros(0, dtype=torch.int32),
+                        block_table=torch.zeros((0, st.x["block_table"].shape[1]), dtype=torch.int32))
+    assert out.shape == (3, 4 * 16) and bool((out == 0).all())
+
+
 def test_extent_beyond_the_block_table_is_memory_safe():
     """An extent past the table's capacity (the reference rejects it) reads only the first C positions."""
     case = build(base(q_lens=[1, 1], past=[20, 5], extra_cols=0))
