@@ -347,6 +347,25 @@ def test_rotation_reads_within_head_size():
     compare(x, a, got=(q, {k: x[k] for k in CACHES if k in x}))
 
 
+def test_rope_positions_past_the_cos_cache_clamp_to_its_last_row():
+    """A RoPE position beyond the cos / sin caches reads their last row (P - 1), never the memory after them: the caches
+    are the first P rows of taller tensors whose extra rows hold other values."""
+    x, a = case(query_positions=True, rotary="half", seed=17)
+    p = x["cos_cache"].shape[0]
+    for k, fill in (("cos_cache", 0.25), ("sin_cache", 0.75)):
+        tall = torch.full((p + 2, x[k].shape[1]), fill, dtype=x[k].dtype)
+        tall[:p] = x[k]
+        x[k] = tall[:p]
+    qp = x["query_positions"].clone()
+    qp[1] = p + 3
+    x["query_positions"] = qp
+    got = run_kernel(poison(x), a)
+    want = run_kernel(poison(x), a, query_positions=qp.clamp(max=p - 1))
+    assert torch.equal(got[0], want[0])
+    for k in got[1]:
+        assert torch.equal(got[1][k].view(torch.uint8), want[1][k].view(torch.uint8)), k
+
+
 @pytest.mark.parametrize("form", ["every_other_column", "transposed"])
 def test_strided_cos_sin_caches(form):
     """cos / sin caches whose columns are not adjacent (a [:, ::2] slice, a transposed view): the launcher passes
