@@ -33,9 +33,9 @@ class Component:
 COMPONENTS: dict[str, Component] = {
     "engine": Component(
         sources=("pagedkit/engine/*.py",),
-        tests=("tests/test_engine_units.py", "tests/test_engine.py", "tests/test_engine_spec.py",
-               "tests/test_engine_overlap.py", "tests/test_engine_genai.py", "tests/test_engine_windowed.py",
-               "tests/test_engine_stress.py",
+        tests=("tests/test_engine_units.py", "tests/test_logit_rows.py", "tests/test_engine.py",
+               "tests/test_engine_spec.py", "tests/test_engine_overlap.py", "tests/test_engine_genai.py",
+               "tests/test_engine_windowed.py", "tests/test_engine_stress.py",
                "tests/test_engine_graphs.py", "tests/test_engine_pool.py", "tests/test_sampling*.py",
                "tests/test_engine_*oracle*.py", "tests/test_stop*.py", "tests/test_engine_logits.py",
                "tests/test_engine_group.py", "tests/test_engine_constraint.py"),
