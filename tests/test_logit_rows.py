@@ -124,3 +124,59 @@ def test_the_engine_computes_the_head_on_the_rows_it_samples_only(monkeypatch, b
         else:
             assert f is None
     assert any(rows == [] for _, rows, _ in seen)  # a middle chunk of the 70-token prompt
+
+
+def _gemm_model(path: Path, bias_shape: tuple | None, cast: bool = False) -> None:
+    """x [T, 8] -> Gemm(x, W [6, 8], transB, C) (-> Cast to float) -> logits [T, 6]."""
+    rng = np.random.default_rng(1)
+    inits = [numpy_helper.from_array(rng.standard_normal((6, 8)).astype(np.float32), "w")]
+    ins = ["x", "w"]
+    if bias_shape is not None:
+        inits.append(numpy_helper.from_array(rng.standard_normal(bias_shape).astype(np.float32), "c"))
+        ins.append("c")
+    nodes = [helper.make_node("Gemm", ins, ["h" if cast else "logits"], transB=1)]
+    if cast:
+        nodes.append(helper.make_node("Cast", ["h"], ["logits"], to=TensorProto.FLOAT))
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 8])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["T", 6])], inits)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+@pytest.mark.parametrize("bias,cast,fused", [(None, False, True), ((6,), False, True), ((6,), True, True),
+                                             ((1, 6), False, False)])
+def test_gemm_heads_through_casts_and_biases(tmp_path, bias, cast, fused):
+    """A Gemm head (transB) with no bias or a [V] bias, behind a Cast, reads the rows fed; a 2-D bias C could differ
+    by row, so that head is left alone. The rows equal the every-row logits' rows."""
+    _gemm_model(tmp_path / "m.onnx", bias, cast)
+    s = InferenceSession(str(tmp_path / "m.onnx"), cpu_backend="torch")
+    assert ("logit_rows" in s.fused) == fused
+    x = torch.randn(5, 8)
+    full = s.run_torch({"x": x})["logits"]
+    if fused:
+        got = s.run_torch({"x": x, ROWS_INPUT: torch.tensor([4, 1])})["logits"]
+        assert torch.allclose(got, full[[4, 1]], rtol=1e-5, atol=1e-5 * float(full.abs().max()))
+    else:
+        assert s.get_overridable_initializers() == []
+
+
+def test_the_prefill_floor_counts_routed_experts_at_their_share(tmp_path):
+    """paged-bench's product count (apps/bench/floor.py): a MoE node's experts count k / num_experts of their
+    weights (fc1, fc2, fc3), a QMoE's packed 4-bit weights two elements a byte; a plain MatMul all of its B."""
+    from pagedkit.apps.bench import floor
+
+    f = lambda name, shape, dt=np.float16: numpy_helper.from_array(np.zeros(shape, dt), name)  # noqa: E731
+    e, h, i = 4, 8, 6
+    inits = [f("router", (h, e)), f("fc1", (e, 2 * i, h)), f("fc2", (e, h, i)), f("fc3", (e, i, h)),
+             f("q1", (e, 2 * i, h // 2), np.uint8), f("q2", (e, h, i // 2), np.uint8), f("s1", (e, 2 * i)),
+             f("s2", (e, h))]
+    nodes = [helper.make_node("MatMul", ["x", "router"], ["r"]),
+             helper.make_node("MoE", ["x", "r", "fc1", "", "fc2", "", "fc3"], ["y"], domain="com.microsoft", k=2),
+             helper.make_node("QMoE", ["y", "r", "q1", "s1", "", "q2", "s2"], ["z"], domain="com.microsoft", k=1,
+                              expert_weight_bits=4)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["T", h])],
+                          [helper.make_tensor_value_info("z", TensorProto.FLOAT16, ["T", h])], inits)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    onnx.save(helper.make_model(g, opset_imports=opsets), tmp_path / "m.onnx")
+    moe = e * (2 * i * h + h * i + i * h) * 2 // e  # all three weights of the 4 experts, k = 2 of them a token
+    qmoe = e * (2 * i * h + h * i) * 1 // e  # unpacked from 4 bits, k = 1 of 4
+    assert floor.product_weights(tmp_path / "m.onnx") == (h * e + moe + qmoe, 0)

@@ -34,11 +34,12 @@ import onnx
 
 from ...interface import dtypes
 from ...engine.model import block_bytes
+from ...runtime.ops.moe import EXPERT_WEIGHT_INPUTS
 
 DEFAULT_BANDWIDTH = 4.4e12  # bytes / s
 DEFAULT_PEAK_FLOPS = 790e12  # dense fp16 / bf16 FLOP / s
 _PRODUCTS = {"MatMul", "Gemm", "MatMulNBits"}
-_EXPERTS = {"MoE", "QMoE"}
+_EXPERTS = set(EXPERT_WEIGHT_INPUTS)
 
 
 def weight_bytes(model_path: str | Path) -> int:
@@ -132,7 +133,8 @@ def product_weights(model_path: str | Path) -> tuple[int, int]:
         elif node.op_type in _PRODUCTS and len(node.input) > 1 and node.input[1] in dims:
             n = int(np.prod(dims[node.input[1]]))
         elif node.op_type in _EXPERTS:
-            ws = [dims[w] for w in node.input[2:5] if w in dims]
+            ws = [dims[node.input[j]] for j in EXPERT_WEIGHT_INPUTS[node.op_type]
+                  if j < len(node.input) and node.input[j] in dims]
             if not ws:
                 continue
             unpack = 8 // int(attrs.get("expert_weight_bits", 8)) if node.op_type == "QMoE" else 1

@@ -196,6 +196,8 @@ def moe(inputs, attrs, ctx):
 
 
 _QMOE_FC = {"fc1": (2, 3, 4, 11), "fc2": (5, 6, 7, 12), "fc3": (8, 9, 10, 13)}  # weights, scales, bias, zero points
+# the expert weight inputs (fc1, fc2, fc3) of each op; apps/bench/floor.py counts a step's products from them
+EXPERT_WEIGHT_INPUTS = {"MoE": (2, 4, 6), "QMoE": tuple(v[0] for v in _QMOE_FC.values())}
 
 
 def _qmoe_check(inputs, attrs, where: str) -> None:
