@@ -6,6 +6,7 @@ same request run alone; stop strings; seeded sampling; and `paged-serve MODEL_DI
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -49,8 +50,12 @@ def test_models(url):
     ("/v1/completions", {"prompt": [1, 9, 10, 11, 12, 13, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], "max_tokens": 20}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello cat"}], "max_tokens": 14}),
 ])
-def test_streamed_text_equals_non_streamed(url, path, body):
+def test_streamed_text_equals_non_streamed(url, engine, monkeypatch, path, body):
     req = body | {"model": "tiny-llama", "temperature": 0, "ignore_eos": True}
+    # the server sends what has arrived since its last send as one chunk: a step of this tiny model takes about a
+    # millisecond, so spread the tokens out (5 ms a step) for the stream to show them one by one
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (step(), time.sleep(0.005))[0])
     full = httpx.post(url + path, json=req, timeout=60)
     assert full.status_code == 200, full.text
     full = full.json()
