@@ -24,8 +24,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
+import onnx
 import torch
 
+from ..interface.names import LOGITS
 from ..kernels.cpu.logits import BY_CONSTANT, HEADS, ROW_WISE, ROWS_INPUT
 from .steps import Graph, Step
 from .ops.registry import FUSED_DOMAIN, lookup
@@ -122,6 +124,15 @@ def _lm_head(g: Graph, logits: str) -> Step | None:
         else:
             return None
     return None
+
+
+def token_logits(graph: onnx.GraphProto) -> str | None:
+    """The model's output `logits` when declared [tokens, vocabulary] (rank 2: its rows are the step's tokens), else
+    None (`logit_rows` is then not applied)."""
+    out = next((o for o in graph.output if o.name == LOGITS), None)
+    if out is None or not out.type.tensor_type.HasField("shape") or len(out.type.tensor_type.shape.dim) != 2:
+        return None
+    return out.name
 
 
 def logit_rows(g: Graph, logits: str) -> int:

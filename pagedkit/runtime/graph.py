@@ -28,7 +28,6 @@ import torch
 from onnx import TensorProto, helper
 from onnx.external_data_helper import uses_external_data
 
-from ..interface.names import LOGITS
 from ..kernels import dispatch
 from ..validators.checks import validate_node
 from ..validators.issues import Issue, ValidationError
@@ -361,15 +360,6 @@ def _all_consts(g: Graph):
                 yield from _all_consts(value)
 
 
-def _token_logits(graph: onnx.GraphProto) -> str | None:
-    """The graph output `logits` when declared [tokens, vocabulary] (rank 2: its rows are the step's tokens), else
-    None: fuse.py's `logit_rows` may then select the rows the LM head computes."""
-    out = next((o for o in graph.output if o.name == LOGITS), None)
-    if out is None or not out.type.tensor_type.HasField("shape") or len(out.type.tensor_type.shape.dim) != 2:
-        return None
-    return out.name
-
-
 def compile_model(model: onnx.ModelProto, device: torch.device, allow_reference_fallback: bool = True, *,
                   capturable: bool = False, validate: bool = True, base_dir: str | None = None,
                   release_initializers: bool = False) -> CompiledModel:
@@ -390,9 +380,9 @@ def compile_model(model: onnx.ModelProto, device: torch.device, allow_reference_
     if comp.errors:
         raise ValueError("invalid model: " + "; ".join(comp.errors))
     _fold(g)
-    from .fuse import fuse
+    from .fuse import fuse, token_logits
 
-    fused = fuse(g, logits=_token_logits(model.graph))
+    fused = fuse(g, logits=token_logits(model.graph))
     prepacked = _prepack(g, device)
     host_in = _host_graph_inputs(g)
     uses: dict = {}
