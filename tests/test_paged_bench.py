@@ -401,3 +401,36 @@ def test_repeats_interleave_the_arms_and_combine(tiny_llama, tmp_path, monkeypat
     ort = row["arms"]["ort"]
     assert 0 < ort["run_ms"] <= ort["ms_per_step"] * 1.5 and all("run_ms" in r for r in ort["repeats"])
     assert cli.main([str(tiny_llama), "--device", "cpu", "--repeats", "0", "--out", str(tmp_path)]) == 2
+
+
+def test_weight_bytes_of_subgraphs_external_files_and_int4(tmp_path):
+    """The floor's weight bytes, counted by hand: an If branch's initializer, an external tensor with no recorded
+    length (its file from the offset on), two such tensors in one file (the file once), int4 data (two a byte)."""
+    from onnx import TensorProto, helper
+
+    from pagedkit.apps.bench import floor
+
+    (tmp_path / "a.bin").write_bytes(b"\0" * 100)
+    (tmp_path / "b.bin").write_bytes(b"\0" * 64)
+
+    def ext(name, location, offset=None):
+        t = helper.make_tensor(name, TensorProto.FLOAT, [4], [0.0] * 4)
+        t.ClearField("float_data")
+        t.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", location),) + ((("offset", str(offset)),) if offset is not None else ()):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        return t
+
+    branch = helper.make_graph([helper.make_node("Identity", ["inner"], ["y"])], "then", [],
+                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
+                               [helper.make_tensor("inner", TensorProto.FLOAT, [3], [1.0, 2.0, 3.0])])
+    int4 = helper.make_tensor("q", TensorProto.INT4, [5], [1, 2, 3, 4, 5])
+    g = helper.make_graph([helper.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=branch)], "g",
+                          [helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
+                          [ext("e1", "a.bin", offset=36), ext("e2", "b.bin"), ext("e3", "b.bin", offset=16), int4])
+    onnx.save(helper.make_model(g), tmp_path / "m.onnx")
+    # e1: 100 - 36; e2 / e3 share b.bin without lengths: the file once, from e2's offset 0; int4: 5 codes in 3 bytes;
+    # "inner" twice (then and else are the same graph proto, both walked): 2 x 12
+    assert floor.weight_bytes(tmp_path / "m.onnx") == (100 - 36) + 64 + 3 + 2 * 12

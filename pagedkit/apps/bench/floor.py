@@ -71,9 +71,9 @@ def _tensor_bytes(t: onnx.TensorProto, folder: Path, whole_files: set) -> int:
     if t.HasField("raw_data"):
         return len(t.raw_data)
     n = int(np.prod(t.dims)) if len(t.dims) else 1
-    itemsize = dtypes.numpy_dtype(t.data_type).itemsize if t.data_type != onnx.TensorProto.STRING else 0
     if t.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
         return (n + 1) // 2
+    itemsize = dtypes.numpy_dtype(t.data_type).itemsize if t.data_type != onnx.TensorProto.STRING else 0
     return n * itemsize
 
 
