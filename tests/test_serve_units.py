@@ -323,3 +323,55 @@ def test_structured_keeps_only_eos_ids_inside_the_vocabulary():
 
     assert Structured(None, 10, [0, 3, 9, 10, -1, 12]).eos == [0, 3, 9]
     assert Structured(None, None, [0, 7, 100000]).eos == [0, 7, 100000]
+
+
+def test_body_deadline_already_passed_between_chunks_is_a_408_at_once():
+    """A body chunk that arrives after the body deadline (the receive blocked past it): the next read gets no time
+    at all (max(0, deadline - now)), so the request ends 408 at once instead of waiting on the client again."""
+    import time
+
+    from pagedkit.apps.serve.limits import BodyReader, ServeLimits
+
+    calls, sent = [], []
+
+    async def receive():
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(0.3)  # blocks the loop past the 0.2 s deadline: wait_for cannot cut it short
+            return {"type": "http.request", "body": b"{", "more_body": True}
+        await asyncio.sleep(5)  # the client sends nothing more
+        return {"type": "http.request", "body": b"}", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    async def app(scope, receive, send):  # pragma: no cover - must not run
+        raise AssertionError("the app ran")
+
+    reader = BodyReader(app, ServeLimits(body_timeout_s=0.2))
+    scope = {"type": "http", "headers": [], "client": ("127.0.0.1", 1), "method": "POST", "path": "/v1/completions"}
+    t0 = time.monotonic()
+    asyncio.run(asyncio.wait_for(reader(scope, receive, send), 3))
+    assert time.monotonic() - t0 < 1.5
+    assert sent and sent[0]["type"] == "http.response.start" and sent[0]["status"] == 408
+
+
+def test_a_deadline_queued_after_the_final_output_does_not_change_its_finish_reason():
+    """The request's last output (finish_reason 'stop') and the deadline's signal drained together: the answer ends
+    as the engine finished it ('stop', its text), and the deadline is ignored."""
+    ended, aborted = [], []
+
+    async def in_thread(fn, *a):
+        return fn(*a)
+
+    srv = types.SimpleNamespace(tok=types.SimpleNamespace(decode=lambda ids: "".join(f"<{i}>" for i in ids)),
+                                in_thread=in_thread, metrics=types.SimpleNamespace(ended=lambda *a: ended.append(a)),
+                                worker=types.SimpleNamespace(abort=aborted.append))
+    gen = generation.Generation(srv, P.Sampling(), 0)
+    gen.request_id, gen.queue = "r1", asyncio.Queue()
+    last = types.SimpleNamespace(new_token_ids=[5, 6], new_logprobs=None, num_cached_tokens=0, finished=True,
+                                 finish_reason="stop")
+    gen.queue.put_nowait(last)
+    gen.queue.put_nowait(generation.DEADLINE)
+    piece = asyncio.run(gen.next())
+    assert (piece.text, piece.reason) == ("<5><6>", "stop") and gen.done and aborted == []
