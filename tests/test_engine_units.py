@@ -8,6 +8,7 @@ and the CUDA-graph planner's (batch, kv) key and replay-wide bounds (on a KVCach
 from __future__ import annotations
 
 import math
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -319,3 +320,77 @@ def test_admission_stops_at_max_batch_size(tiny_llama):
     engine._drain()
     entries = engine._schedule([])
     assert [e.req.request_id for e in entries] == ["alone"] and len(engine.waiting) == 1
+
+
+# ---- chain_entries' length bounds (overlap) ------------------------------------------------------------------
+def _chain(prompt_len, max_seq_len, max_new_tokens=50):
+    from pagedkit.engine.overlap import chain_entries
+
+    r = _request(list(range(3, 3 + prompt_len)), max_seq_len=max_seq_len, max_new_tokens=max_new_tokens)
+    r.status, r.num_computed = RUNNING, prompt_len
+    r.append(5)  # the previous step's token: decoding (everything but it cached)
+    kv = SimpleNamespace(length=lambda rid: r.num_computed, config=SimpleNamespace(max_seq_len=max_seq_len))
+    engine = SimpleNamespace(running=[r], waiting=[], kv=kv)
+    prev = SimpleNamespace(entries=[SimpleNamespace(req=r)])
+    return r, chain_entries(engine, prev, lambda req, ids: (req, ids))
+
+
+def test_chain_entries_context_bound():
+    # max_total = max_seq_len + 1 = 17; the in-flight step brings tokens to len + 1, the chained one to len + 2
+    r, out = _chain(14, 16)  # 15 tokens: 15 + 2 = 17 <= 17, the chained token still fits
+    assert out == [(r, [0])]
+    r, out = _chain(15, 16)  # 16 tokens: the in-flight token (the 17th) ends the request by length
+    assert not r.finished and out is None
+    # far from the bound (40 tokens of 65): chained
+    r, out = _chain(39, 64)
+    assert out == [(r, [0])]
+    r, out = _chain(39, 64, max_new_tokens=2)  # the in-flight token is the last one max_new_tokens allows
+    assert out is None
+
+
+# ---- SamplingParams' integer fields ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name,minimum", [("max_new_tokens", 1), ("top_k", 0), ("num_draft_tokens", 0),
+                                          ("seed", 0), ("logprobs", 0)])
+def test_sampling_params_integer_fields_reject_bools_floats_and_small(name, minimum):
+    for bad in (True, False, 2.5, 3.0, minimum - 1):
+        with pytest.raises(ValueError, match=rf"SamplingParams\.{name} must be an integer >= {minimum}, got {bad!r}"):
+            SamplingParams(**{name: bad})
+    assert getattr(SamplingParams(**{name: minimum + 2}), name) == minimum + 2
+
+
+# ---- a failing token constraint's reason -----------------------------------------------------------------------
+def test_constraint_failure_reason_capped_at_500_chars():
+    class Boom:
+        def accept(self, token):
+            raise RuntimeError("x" * 1000)
+
+    r = _request([3, 4], constraint=Boom, max_new_tokens=10)
+    assert r.append(7) and r.finished and r.finish_reason == "abort"
+    full = "the request's token constraint failed: RuntimeError: " + "x" * 1000
+    assert len(r.reason) == 500 and r.reason == full[:500]
+
+
+# ---- Choices' shape check and greedy_rows' dispatch ------------------------------------------------------------
+def test_choices_rejects_logits_not_2d():
+    from pagedkit.engine.sampling import Choices
+
+    ps = [SamplingParams(), SamplingParams()]
+    for shape in ((2, 1, 5), (2,), (3, 5)):
+        with pytest.raises(ValueError, match=rf"Choices: logits should be \[2, vocab\], got {re.escape(str(shape))}"):
+            Choices(torch.zeros(shape), ps)
+    c = Choices(torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 3.0]]), ps)
+    assert [c.token(0, None), c.token(1, None)] == [1, 0]  # ties to the lowest index
+
+
+def test_greedy_rows_uses_the_triton_argmax_on_cuda_when_available(monkeypatch):
+    from pagedkit.engine.sampling import greedy_rows
+    from pagedkit.kernels.triton import argmax as argmax_mod
+    from pagedkit.kernels.triton import common
+
+    monkeypatch.setattr(argmax_mod, "argmax_rows", lambda x: "triton")
+    fake = SimpleNamespace(is_cuda=True, argmax=lambda dim: "torch")
+    monkeypatch.setattr(common, "HAVE_TRITON", True)
+    assert greedy_rows(fake) == "triton"
+    monkeypatch.setattr(common, "HAVE_TRITON", False)
+    assert greedy_rows(fake) == "torch"
+    assert greedy_rows(SimpleNamespace(is_cuda=False, argmax=lambda dim: "torch")) == "torch"
