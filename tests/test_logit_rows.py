@@ -52,10 +52,15 @@ def test_the_head_of_a_token_logits_model_reads_the_rows_fed(tmp_path):
     ref = np.maximum(x.numpy().astype(np.float64), 0) @ w.astype(np.float64) * scale  # float64 oracle, every row
     full = s.run_torch({"x0": x})["logits"]
     assert full.shape == (7, 6) and np.abs(full.numpy() - ref).max() <= 1e-5 * np.abs(ref).max()
+    import onnxruntime as ort
+
+    peer = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(
+        None, {"x0": x.numpy()})[0]  # onnxruntime on the unfused graph
     for rows in ([6], [3, 0, 5], [2, 2], list(range(7))):
         got = s.run_torch({"x0": x, ROWS_INPUT: torch.tensor(rows)})["logits"]
         assert got.shape == (len(rows), 6)
         assert np.abs(got.numpy() - ref[rows]).max() <= 1e-5 * np.abs(ref).max(), rows
+        assert np.abs(got.numpy() - peer[rows]).max() <= 1e-5 * np.abs(peer).max(), rows
     empty = s.run_torch({"x0": x, ROWS_INPUT: torch.zeros(0, dtype=torch.int64)})["logits"]
     assert torch.equal(empty, full)  # empty = every row
 

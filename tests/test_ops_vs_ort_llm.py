@@ -245,10 +245,12 @@ def _tested_ops() -> set[tuple[str, str]]:
               + NORMS + ROTARY + QUANT + MOE + QMOE)
     tested = {(p.values[0].domain, p.values[0].op) for p in params}
     # pagedkit.fused::SiluMul: tests/test_fuse.py compares fused graphs with onnxruntime on the unfused ones
+    # pagedkit.fused::SelectRows: tests/test_logit_rows.py compares the rows with onnxruntime on the unfused graph
     # pagedkit.ort::Segment: runs onnxruntime itself (tests/test_delegate.py checks the whole session against HF)
     # com.microsoft::AllReduce / AllGather: onnxruntime's CPU build has no collective kernels; tests/test_tp_collectives.py
     # checks them on two gloo ranks against numpy sums / concatenations
-    return tested | {("", "If"), ("pagedkit.fused", "SiluMul"), ("pagedkit.ort", "Segment"),
+    return tested | {("", "If"), ("pagedkit.fused", "SiluMul"), ("pagedkit.fused", "SelectRows"),
+                     ("pagedkit.ort", "Segment"),
                      ("com.microsoft", "AllReduce"), ("com.microsoft", "AllGather")}
 
 
