@@ -470,7 +470,7 @@ def test_paged_to_gqa_cast_to_float32_runs_in_onnxruntime():
     import pagedkit
     from paged_gqa import gqa_from_paged
     from test_paged_vs_gqa import make_paged
-    from test_rewrite_nodes import _layout_rows, _np, _rel, convert, one_node_model
+    from test_rewrite_nodes import _layout_rows, _np, _rel, convert, gqa_io_of, one_node_model
 
     x, a = make_paged(rotary="half", seed=31)
     px = {n: x[n] for n in PA.input_names if n in x}
@@ -483,11 +483,7 @@ def test_paged_to_gqa_cast_to_float32_runs_in_onnxruntime():
              "query_seqlens": _np(gx["query_seqlens"]),
              "batch_seq": np.array([len(layout.sequences), layout.seq], np.int64), "token_rows": rows}
 
-    def io(v):
-        return GqaIO(v["past_key"], v["past_value"], "present_key", "present_value", v["seqlens_k"],
-                     v["total_sequence_length"], v["batch_seq"], token_rows=v["token_rows"],
-                     query_seqlens=v["query_seqlens"], cast_to=F32)
-    conv = convert(proto, paged_node_to_gqa, io, PAGED_TO_GQA, extra)
+    conv = convert(proto, paged_node_to_gqa, lambda v: gqa_io_of(v, cast_to=F32), PAGED_TO_GQA, extra)
     gqa = next(n for n in conv.graph.node if n.op_type == "GroupQueryAttention")
     assert {i.name: i.type.tensor_type.elem_type for i in conv.graph.input}["past_key"] == 1
     feeds = {k: _np(v) for k, v in px.items()} | extra

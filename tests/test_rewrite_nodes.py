@@ -37,6 +37,13 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
+def gqa_io_of(v: dict, **kw) -> GqaIO:
+    """The GqaIO of a PagedAttention -> GQA conversion from the graph values `convert` passes (the `extra` names)."""
+    return GqaIO(v["past_key"], v["past_value"], "present_key", "present_value", v["seqlens_k"],
+                 v["total_sequence_length"], v["batch_seq"], token_rows=v["token_rows"],
+                 query_seqlens=v["query_seqlens"], **kw)
+
+
 def _elem(t: torch.Tensor) -> int:
     return dtypes.elem_type(str(t.dtype).replace("torch.", ""))
 
@@ -156,11 +163,7 @@ def paged_to_gqa_error(x, a, rules=PAGED_TO_GQA, unfuse=False, drop=(), gqa_engi
              "total_sequence_length": gx["total_sequence_length"], "query_seqlens": gx["query_seqlens"],
              "batch_seq": np.array([len(layout.sequences), layout.seq], np.int64), "token_rows": rows}
 
-    def io(v):
-        return GqaIO(v["past_key"], v["past_value"], "present_key", "present_value", v["seqlens_k"],
-                     v["total_sequence_length"], v["batch_seq"], token_rows=v["token_rows"],
-                     query_seqlens=v["query_seqlens"], unfuse_qk_norm=unfuse)
-    conv = convert(proto, paged_node_to_gqa, io, rules, extra)
+    conv = convert(proto, paged_node_to_gqa, lambda v: gqa_io_of(v, unfuse_qk_norm=unfuse), rules, extra)
     feeds = {k: _np(v) for k, v in px.items()} | {k: (v if isinstance(v, np.ndarray) else _np(v))
                                                    for k, v in extra.items()}
     got = _run(conv, feeds, gqa_engine)
