@@ -227,6 +227,7 @@ class PagedModel:
         the run device (a decode step graphs serve only; token_ids then only gives T). The caller commits (on
         an exception here the plan is aborted before re-raising)."""
         mgr = self.mgr
+        rows = None if rows is None or list(rows) == list(range(len(token_ids))) else list(rows)  # None: every row
         try:
             if self.graphs is not None and self.graphs.serves(plan):
                 out = self.graphs.run(plan, token_ids, device_ids)
@@ -234,9 +235,9 @@ class PagedModel:
                 raise ValueError("PagedModel.run: device_ids need a decode step CUDA graphs serve (graphs.plan)")
             else:
                 feeds = self.feeds(plan, token_ids)
-                if self.rows is not None and rows is not None and list(rows) != list(range(len(token_ids))):
+                if self.rows is not None and rows is not None:
                     # the LM head on the rows read only (a middle prompt chunk reads none: one row computed)
-                    feeds[ROWS_INPUT] = self.rows.feed(list(rows) or [len(token_ids) - 1])
+                    feeds[ROWS_INPUT] = self.rows.feed(rows or [len(token_ids) - 1])
                     return self.forward(feeds, plan.hint).reshape(max(len(rows), 1), -1)[:len(rows)]
                 out = self.forward(feeds, plan.hint)
         except BaseException:
@@ -245,8 +246,8 @@ class PagedModel:
             mgr.abort(plan)
             raise
         out = out.reshape(len(token_ids), -1)
-        if rows is not None and list(rows) != list(range(len(token_ids))):
-            out = out.index_select(0, torch.tensor(list(rows), dtype=torch.int64, device=out.device))
+        if rows is not None:
+            out = out.index_select(0, torch.tensor(rows, dtype=torch.int64, device=out.device))
         return out
 
 
