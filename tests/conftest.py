@@ -71,3 +71,28 @@ def pytest_runtest_makereport(item, call):
     rep = yield  # importorskip inside a test or fixture, skipif marks
     _fail_missing_module_skip(rep)
     return rep
+
+
+_EXIT_REPORT = os.environ.get("TEST_EXIT_REPORT")  # a folder: why a (worker) process does not exit
+
+
+def pytest_unconfigure(config):
+    """With TEST_EXIT_REPORT=DIR (the device's gpu runs, whose xdist workers once stayed alive after the
+    last test): each process writes its live threads and child processes to DIR/exit-PID.txt, and every
+    thread's stack there again if it is still alive 20 s later."""
+    if not _EXIT_REPORT:
+        return
+    import faulthandler
+    import threading
+
+    os.makedirs(_EXIT_REPORT, exist_ok=True)
+    f = open(os.path.join(_EXIT_REPORT, f"exit-{os.getpid()}.txt"), "w")
+    for t in threading.enumerate():
+        f.write(f"thread {t.name!r} daemon={t.daemon} alive={t.is_alive()}\n")
+    try:
+        kids = os.popen(f"ps -o pid,stat,etime,cmd --ppid {os.getpid()}").read()
+    except OSError as exc:
+        kids = str(exc)
+    f.write(f"children:\n{kids}\n")
+    f.flush()
+    faulthandler.dump_traceback_later(20, exit=False, file=f)

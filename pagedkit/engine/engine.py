@@ -38,7 +38,7 @@ from typing import Callable, Iterator, Sequence
 from ..runtime.kv.cache import KVCacheExhausted
 from . import group as grp
 from . import constraint
-from .model import PagedModel
+from .model import PREFILL_GRAPH_TOKENS, PagedModel
 from .overlap import HostRing, Inflight, advance, greedy_decode
 from .params import RequestOutput, SamplingParams
 from .request import RUNNING, WAITING, Request, new_request
@@ -60,6 +60,7 @@ class EngineStats:
     accepted_draft_tokens: int = 0
     max_batch: int = 0  # most sequences seen in one step
     graph_steps: int = 0  # decode steps CUDA graphs served (replays, and each graph's first, eager step)
+    prefill_graph_steps: int = 0  # first-prompt steps prefill graphs served (replays and each key's first step)
     overlapped_steps: int = 0  # decode steps launched before the previous step's tokens were read (overlap)
 
 
@@ -86,18 +87,22 @@ class Engine:
     on with CUDA-graph replays; needs cuda_graphs (True or "padded"). tp: the model folder is a tensor-parallel
     export of tp ranks (`paged-export --tp N`; None: whatever the folder is): this process becomes rank 0 (scheduler,
     KV manager, sampling) of a set it starts (runtime/distributed), eager steps only; `close()` stops it.
+    prefill_graph_tokens: steps of whole first prompts up to this many padded tokens (sequences x token bucket)
+    run as CUDA-graph replays too, with cuda_graphs (prefill_graphs.py; "padded": the same padded steps
+    eagerly); 0 = off. `model.prefill_graphs_off_reason` says why a model has none.
     add_request / abort may be called from any thread; step() from one thread at a time."""
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", *, max_batch_size: int = 16,
                  max_num_tokens: int = 512, num_blocks: int | None = None, block_size: int | None = None,
                  enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
-                 overlap: bool | None = None, memory_fraction: float | None = None, tp: int | None = None):
+                 overlap: bool | None = None, memory_fraction: float | None = None, tp: int | None = None,
+                 prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS):
         if overlap not in (None, True, False):
             raise ValueError(f"Engine: overlap must be None (on with CUDA graphs), True or False, got {overlap!r}")
         self.model = PagedModel(model_dir, device, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                                 num_blocks=num_blocks, block_size=block_size,
                                 enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
-                                memory_fraction=memory_fraction, tp=tp)
+                                memory_fraction=memory_fraction, tp=tp, prefill_graph_tokens=prefill_graph_tokens)
         self.kv = self.model.mgr
         self.eos_token_ids: list[int] = list(self.model.config.eos_token_ids)
         self.vocab_size: int | None = self.model.config.vocab_size
@@ -379,6 +384,8 @@ class Engine:
                 params.append(e.req.params)
             flat += n
         graphed = self.model.graphs is not None and self.model.graphs.serves(plan)
+        pg = self.model.prefill_graphs
+        self.stats.prefill_graph_steps += int(pg is not None and pg.serves(plan))
         logits = self.model.run(plan, ids, wanted)
         self.kv.commit(plan)  # host bookkeeping while the device runs the step
         masks, failed = constraint.step_masks(picks, logits.shape[-1])  # token constraints: host work, no device read

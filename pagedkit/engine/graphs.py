@@ -56,7 +56,7 @@ def kv_bucket(max_kv_len: int, max_seq_len: int) -> int:
 @dataclass
 class _Graph:
     graph: object  # torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [Bp, V] (or [Bp, 1, V]): the captured output, rewritten by every replay
+    logits: torch.Tensor  # [rows, V] (or [rows, 1, V]): the captured output, rewritten by every replay
     keep: list = field(default_factory=list)  # pinned host tensors the captured copies read
 
 
@@ -84,8 +84,7 @@ class DecodeGraphs:
         self.buckets = tuple(b for b in batch_buckets(cfg.max_batch_size) if b <= cfg.max_num_tokens)
         self.ids = torch.zeros(max(self.buckets), dtype=torch.int64, device=mgr.device)
         self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.pool = None
-        self.stream = None
+        self.runs = GraphCapture(model, capture)  # shared with the prefill graphs (one pool, one side stream)
         self.stats = GraphStats()
         self._keys: dict[int, tuple[int, int]] = {}  # plan id -> key of a padded plan not yet run
         self._stage = PinnedRing.of(self.ids.shape[0], torch.int64, capture)  # input ids' host staging
@@ -133,11 +132,13 @@ class DecodeGraphs:
             self.stats.replays += 1
             return g.logits.reshape(bp, -1)[:b]
         feeds = self.model.feeds(plan, ids)
-        out = self._eager(feeds, plan.hint)
+        out = self.runs.eager(feeds, plan.hint)
         self.stats.eager_padded += 1
         if self.capture:
             try:
-                self._capture(key, feeds, plan.hint)
+                self.graphs[key] = self.runs.capture(feeds, plan.hint)
+                self.stats.captured += 1
+                self.stats.keys.append(key)
             except Exception as exc:  # this step's result stands (it ran eagerly); later steps run unpadded
                 self.stats.capture_error = f"{type(exc).__name__}: {exc}"[:500]
                 log.warning("CUDA-graph capture of decode bucket %s failed, decode steps run eagerly: %s", key,
@@ -164,20 +165,35 @@ class DecodeGraphs:
             ids[b:].zero_()
         return ids
 
-    def _eager(self, feeds, hint) -> torch.Tensor:
-        if not self.capture:
+    def abort(self, plan) -> None:
+        self._keys.pop(plan.plan_id, None)
+
+
+class GraphCapture:
+    """The side stream and the memory pool all CUDA graphs of one model share (decode and prefill graphs:
+    their replays never overlap), and the two runs of a graph's first step: `eager` (the step's real result,
+    run off the capture stream: torch.cuda.graphs' advice for a warm-up) and `capture` (records the same
+    forward; runs nothing). capture=False: `eager` is the model's plain forward (no stream)."""
+
+    def __init__(self, model, capture: bool):
+        self.model, self.enabled = model, capture
+        self.pool = None
+        self.stream = None
+
+    def eager(self, feeds, hint) -> torch.Tensor:
+        if not self.enabled:
             return self.model.forward(feeds, hint)
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.model.mgr.device)
         main = torch.cuda.current_stream(self.model.mgr.device)
         self.stream.wait_stream(main)
-        with torch.cuda.stream(self.stream):  # warm-up off the capture stream (torch.cuda.graphs' advice)
+        with torch.cuda.stream(self.stream):
             out = self.model.forward(feeds, hint)
         main.wait_stream(self.stream)
         out.record_stream(main)
         return out
 
-    def _capture(self, key, feeds, hint) -> None:
+    def capture(self, feeds, hint) -> _Graph:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -186,12 +202,7 @@ class DecodeGraphs:
         session._capture_keep = keep  # run-time host -> device copies are pinned and kept (session._place)
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                logits = self.model.forward(feeds, hint)
+                out = self.model.forward(feeds, hint)
         finally:
             session._capture_keep = None
-        self.graphs[key] = _Graph(graph, logits, keep)
-        self.stats.captured += 1
-        self.stats.keys.append(key)
-
-    def abort(self, plan) -> None:
-        self._keys.pop(plan.plan_id, None)
+        return _Graph(graph, out, keep)

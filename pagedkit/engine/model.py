@@ -36,6 +36,7 @@ from ..runtime.kv.plan import StepPlan
 from ..runtime.kv.staging import PinnedRing
 from ..runtime.session import ROWS_INPUT, InferenceSession, _cpu_backend
 from .graphs import DecodeGraphs
+from .prefill_graphs import MAX_TOKENS as PREFILL_GRAPH_TOKENS, PrefillGraphs
 
 
 GPU_MEMORY_FRACTION = 0.9  # of the free GPU memory the default full-attention pool may take
@@ -85,7 +86,8 @@ def pool_blocks(free_bytes: int, fraction: float, bytes_per_block: int, cap: int
 class PagedModel:
     def __init__(self, model_dir: str | Path, device: str, *, max_batch_size: int, max_num_tokens: int,
                  num_blocks: int | None, block_size: int | None, enable_prefix_caching: bool,
-                 cuda_graphs: bool | None = None, memory_fraction: float | None = None, tp: int | None = None):
+                 cuda_graphs: bool | None = None, memory_fraction: float | None = None, tp: int | None = None,
+                 prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS):
         for name, v in (("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Engine: {name} must be an integer >= 1, got {v!r}")
@@ -181,6 +183,24 @@ class PagedModel:
         self.mgr.feed_only({k for k in self.mgr.step_input_names() if self.renames.get(k, k) in self.input_names})
         self.input_ids_name = cfg.input(N.INPUT_IDS)
         self.graphs = DecodeGraphs(self, capture=cuda_graphs != "padded") if graphs else None
+        self.prefill_graphs = None  # first prompts as replays (prefill_graphs.py), where the model allows them
+        self.prefill_graphs_off_reason = self._prefill_graphs_off(prefill_graph_tokens)
+        if self.prefill_graphs_off_reason is None:
+            self.prefill_graphs = PrefillGraphs(self, self.graphs.runs, capture=self.graphs.capture,
+                                                max_tokens=prefill_graph_tokens)
+
+    def _prefill_graphs_off(self, max_tokens) -> str | None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ValueError(f"Engine: prefill_graph_tokens must be an integer >= 0 (0: off), got {max_tokens!r}")
+        if not max_tokens:
+            return "prefill_graph_tokens=0"
+        if self.graphs is None:
+            return "no CUDA graphs (cuda_graphs off, or not CUDA)"
+        if self.rows is None:
+            return f"the model's head has no '{ROWS_INPUT}' input (its logits are not [tokens, vocab])"
+        if any(g.windowed for g in self.groups.values()):
+            return "the model has sliding-window layers"
+        return None
 
     def pool_summary(self) -> str:
         """One line: each pool's blocks, tokens and bytes, and the rule that sized the full-attention pool."""
@@ -216,7 +236,12 @@ class PagedModel:
 
     def plan(self, batch: Sequence[tuple]) -> StepPlan:
         """One step's plan for batch [(seq_id, token ids)]: a decode step CUDA graphs serve is padded to its
-        batch bucket with replay-wide bounds (graphs.py); anything else is the manager's plain plan."""
+        batch bucket with replay-wide bounds (graphs.py), a step of first prompts a prefill graph serves to its
+        token bucket (prefill_graphs.py); anything else is the manager's plain plan."""
+        if self.prefill_graphs is not None:
+            plan = self.prefill_graphs.plan(batch)
+            if plan is not None:
+                return plan
         return self.graphs.plan(batch) if self.graphs is not None else self.mgr.plan(batch)
 
     def run(self, plan: StepPlan, token_ids: Sequence[int], rows: Sequence[int] | None = None,
@@ -233,6 +258,8 @@ class PagedModel:
                 out = self.graphs.run(plan, token_ids, device_ids)
             elif device_ids is not None:
                 raise ValueError("PagedModel.run: device_ids need a decode step CUDA graphs serve (graphs.plan)")
+            elif self.prefill_graphs is not None and self.prefill_graphs.serves(plan):
+                return self.prefill_graphs.run(plan, token_ids, rows)
             else:
                 feeds = self.feeds(plan, token_ids)
                 if self.rows is not None and rows is not None:
@@ -243,6 +270,8 @@ class PagedModel:
         except BaseException:
             if self.graphs is not None:
                 self.graphs.abort(plan)
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.abort(plan)
             mgr.abort(plan)
             raise
         out = out.reshape(len(token_ids), -1)

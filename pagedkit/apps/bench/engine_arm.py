@@ -86,6 +86,7 @@ def run_row(engine: Engine, row: Row, prompts: list[list[int]], device: str) -> 
                             ignore_eos=True)
     tokens: dict[str, list[int]] = {}
     first: dict[str, float] = {}
+    pg0 = engine.stats.prefill_graph_steps
     _sync(device)
     t0 = time.perf_counter()
     ids = [engine.add_request(p, params) for p in prompts]
@@ -102,6 +103,7 @@ def run_row(engine: Engine, row: Row, prompts: list[list[int]], device: str) -> 
             if prefill > 10 * prefill_steps(row, engine.max_num_tokens) + 10:
                 raise RuntimeError(f"the engine made no progress on the prefill of {row} after {prefill} steps")
         ttft = max(first.values()) - t0
+        prefill_graphed = engine.stats.prefill_graph_steps - pg0
         ttft_first = min(first.values()) - t0
         times, emitted, smallest = [], 0, row.batch
         graphs = engine.model.graphs
@@ -133,6 +135,7 @@ def run_row(engine: Engine, row: Row, prompts: list[list[int]], device: str) -> 
            "cuda_graphs": graphs is not None and graphs.capture, "overlap": overlap,
            "overlapped_steps": engine.stats.overlapped_steps,
            "graph_replays": (graphs.stats.replays - replays0) if graphs is not None else 0,
+           "prefill_graph_steps": prefill_graphed,  # prefill steps a prefill graph served (engine/prefill_graphs.py)
            "tokens": [tokens[rid] for rid in ids]}
     if smallest < row.batch:
         rec["note"] = (f"some timed steps decoded only {smallest} of {row.batch} sequences (the context length "

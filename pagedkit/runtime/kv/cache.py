@@ -232,12 +232,17 @@ class KVCacheManager:
 
     # ---- stepping ----------------------------------------------------------------------------------
     def plan(self, batch: Sequence[tuple], bounds: tuple[int, int, int] | None = None,
-             pad_to: int | None = None) -> StepPlan:
+             pad_to: int | None = None, pad_len: int | None = None) -> StepPlan:
         """Reserve slots for batch = [(seq_id, n_new_tokens or new token ids), ...] and write the step's
         inputs into the persistent buffers. bounds overrides config.bounds (replay-wide metadata).
         pad_to (needs config.pad_block): the step's tensors get pad_to - len(batch) extra rows after the
         batch, each a one-token sequence with no past that writes and reads only the pad block (a CUDA-graph
-        bucket's fixed shapes); the plan's host facts (seq_ids, lengths) stay the batch's."""
+        bucket's fixed shapes); the plan's host facts (seq_ids, lengths) stay the batch's.
+        pad_len (needs config.pad_block, full-attention groups only): every sequence's new tokens are padded to
+        pad_len on the device (a prefill graph's fixed shapes, engine/prefill_graphs.py): the pad tokens follow
+        the sequence's own at the next positions, their slots are the block table's (the tail of the
+        sequence's last block, then the pad block, which fills the table's entries past the sequence's blocks);
+        a causal query never reads a later position, so they change no real token's result."""
         if self._open_plan is not None:
             raise RuntimeError("plan: the previous plan is neither committed nor aborted")
         if pad_to is not None:
@@ -249,11 +254,13 @@ class KVCacheManager:
                                  f"max_batch_size), got {pad_to}")
         parsed = self._parse_batch(batch, pad_to)
         entries = [(seq, n) for seq, n, _ in parsed]
+        if pad_len is not None:
+            self._check_pad_len(parsed, pad_len, pad_to)
         bounds = bounds if bounds is not None else self.config.bounds
         step_metadata([n for _, n in entries], [seq.length + n for seq, n in entries], bounds)  # check first
         slots = self._reserve(entries)  # raises before any change when a pool is exhausted
         self._record_tokens(parsed)
-        plan = self._write(entries, slots, bounds, pad_to)
+        plan = self._write(entries, slots, bounds, pad_to, pad_len)
         self._open_plan = plan
         return plan
 
@@ -328,6 +335,26 @@ class KVCacheManager:
             raise ValueError(f"sequence {seq_id!r} would reach {total} tokens, beyond max_seq_len "
                              f"{self.config.max_seq_len} (max_blocks_per_seq {widths})")
 
+    def _check_pad_len(self, parsed, pad_len: int, pad_to: int | None) -> None:
+        cfg = self.config
+        if not cfg.pad_block:
+            raise ValueError("plan: pad_len needs KVCacheConfig.pad_block=True (the pad tokens' own block)")
+        if pad_to is not None:
+            raise ValueError("plan: pad_to and pad_len exclude each other")
+        if any(g.windowed for g in cfg.groups):
+            raise ValueError("plan: pad_len needs full-attention groups only (a windowed ring has no pad entries)")
+        longest = max(n for _, n, _ in parsed)
+        if isinstance(pad_len, bool) or not isinstance(pad_len, int) or pad_len < longest:
+            raise ValueError(f"plan: pad_len should be an integer >= the step's longest sequence ({longest} new "
+                             f"tokens), got {pad_len!r}")
+        for seq, _, _ in parsed:
+            if seq.length + pad_len > cfg.max_seq_len:
+                raise ValueError(f"plan: pad_len {pad_len} takes sequence {seq.seq_id!r} ({seq.length} cached "
+                                 f"tokens) beyond max_seq_len {cfg.max_seq_len}")
+        if len(parsed) * pad_len > cfg.max_num_tokens:
+            raise ValueError(f"plan: {len(parsed)} sequences x pad_len {pad_len} tokens in the step, beyond "
+                             f"max_num_tokens {cfg.max_num_tokens}")
+
     def _parse_batch(self, batch, pad_to: int | None = None) -> list[tuple[_Seq, int, object]]:
         cfg = self.config
         if not 1 <= len(batch) <= cfg.max_batch_size:
@@ -389,9 +416,9 @@ class KVCacheManager:
         return slots
 
     # ---- buffers -----------------------------------------------------------------------------------
-    def _write(self, entries, slots, bounds, pad_to=None) -> StepPlan:
+    def _write(self, entries, slots, bounds, pad_to=None, pad_len=None) -> StepPlan:
         self._plan_count += 1
-        pad = {g.name: g.num_blocks for g in self.config.groups} if pad_to else None
+        pad = {g.name: g.num_blocks for g in self.config.groups} if pad_to or pad_len else None
         return self.buffers.write(
             self._plan_count,
             seq_ids=[seq.seq_id for seq, _ in entries],
@@ -402,6 +429,7 @@ class KVCacheManager:
             slots={g: [s for per_seq in v for s in per_seq] for g, v in slots.items()},
             bounds=bounds,
             pad=(pad_to - len(entries), pad) if pad_to else None,
+            pad_len=(pad_len, pad) if pad_len else None,
         )
 
     # ---- introspection ---------------------------------------------------------------------------

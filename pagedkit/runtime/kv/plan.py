@@ -138,6 +138,22 @@ def copy_ranges(spans: list[tuple[int, int]], gap: int = MERGE_GAP) -> list[tupl
     return [(o, n) for o, n in out]
 
 
+def _padded_slots(dst: np.ndarray, table: np.ndarray, real: list[int], query_lens, past_lens, L: int,
+                  pad_block: int, block_size: int, row_lens: list[int]) -> None:
+    """dst [B * L] <- each sequence's real slots, then its pad tokens' (the table's slot of each later
+    position); the table rows' entries past each sequence's blocks, up to its last padded position, become the
+    pad block (table: [B, width] host view, written in place)."""
+    start = 0
+    for b, (n, past) in enumerate(zip(query_lens, past_lens)):
+        out = dst[b * L : (b + 1) * L]
+        out[:n] = real[start : start + n]
+        start += n
+        last = -(-(past + L) // block_size)  # blocks the padded sequence covers
+        table[b, row_lens[b] : last] = pad_block
+        pos = np.arange(past + n, past + L)
+        out[n:] = table[b, pos // block_size] * block_size + pos % block_size
+
+
 class PlanBuffers:
     """The flat persistent int32 buffer and its segments, batch-indexed first: "cu", "past", ("table", g), then
     "qpos", ("slots", g). `fed`: the segments the model reads (None: all); only those are copied."""
@@ -208,37 +224,49 @@ class PlanBuffers:
         return out
 
     def write(self, plan_id: int, seq_ids, query_lens, past_lens, draft_lens, tables, slots, bounds,
-              pad: tuple[int, dict[str, int]] | None = None) -> StepPlan:
+              pad: tuple[int, dict[str, int]] | None = None,
+              pad_len: tuple[int, dict[str, int]] | None = None) -> StepPlan:
         """Fill the buffers for one step. tables[group] = one block-table row (list) per sequence,
         slots[group] = the flat slot mapping [T]. pad = (rows, pad block per group): that many one-token pad
-        rows after the batch (no past; position 0 of the pad block, written and read by the pad row only)."""
+        rows after the batch (no past; position 0 of the pad block, written and read by the pad row only).
+        pad_len = (L, pad block per group): every sequence's tokens padded to L on the device (KVCacheManager.plan):
+        the table's entries past a sequence's blocks up to its last padded position are the pad block, and a
+        pad token's slot is the table's slot of its position."""
         cfg = self.config
         host = self.begin()
         n_pad, pad_blocks = pad if pad else (0, {})
-        B, T = len(seq_ids), sum(query_lens)
-        lens = list(query_lens) + [1] * n_pad
+        if pad_len:
+            L, pad_blocks = pad_len
+            lens = [L] * len(seq_ids)
+        else:
+            lens = list(query_lens) + [1] * n_pad
+        B, T = len(lens), sum(lens)  # the device rows and tokens
         host["cu"][0] = 0
-        if B + n_pad == 1:
+        if B == 1:
             host["cu"][1] = lens[0]
         else:
-            host["cu"][1 : B + n_pad + 1] = np.cumsum(lens)
-        host["past"][:B] = past_lens
-        host["past"][B : B + n_pad] = 0
-        if B == 1:
-            host["qpos"][:T] = np.arange(past_lens[0], past_lens[0] + T)
+            host["cu"][1 : B + 1] = np.cumsum(lens)
+        nb = len(seq_ids)
+        host["past"][:nb] = past_lens
+        host["past"][nb:B] = 0
+        if nb == 1:
+            host["qpos"][: lens[0]] = np.arange(past_lens[0], past_lens[0] + lens[0])
         else:
-            host["qpos"][:T] = np.concatenate([np.arange(p, p + q) for p, q in zip(past_lens, query_lens)])
-        host["qpos"][T : T + n_pad] = 0
+            host["qpos"][: T - n_pad] = np.concatenate([np.arange(p, p + q) for p, q in zip(past_lens, lens)])
+        host["qpos"][T - n_pad : T] = 0
         for g in cfg.groups:
-            table = host[("table", g.name)]
-            table[: B + n_pad] = -1
+            table, dst = host[("table", g.name)], host[("slots", g.name)]
+            table[:B] = -1
             for b, row in enumerate(tables[g.name]):
                 table[b, : len(row)] = row
-            host[("slots", g.name)][:T] = slots[g.name]
+            if pad_len:
+                _padded_slots(dst, table, slots[g.name], query_lens, past_lens, L, pad_blocks[g.name],
+                              g.block_size, [len(r) for r in tables[g.name]])
+            else:
+                dst[: T - n_pad] = slots[g.name]
             if n_pad:
-                table[B : B + n_pad, 0] = pad_blocks[g.name]
-                host[("slots", g.name)][T : T + n_pad] = pad_blocks[g.name] * g.block_size
-        B, T = B + n_pad, T + n_pad  # the device rows
+                table[nb:B, 0] = pad_blocks[g.name]
+                dst[T - n_pad : T] = pad_blocks[g.name] * g.block_size
         meta = step_metadata(query_lens, [p + q for p, q in zip(past_lens, query_lens)], bounds)
         self._metadata_np[:] = meta
         used = {("table", g.name): B for g in cfg.groups} | {("slots", g.name): T for g in cfg.groups}
