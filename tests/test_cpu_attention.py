@@ -177,6 +177,37 @@ def test_kernel_setting(llama32, monkeypatch):
     assert d["decomposed"] and not d["lowered"] and "no C compiler" in d["cpu_kernel"], d
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_size,cache", [
+    (9, 3, 64, torch.float16),  # SmolLM2: 3 heads a group, one 64-wide chunk
+    (8, 8, 80, torch.float16),  # one head a group; a 64-wide chunk and a 16-wide one
+    (24, 4, 128, torch.float16),  # 6 heads a group (the most in registers), two chunks
+    (14, 2, 32, torch.float16),  # 7 heads a group: the generic loops
+    (6, 2, 24, torch.float16),  # head size not a multiple of 16: the generic loops
+])
+def test_group_shapes_against_the_reference(heads, kv_heads, head_size, cache):
+    """The kernel's register-held group path (simd.h qk_group / pv_group: G <= 6, head size a multiple of 16) and
+    the generic loops beside it, against the torch reference kernel (kernels/paged/reference.py, float32 math):
+    prefill and decode rows, contexts across blocks, RoPE."""
+    from cases import Case as FileCase, Expected
+    from nodes import make_paged_case
+    from pagedkit.kernels.paged.reference import paged_attention
+    from test_session_cases import single_node_model
+
+    c = make_paged_case(num_heads=heads, kv_num_heads=kv_heads, head_size=head_size, past=(0, 37, 150),
+                        q_lens=(6, 1, 2), dtype=cache, seed=heads * 1000 + head_size)
+    want = paged_attention({k: v.clone() for k, v in c.inputs.items()}, outputs=c.outputs, **c.attrs)
+    case = FileCase(f"group_{heads}_{kv_heads}_{head_size}", "PagedAttention", c.attrs, c.inputs, Expected(want, {}))
+    sess = InferenceSession(single_node_model(case), cpu_backend="onnxruntime")
+    assert sess.delegated["lowered"], sess.delegated
+    got = sess.run_torch({k: v.clone() for k, v in c.inputs.items()})
+    tol = 5e-3 if cache == torch.float16 else 2e-2
+    for name, ref in want.items():
+        have, ref = got[name].double(), ref.double()
+        assert have.shape == ref.shape and torch.isfinite(have).all(), name
+        rel = float((have - ref).abs().max() / ref.abs().max())
+        assert rel <= tol, f"{name}: max|diff| / max|ref| = {rel:.3g} > {tol}"
+
+
 def _mutant(tmp_path, old: str, new: str):
     src = tmp_path / "src"
     src.mkdir()
@@ -198,6 +229,9 @@ MUTANTS = {
     "sink dropped": ("if (S->sink) den += expf(sink - m);", ""),
     "work items: tokens only": ("parallel_for(T * HKV, attend_item, &job, threads);",
                                 "parallel_for(T, attend_item, &job, threads);"),
+    "group path: last key dropped": ("pv_group(acc, scores, (const uint16_t*)S->vcache, rows, n, G, D, K->c);",
+                                     "pv_group(acc, scores, (const uint16_t*)S->vcache, rows, n - 1, G, D, K->c);"),
+    "group path: one group's queries": ("qk_group(scores, q + (size_t)g * G * D,", "qk_group(scores, q,"),
 }
 
 

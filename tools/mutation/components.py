@@ -38,7 +38,7 @@ COMPONENTS: dict[str, Component] = {
                "tests/test_engine_windowed.py", "tests/test_engine_stress.py",
                "tests/test_engine_graphs.py", "tests/test_engine_pool.py", "tests/test_sampling*.py",
                "tests/test_engine_*oracle*.py", "tests/test_stop*.py", "tests/test_engine_logits.py",
-               "tests/test_engine_group.py", "tests/test_engine_constraint.py"),
+               "tests/test_engine_group.py", "tests/test_engine_constraint.py", "tests/test_prefill_graphs.py"),
         timeout=120, budget=3600,
         notes="the continuous-batching Engine, sampling, speculative decoding, the genai-style wrapper"),
     "serve": Component(
@@ -51,7 +51,7 @@ COMPONENTS: dict[str, Component] = {
         sources=("pagedkit/runtime/kv/*.py",),
         tests=("tests/test_kv_edges.py", "tests/test_kv_cache.py", "tests/test_kv_cache_attention.py",
                "tests/test_kv_cache_props.py", "tests/test_block_size_rule.py", "tests/test_engine_pool.py",
-               "tests/test_kv_*.py"),
+               "tests/test_kv_*.py", "tests/test_prefill_graphs.py"),
         timeout=120, budget=3600,
         notes="the KV block manager (runtime/kv: config, pool, blocks, plan, staging, cache)"),
     "parity": Component(

@@ -296,11 +296,15 @@ static void attend(const Step* S, int64_t t, int64_t b, int g, const float* q, i
   (void)maxc;
   const float scale = K->scale != 0.f ? K->scale : 1.0f / sqrtf((float)D);
   memset(acc, 0, sizeof(float) * (size_t)G * D);
+  const int fast = group_fast(G, D, K->c);  /* simd.h: the group's heads held in registers (same sums, same order) */
   if (n > 0) {
-    for (int64_t i = 0; i < n; i++) {  /* scores: each K row widened once for the group's heads */
-      to_f32(kf, S->kcache, (size_t)rows[i] * D, (size_t)D, K->c);
-      for (int h = 0; h < G; h++) scores[(size_t)h * n + i] = dot_ff(q + (size_t)(g * G + h) * D, kf, D) * scale;
-    }
+    if (fast)
+      qk_group(scores, q + (size_t)g * G * D, (const uint16_t*)S->kcache, rows, n, G, D, K->c, scale);
+    else
+      for (int64_t i = 0; i < n; i++) {  /* scores: each K row widened once for the group's heads */
+        to_f32(kf, S->kcache, (size_t)rows[i] * D, (size_t)D, K->c);
+        for (int h = 0; h < G; h++) scores[(size_t)h * n + i] = dot_ff(q + (size_t)(g * G + h) * D, kf, D) * scale;
+      }
     for (int h = 0; h < G; h++) {
       float* s = scores + (size_t)h * n;
       if (K->softcap > 0.f)
@@ -311,10 +315,13 @@ static void attend(const Step* S, int64_t t, int64_t b, int g, const float* q, i
       if (S->sink) den += expf(sink - m);
       scale_row(s, (size_t)n, 1.0f / den);
     }
-    for (int64_t i = 0; i < n; i++) {  /* p @ V: each V row widened once */
-      to_f32(kf, S->vcache, (size_t)rows[i] * D, (size_t)D, K->c);
-      for (int h = 0; h < G; h++) axpy_ff(acc + (size_t)h * D, scores[(size_t)h * n + i], kf, D);
-    }
+    if (fast)
+      pv_group(acc, scores, (const uint16_t*)S->vcache, rows, n, G, D, K->c);
+    else
+      for (int64_t i = 0; i < n; i++) {  /* p @ V: each V row widened once */
+        to_f32(kf, S->vcache, (size_t)rows[i] * D, (size_t)D, K->c);
+        for (int h = 0; h < G; h++) axpy_ff(acc + (size_t)h * D, scores[(size_t)h * n + i], kf, D);
+      }
   }  /* else: no admitted key, output 0 */
   const size_t qw = (size_t)S->H * D;
   for (int h = 0; h < G; h++) {

@@ -161,6 +161,85 @@ static inline void axpy_ff(float* o, float p, const float* b, int n) {
   for (; i < n; i++) o[i] += p * b[i];
 }
 
+/* A KV group's attention with its G query heads in registers (AVX-512, 16-bit caches, D a multiple of 16, G <= 6):
+ * qk_group: scores[h * n + i] = dot(q_h, K row i) * scale; pv_group: acc[h * D + d] = sum_i p[h * n + i] V[i, d].
+ * Each sum runs in the order dot_ff / axpy_ff use (16-lane FMAs over d, then the lane sum; keys in order), so the
+ * results are those of the generic loops, bit for bit; what changes is that a K / V row is widened once into
+ * registers and the accumulators never leave them. Specialized per G (a constant after inlining). */
+#if defined(__AVX512F__)
+#define GROUP_MAX 6
+static inline int group_fast(int G, int D, int kind) { return kind != 0 && G >= 1 && G <= GROUP_MAX && D % 16 == 0; }
+static inline __attribute__((always_inline)) void qk_g(float* scores, const float* q, const uint16_t* cache,
+                                                      const int64_t* rows, int64_t n, const int G, int D, int kind,
+                                                      float scale) {
+  for (int64_t i = 0; i < n; i++) {
+    const uint16_t* kr = cache + (size_t)rows[i] * D;
+    __m512 s[GROUP_MAX];
+    for (int h = 0; h < G; h++) s[h] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) {
+      __m512 k = v_wide(kr + d, kind);
+      for (int h = 0; h < G; h++) s[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (size_t)h * D + d), k, s[h]);
+    }
+    for (int h = 0; h < G; h++) scores[(size_t)h * n + i] = _mm512_reduce_add_ps(s[h]) * scale;
+  }
+}
+/* d in chunks of W vectors (4, then 1 for the rest): acc[h][w] stays in registers over every key */
+#define PV_CHUNK(W)                                                                                         \
+  for (; d + 16 * (W) <= D; d += 16 * (W)) {                                                                \
+    __m512 a[GROUP_MAX][W];                                                                                 \
+    for (int h = 0; h < G; h++)                                                                             \
+      for (int w = 0; w < (W); w++) a[h][w] = _mm512_setzero_ps();                                          \
+    for (int64_t i = 0; i < n; i++) {                                                                       \
+      const uint16_t* vr = cache + (size_t)rows[i] * D + d;                                                 \
+      __m512 v[W];                                                                                          \
+      for (int w = 0; w < (W); w++) v[w] = v_wide(vr + 16 * w, kind);                                       \
+      for (int h = 0; h < G; h++) {                                                                         \
+        __m512 p = _mm512_set1_ps(p_[(size_t)h * n + i]);                                                   \
+        for (int w = 0; w < (W); w++) a[h][w] = _mm512_fmadd_ps(p, v[w], a[h][w]);                          \
+      }                                                                                                     \
+    }                                                                                                       \
+    for (int h = 0; h < G; h++)                                                                             \
+      for (int w = 0; w < (W); w++) _mm512_storeu_ps(acc + (size_t)h * D + d + 16 * w, a[h][w]);            \
+  }
+static inline __attribute__((always_inline)) void pv_g(float* acc, const float* p_, const uint16_t* cache,
+                                                      const int64_t* rows, int64_t n, const int G, int D, int kind) {
+  int d = 0;
+  PV_CHUNK(4)
+  PV_CHUNK(1)
+}
+#define GROUP_SWITCH(CALL)                                                                                  \
+  switch (G) {                                                                                              \
+    case 1: CALL(1); break;                                                                                 \
+    case 2: CALL(2); break;                                                                                 \
+    case 3: CALL(3); break;                                                                                 \
+    case 4: CALL(4); break;                                                                                 \
+    case 5: CALL(5); break;                                                                                 \
+    default: CALL(6); break;                                                                                \
+  }
+static void qk_group(float* scores, const float* q, const uint16_t* cache, const int64_t* rows, int64_t n, int G,
+                     int D, int kind, float scale) {
+#define QK_CALL(g) qk_g(scores, q, cache, rows, n, g, D, kind, scale)
+  GROUP_SWITCH(QK_CALL)
+#undef QK_CALL
+}
+static void pv_group(float* acc, const float* p, const uint16_t* cache, const int64_t* rows, int64_t n, int G, int D,
+                     int kind) {
+#define PV_CALL(g) pv_g(acc, p, cache, rows, n, g, D, kind)
+  GROUP_SWITCH(PV_CALL)
+#undef PV_CALL
+}
+#else
+static inline int group_fast(int G, int D, int kind) { (void)G; (void)D; (void)kind; return 0; }
+static void qk_group(float* scores, const float* q, const uint16_t* cache, const int64_t* rows, int64_t n, int G,
+                     int D, int kind, float scale) {
+  (void)scores; (void)q; (void)cache; (void)rows; (void)n; (void)G; (void)D; (void)kind; (void)scale;
+}
+static void pv_group(float* acc, const float* p, const uint16_t* cache, const int64_t* rows, int64_t n, int G, int D,
+                     int kind) {
+  (void)acc; (void)p; (void)cache; (void)rows; (void)n; (void)G; (void)D; (void)kind;
+}
+#endif
+
 #if defined(__AVX512F__)
 /* exp(x), |relative error| < 2e-7 (range reduction by ln 2 in two parts, degree-6 polynomial); x < -87.3: 0 */
 static inline __m512 v_exp(__m512 x) {
