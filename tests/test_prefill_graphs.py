@@ -163,6 +163,21 @@ def test_which_steps_are_served(tiny_llama):
         _engine(tiny_llama, "padded", prefill_graph_tokens=-1)
 
 
+def test_moe_models_prefill_eagerly(tmp_path, monkeypatch):
+    """MoE layers read per-expert counts on the host beyond a few tokens (runtime/ops/moe.py): not capturable, so a
+    model whose session runs MoE nodes itself (as on CUDA; here the torch CPU backend) has no prefill graphs and
+    says why."""
+    from export_utils import export_tiny, tiny_model
+
+    monkeypatch.setenv("PAGEDKIT_CPU_BACKEND", "torch")
+
+    export_tiny(tiny_model("MixtralConfig", num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
+                tmp_path)
+    model = _engine(tmp_path, "padded").model
+    assert model.prefill_graphs is None and model.graphs is not None
+    assert model.prefill_graphs_off_reason.startswith("the model's MoE layers read per-expert counts on the host")
+
+
 # ---- the padded plan itself, by hand ------------------------------------------------------------------------
 
 def _manager(pad_block=True, max_num_tokens=128, windowed=False):

@@ -34,6 +34,7 @@ from ..runtime.kv.cache import KVCacheManager
 from ..runtime.kv.config import GroupConfig, KVCacheConfig
 from ..runtime.kv.plan import StepPlan
 from ..runtime.kv.staging import PinnedRing
+from ..runtime.ops.moe import EXPERT_WEIGHT_INPUTS
 from ..runtime.session import ROWS_INPUT, InferenceSession, _cpu_backend
 from .graphs import DecodeGraphs
 from .prefill_graphs import MAX_TOKENS as PREFILL_GRAPH_TOKENS, PrefillGraphs
@@ -200,6 +201,9 @@ class PagedModel:
             return f"the model's head has no '{ROWS_INPUT}' input (its logits are not [tokens, vocab])"
         if any(g.windowed for g in self.groups.values()):
             return "the model has sliding-window layers"
+        moe = sorted(self.session.op_types() & set(EXPERT_WEIGHT_INPUTS))
+        if moe:  # runtime/ops/moe.py: beyond DENSE_MAX_TOKENS a CUDA step reads per-expert counts on the host
+            return f"the model's {'/'.join(moe)} layers read per-expert counts on the host (not capturable)"
         return None
 
     def pool_summary(self) -> str:

@@ -256,6 +256,11 @@ class InferenceSession:
                 "lowered": list(r.lowered), "decomposed": list(r.decomposed), "onnx_attention": r.fused,
                 "cpu_kernel": r.cpu_kernel, "widened": r.widened}
 
+    def op_types(self) -> set[str]:
+        """The op types of the nodes this session runs itself (a delegated onnxruntime segment counts as one op,
+        "Segment")."""
+        return {op.step.op_type for op in self._main.ops}
+
     def single_segment(self):
         """(the onnxruntime Segment, its input names, its output names, {input: value} of those that are the model's
         constants, e.g. kernels/cpu/logits.py's row selection) when the whole model is one delegated segment (the
