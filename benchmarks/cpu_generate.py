@@ -674,6 +674,7 @@ def _pagedkit_batch(gen, prompts: list[list[int]], max_len: int):
     import dataclasses
 
     import torch
+    from pagedkit.engine.sampling import greedy_rows
     from pagedkit.interface import names as N
     from pagedkit.runtime.kv.cache import KVCacheManager
 
@@ -710,9 +711,9 @@ def _pagedkit_batch(gen, prompts: list[list[int]], max_len: int):
             raise
         mgr.commit(plan)
         if rows_name is not None:
-            return logits.reshape(len(batch), -1).float().argmax(-1)
+            return greedy_rows(logits.reshape(len(batch), -1))  # the engine's argmax (numpy's on the CPU)
         logits = logits.reshape(plan.num_tokens, -1)
-        return logits[last].float().argmax(-1)
+        return greedy_rows(logits[last])
 
     def run(n: int) -> tuple[dict, list[list[int]]]:
         seqs = list(range(1, b + 1))

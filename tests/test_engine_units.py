@@ -388,9 +388,35 @@ def test_greedy_rows_uses_the_triton_argmax_on_cuda_when_available(monkeypatch):
     from pagedkit.kernels.triton import common
 
     monkeypatch.setattr(argmax_mod, "argmax_rows", lambda x: "triton")
-    fake = SimpleNamespace(is_cuda=True, argmax=lambda dim: "torch")
+    fake = SimpleNamespace(is_cuda=True, device=torch.device("cuda"), dtype=torch.float32, argmax=lambda dim: "torch")
     monkeypatch.setattr(common, "HAVE_TRITON", True)
     assert greedy_rows(fake) == "triton"
     monkeypatch.setattr(common, "HAVE_TRITON", False)
     assert greedy_rows(fake) == "torch"
-    assert greedy_rows(SimpleNamespace(is_cuda=False, argmax=lambda dim: "torch")) == "torch"
+    assert greedy_rows(SimpleNamespace(is_cuda=False, device=torch.device("cpu"), dtype=torch.bfloat16,
+                                       argmax=lambda dim: "torch")) == "torch"  # bf16: numpy has none
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_host_argmax_against_a_loop(dtype):
+    """The CPU argmax (numpy's for float32 / float16) against a Python loop: the first maximum, the first NaN."""
+    from pagedkit.engine.sampling import greedy_rows, host_argmax, sample_token
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-3, 4, (6, 257), generator=g).to(dtype)  # many ties
+    x[2, 100] = float("nan")
+    x[2, 7] = float("nan")
+    x[3] = float("-inf")
+    x[4, 256] = 9  # the last column
+
+    def oracle(row):
+        vals = row.float().tolist()
+        nan = [i for i, v in enumerate(vals) if v != v]
+        return nan[0] if nan else vals.index(max(vals))
+
+    want = [oracle(r) for r in x]
+    for got in (host_argmax(x), greedy_rows(x)):
+        assert got.dtype == torch.int64 and got.tolist() == want
+    assert host_argmax(x[:, ::2]).tolist() == [oracle(r) for r in x[:, ::2]]  # a strided view
+    assert [sample_token(r, SamplingParams(temperature=0.0), g) for r in x] == want
+    assert host_argmax(torch.zeros(0, 5)).shape == (0,)
