@@ -131,18 +131,7 @@ class DecodeGraphs:
             g.graph.replay()
             self.stats.replays += 1
             return g.logits.reshape(bp, -1)[:b]
-        feeds = self.model.feeds(plan, ids)
-        out = self.runs.eager(feeds, plan.hint)
-        self.stats.eager_padded += 1
-        if self.capture:
-            try:
-                self.graphs[key] = self.runs.capture(feeds, plan.hint)
-                self.stats.captured += 1
-                self.stats.keys.append(key)
-            except Exception as exc:  # this step's result stands (it ran eagerly); later steps run unpadded
-                self.stats.capture_error = f"{type(exc).__name__}: {exc}"[:500]
-                log.warning("CUDA-graph capture of decode bucket %s failed, decode steps run eagerly: %s", key,
-                            self.stats.capture_error)
+        out = self.runs.first(self.graphs, key, self.model.feeds(plan, ids), plan.hint, self.stats, "decode")
         return out.reshape(bp, -1)[:b]
 
     def _write_ids(self, bp: int, token_ids: Sequence[int]) -> torch.Tensor:
@@ -191,6 +180,23 @@ class GraphCapture:
             out = self.model.forward(feeds, hint)
         main.wait_stream(self.stream)
         out.record_stream(main)
+        return out
+
+    def first(self, graphs: dict, key, feeds, hint, stats, kind: str) -> torch.Tensor:
+        """A key's first step: run eagerly (its result), then, with capture on, captured into graphs[key]
+        (stats: captured, keys, eager_padded). A failed capture is recorded in stats.capture_error and logged;
+        this step's result stands and the caller's later steps of that kind run eagerly, unpadded."""
+        out = self.eager(feeds, hint)
+        stats.eager_padded += 1
+        if self.enabled:
+            try:
+                graphs[key] = self.capture(feeds, hint)
+                stats.captured += 1
+                stats.keys.append(key)
+            except Exception as exc:
+                stats.capture_error = f"{type(exc).__name__}: {exc}"[:500]
+                log.warning("CUDA-graph capture of %s bucket %s failed, %s steps run eagerly: %s", kind, key, kind,
+                            stats.capture_error)
         return out
 
     def capture(self, feeds, hint) -> _Graph:

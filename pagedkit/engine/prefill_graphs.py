@@ -35,16 +35,12 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import logging
-
 import numpy as np
 import torch
 
 from ..runtime.kv.staging import PinnedRing
 from ..runtime.session import ROWS_INPUT
 from .graphs import GraphCapture, _Graph
-
-log = logging.getLogger("pagedkit.engine")
 
 # padded prompt lengths: each at most 1.5x the one before (a prompt pads by < 50%; ~25% on average)
 TOKEN_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
@@ -153,17 +149,7 @@ class PrefillGraphs:
             return g.logits.reshape(B, -1)[:n_rows]
         feeds = self.model.feeds(plan, ids)
         feeds[ROWS_INPUT] = row_feed
-        out = self.runs.eager(feeds, plan.hint)
-        self.stats.eager_padded += 1
-        if self.capture:
-            try:
-                self.graphs[key] = self.runs.capture(feeds, plan.hint)
-                self.stats.captured += 1
-                self.stats.keys.append(key)
-            except Exception as exc:  # this step's result stands (it ran eagerly); later prefills run unpadded
-                self.stats.capture_error = f"{type(exc).__name__}: {exc}"[:500]
-                log.warning("CUDA-graph capture of prefill bucket %s failed, prefills run eagerly: %s", key,
-                            self.stats.capture_error)
+        out = self.runs.first(self.graphs, key, feeds, plan.hint, self.stats, "prefill")
         return out.reshape(B, -1)[:n_rows]
 
     def _write(self, query_lens, token_ids, L: int, padded: np.ndarray | None, B: int):
