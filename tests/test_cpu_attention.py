@@ -121,14 +121,17 @@ def test_one_onnxruntime_node_per_layer_attention(llama, llama32, monkeypatch):
     assert per_layer > 20
 
 
-def test_attention_over_threads_gives_the_serial_results(llama, llama32, monkeypatch):
-    """With every step's attention spread over 4 threads (pool.h), the logits are the one-thread ones bit for bit
-    (each token x KV head item is computed alike, by whichever thread), and HF parity holds."""
+@pytest.mark.parametrize("pool", ["onnxruntime", "pool.h"])
+def test_attention_over_threads_gives_the_serial_results(llama, llama32, monkeypatch, pool):
+    """With every step's attention spread over 4 threads (onnxruntime's intra-op pool, or pool.h's), the logits are
+    the one-thread ones bit for bit (each token x KV head item is computed alike, by whichever thread), and HF
+    parity holds."""
     from export_utils import PagedRunner, _Seq
 
     from pagedkit.runtime.session import SessionOptions
 
-    monkeypatch.setattr(L, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(L, "PARALLEL_MIN", 0 if pool == "pool.h" else 10**9)
+    monkeypatch.setattr(L, "ORT_PARALLEL_MIN", 0 if pool == "onnxruntime" else -1)
     outs = {}
     for threads in (1, 4):
         sess = InferenceSession(str(llama32 / "model.onnx"), SessionOptions(intra_op_num_threads=threads),
@@ -227,8 +230,7 @@ MUTANTS = {
     "context one key short": ("int64_t hi = extent - 1, lo = 0;", "int64_t hi = extent - 2, lo = 0;"),
     "window dropped": ("if (K->window > 0 && pos - K->window + 1 > lo)", "if (0)"),
     "sink dropped": ("if (S->sink) den += expf(sink - m);", ""),
-    "work items: tokens only": ("parallel_for(T * HKV, attend_item, &job, threads);",
-                                "parallel_for(T, attend_item, &job, threads);"),
+    "work items: tokens only": ("const int64_t items = T * HKV;", "const int64_t items = T;"),
     "group path: last key dropped": ("pv_group(acc, scores, (const uint16_t*)S->vcache, rows, n, G, D, K->c);",
                                      "pv_group(acc, scores, (const uint16_t*)S->vcache, rows, n - 1, G, D, K->c);"),
     "group path: one group's queries": ("qk_group(scores, q + (size_t)g * G * D,", "qk_group(scores, q,"),
@@ -244,6 +246,7 @@ def test_teeth_mutated_kernel(mutant, tmp_path, monkeypatch):
 
     monkeypatch.setattr(B, "_RESULT", (_mutant(tmp_path, *MUTANTS[mutant]), ""))
     monkeypatch.setattr(L, "PARALLEL_MIN", 0)  # every step's attention over the threads
+    monkeypatch.setattr(L, "ORT_PARALLEL_MIN", 0)
     failures = []
     for name in ("paged_sink_window_softcap", "paged_llama_fp16_rotary", "paged_bidirectional_window"):
         (case,) = load_cases([name])

@@ -17,9 +17,10 @@
  *   14 query_positions [T] int32 (opt)
  * Output: 0 output [T, H*D].
  * Attributes: num_heads, kv_num_heads, scale (f), softcap (f), local_window_size, do_rotary, rotary_interleaved,
- *   is_causal, rotary_offset, qk_norm_epsilon (f); threads (the most threads the attention may use, pool.h) and
- *   parallel_min (the step's keys x heads below which it runs on one: a decode step's few microseconds are not
- *   worth a wake-up).
+ *   is_causal, rotary_offset, qk_norm_epsilon (f); threads (the most threads the attention may use),
+ *   ort_parallel_min (the step's keys x heads from which its token x KV-head items go over onnxruntime's intra-op
+ *   pool, KernelContext_ParallelFor, onnxruntime 1.17+; -1: never) and parallel_min (from which they go over
+ *   pool.h's threads otherwise: a decode step's few microseconds are not worth waking a sleeping thread).
  *
  * The caches are updated in the input buffers: the op has no cache outputs; the caller (runtime/delegate.py)
  * returns the cache inputs as the node's present outputs. Everything is computed in float32; Q is rounded to T
@@ -62,8 +63,10 @@ enum {
   S_GetTensorMutableData = 51, S_GetTensorElementType = 60, S_GetDimensionsCount = 61, S_GetDimensions = 62,
   S_GetTensorTypeAndShape = 65, S_KernelInfoGetAttribute_float = 85, S_KernelInfoGetAttribute_int64 = 86,
   S_KernelContext_GetInputCount = 88, S_KernelContext_GetInput = 90, S_KernelContext_GetOutput = 91,
-  S_ReleaseStatus = 93, S_ReleaseTensorTypeAndShapeInfo = 99
+  S_ReleaseStatus = 93, S_ReleaseTensorTypeAndShapeInfo = 99,
+  S_KernelContext_ParallelFor = 274  /* API version 17 (onnxruntime 1.17) and later */
 };
+#define PARALLEL_FOR_VERSION 17
 #define SLOT(api, i) (((void* const*)(api))[i])
 typedef OrtStatus* (*CreateStatusFn)(int, const char*);
 typedef OrtStatus* (*CreateDomainFn)(const char*, OrtCustomOpDomain**);
@@ -80,6 +83,7 @@ typedef OrtStatus* (*InputCountFn)(const OrtKernelContext*, size_t*);
 typedef OrtStatus* (*GetInputFn)(const OrtKernelContext*, size_t, const OrtValue**);
 typedef OrtStatus* (*GetOutputFn)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**);
 typedef void (*ReleaseStatusFn)(OrtStatus*);
+typedef OrtStatus* (*ParallelForFn)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*);
 typedef void (*ReleaseShapeFn)(OrtShapeInfo*);
 
 typedef struct CustomOp {  /* OrtCustomOp, API version 16 */
@@ -111,7 +115,7 @@ typedef struct CustomOp {  /* OrtCustomOp, API version 16 */
 typedef struct Kernel {
   const OrtApi* api;
   int io, t, c;  /* element kinds */
-  int64_t heads, kv_heads, window, rotary, interleaved, causal, rotary_offset, threads, parallel_min;
+  int64_t heads, kv_heads, window, rotary, interleaved, causal, rotary_offset, threads, parallel_min, ort_parallel_min;
   float scale, softcap, eps;
 } Kernel;
 
@@ -154,6 +158,7 @@ static OrtStatus* create_v2(const CustomOp* op, const OrtApi* api, const OrtKern
   k->rotary_offset = attr_i(api, info, "rotary_offset", 0);
   k->threads = attr_i(api, info, "threads", 1);
   k->parallel_min = attr_i(api, info, "parallel_min", 8192);
+  k->ort_parallel_min = attr_i(api, info, "ort_parallel_min", -1);
   k->scale = attr_f(api, info, "scale", 0.f);
   k->softcap = attr_f(api, info, "softcap", 0.f);
   k->eps = attr_f(api, info, "qk_norm_epsilon", 1e-6f);
@@ -347,6 +352,16 @@ static size_t scratch_bytes(const Step* S, int64_t maxc) {
   return (n + 63) & ~(size_t)63;
 }
 
+/* the API table that has KernelContext_ParallelFor (GetApi(PARALLEL_FOR_VERSION)), NULL before onnxruntime 1.17 */
+static const OrtApi* ORT_POOL = NULL;
+
+static void attend_item(void* arg, int64_t item, int worker);
+typedef struct Drain { void* job; int64_t n; atomic_llong next; } Drain;
+static void drain_items(void* arg, size_t worker) {  /* one call per thread of onnxruntime's ParallelFor */
+  Drain* d = (Drain*)arg;
+  for (int64_t i; (i = atomic_fetch_add(&d->next, 1)) < d->n;) attend_item(d->job, i, (int)worker);
+}
+
 static void attend_item(void* arg, int64_t item, int worker) {
   const Attend* A = (const Attend*)arg;
   const Step* S = A->S;
@@ -444,13 +459,25 @@ static OrtStatus* compute_v2(void* kernel, OrtKernelContext* ctx) {
   }
   /* attention, token x KV head items over the threads when there is enough of it (a decode step's is a few
    * microseconds: not worth a wake-up) */
-  int threads = keys * H >= K->parallel_min ? (int)K->threads : 1;  /* attribute: keys x heads, about 10 ns each */
-  if (threads > T * HKV) threads = (int)(T * HKV);
+  /* keys x heads from which the items go over onnxruntime's pool (its spinning workers: cheap to hand work to),
+   * else over pool.h's sleeping threads (a wake-up costs: only for large steps) */
+  const int64_t items = T * HKV;
+  const int on_ort = ORT_POOL && K->ort_parallel_min >= 0 && keys * H >= K->ort_parallel_min;
+  int threads = on_ort || keys * H >= K->parallel_min ? (int)K->threads : 1;
+  if (threads > items) threads = (int)items;
   if (threads < 1) threads = 1;
   scratch = (char*)malloc(scratch_bytes(&S, maxc) * (size_t)threads);
   CHECK(scratch, "out of memory (context %lld, %lld threads)", maxc, threads);
   Attend job = {&S, qbuf, seq, maxc, scratch, scratch_bytes(&S, maxc)};
-  parallel_for(T * HKV, attend_item, &job, threads);
+  if (threads > 1 && on_ort) {
+    /* onnxruntime's own intra-op pool: its workers are the ones spinning between the session's nodes (a pool of
+     * our own would wake threads onto cores they hold); `threads` calls, each draining items from one counter */
+    Drain d = {&job, items, 0};
+    st = ((ParallelForFn)SLOT(ORT_POOL, S_KernelContext_ParallelFor))(ctx, drain_items, (size_t)threads,
+                                                                      (size_t)threads, &d);
+  } else {
+    parallel_for(items, attend_item, &job, threads);
+  }
 done:
   free(qbuf);
   free(seq);
@@ -505,6 +532,7 @@ OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base)
   if (dladdr((void*)RegisterCustomOps, &self) && self.dli_fname) dlopen(self.dli_fname, RTLD_NOW | RTLD_NODELETE);
   const OrtApi* api = base->GetApi(API_VERSION);
   if (!api) return NULL;  /* cannot report through an API we do not have; the session then refuses the ops */
+  ORT_POOL = base->GetApi(PARALLEL_FOR_VERSION);  /* NULL on an older onnxruntime: pool.h's threads instead */
   OrtCustomOpDomain* domain = NULL;
   OrtStatus* st = ((CreateDomainFn)SLOT(api, S_CreateCustomOpDomain))("pagedkit.cpu", &domain);
   if (st) return st;
