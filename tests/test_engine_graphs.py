@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from engine_steps import decode_steps
 from pagedkit.engine import Engine, SamplingParams
 from pagedkit.engine.graphs import KV_BUCKET_MIN, batch_buckets, kv_bucket
 
@@ -33,15 +34,7 @@ def _decode_logits(model, prompts, steps: int, seed: int) -> list[torch.Tensor]:
         plan = model.plan([(s, p)])
         model.run(plan, p, [len(p) - 1])
         mgr.commit(plan)
-    out = []
-    for _ in range(steps):
-        ids = [rng.randrange(3, 144) for _ in sids]
-        plan = model.plan([(s, [t]) for s, t in zip(sids, ids)])
-        out.append(model.run(plan, ids).float().cpu().clone())
-        mgr.commit(plan)
-    for s in sids:
-        mgr.free(s)
-    return out
+    return decode_steps(model, sids, steps, rng)
 
 
 @pytest.mark.parametrize("batch", [3, 5])

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine_steps import decode_steps
 from pagedkit.engine import Engine, SamplingParams
 from pagedkit.engine import prefill_graphs as pgm
 from pagedkit.engine.prefill_graphs import TOKEN_BUCKETS, token_bucket
@@ -44,15 +45,7 @@ def _prefill_then_decode(model, prompts, rows, steps, seed):
     plan = model.plan(list(zip(sids, prompts)))
     first = model.run(plan, [t for p in prompts for t in p], rows).float().cpu().clone()
     mgr.commit(plan)
-    out = []
-    for _ in range(steps):
-        ids = [rng.randrange(3, 144) for _ in sids]
-        plan = model.plan([(s, [t]) for s, t in zip(sids, ids)])
-        out.append(model.run(plan, ids).float().cpu().clone())
-        mgr.commit(plan)
-    for s in sids:
-        mgr.free(s)
-    return first, out
+    return first, decode_steps(model, sids, steps, rng)
 
 
 def _rel(got, ref):
