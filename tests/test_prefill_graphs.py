@@ -86,10 +86,12 @@ def test_every_row_and_no_row(tiny_llama):
     padded = _engine(tiny_llama, "padded").model
     lengths = [9, 30]
     prompts = _prompts(lengths, seed=11)
-    for rows in (None, [0, 8, 9, 38], [3, 20]):
+    st = padded.prefill_graphs.stats
+    for k, rows in enumerate((None, [0, 8, 9, 38], [3, 20])):
         ref, _ = _prefill_then_decode(plain, prompts, rows, 0, seed=0)
         got, _ = _prefill_then_decode(padded, prompts, rows, 0, seed=0)
         assert got.shape == ref.shape and _rel(got, ref) <= TOL, rows
+        assert st.eager_padded == k + 1 and st.captured == st.replays == 0  # one padded eager step each
     got, _ = _prefill_then_decode(padded, prompts, [], 0, seed=0)
     assert got.shape[0] == 0
 
@@ -146,7 +148,19 @@ def test_which_steps_are_served(tiny_llama):
     assert pg.key([("a", 37)]) is None  # ids unknown at plan time
     assert pg.key([("b", list(range(3, 200)))]) == (1, 256)  # 256 tokens: the step budget exactly
     assert pg.key([("a", list(range(3, 40))), ("b", list(range(3, 200)))]) is None  # 2 x 256 > 256
+    pg.capture = True  # the capture limit (as on CUDA): a new key beyond max_graphs is not served, a known one is
+    pg.graphs = {(2, k): None for k in range(pg.max_graphs - 1)}
+    assert pg.key([("a", list(range(3, 40)))]) == (1, 64)  # the 32nd key
+    pg.graphs[(3, 16)] = None
+    assert pg.key([("a", list(range(3, 40)))]) is None
+    pg.graphs[(1, 64)] = None
+    assert pg.key([("a", list(range(3, 40)))]) == (1, 64)
+    pg.capture, pg.graphs = False, {}
+    pg.stats.capture_error = "RuntimeError: no capture"  # a failed capture turns the graphs off
+    assert pg.key([("a", list(range(3, 40)))]) is None
+    pg.stats.capture_error = None
     plan = model.plan([("a", list(range(3, 40)))])
+    assert pg.serves(plan) and plan.attention_metadata.tolist() == [64, 64, 0]  # the bucket's bounds
     mgr.commit(plan)
     pg.abort(plan)
     assert pg.key([("a", [5])]) is None  # a cached prefix: not a first prompt
