@@ -68,6 +68,18 @@ class DelegationReport:
     widened: int = 0  # float16 weights widened to float32 (kernels/cpu/widen.py)
 
 
+@dataclass(frozen=True)
+class SegmentSource:
+    """What a segment's onnxruntime session was made from (delegate(keep=True)): its model, the folder of the
+    external data it maps (None: all inline), the CPU attention library it registers (None: none) and whether
+    its workers spin."""
+
+    model: onnx.ModelProto
+    external_dir: str | None
+    library: str | None
+    spin: bool
+
+
 def _barrier(node: onnx.NodeProto) -> bool:
     """PagedAttention (onnxruntime has no CPU kernel; the ones decompose() rewrote are standard ops by now),
     the collectives AllReduce / AllGather (ops/collectives.py), nodes holding subgraphs, unknown domains, and MoE / QMoE with use_sparse_mixer=1. GroupQueryAttention is
@@ -134,9 +146,10 @@ def _ort_session(model: onnx.ModelProto, threads: int, spin: bool = True, extern
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def delegate(model: onnx.ModelProto, base_dir: str | None, threads: int) -> tuple[onnx.ModelProto, list[Segment],
-                                                                               DelegationReport]:
+def delegate(model: onnx.ModelProto, base_dir: str | None, threads: int, *, keep: bool = False
+             ) -> tuple[onnx.ModelProto, list[Segment], DelegationReport]:
     """(the model with delegated segments replaced, the live segments, the report). `model` is not changed.
+    keep: each Segment keeps the model onnxruntime was given (`Segment.source`: runtime/lite saves it).
     PagedAttention nodes the CPU attention library serves become one pagedkit.cpu node each (kernels/cpu: lower),
     the others are rewritten into standard ops with in-place cache writes (decompose(in_place=True)); if
     onnxruntime then refuses a segment holding such a node (a dtype or op it lacks on the CPU), the delegation
@@ -145,7 +158,7 @@ def delegate(model: onnx.ModelProto, base_dir: str | None, threads: int) -> tupl
         return model, [], DelegationReport(kept={"*": "onnxruntime is not installed"})
     if not any(n.op_type == "PagedAttention" and normalize_domain(n.domain) == "com.microsoft"
                for n in model.graph.node):
-        return _delegate(model, base_dir, threads, [])
+        return _delegate(model, base_dir, threads, [], keep=keep)
     from ..kernels.cpu.logits import select_logit_rows
     from ..kernels.cpu.lower import LowerReport, lower
     from ..kernels.cpu.widen import why_not as widen_refusal, widen
@@ -168,13 +181,13 @@ def delegate(model: onnx.ModelProto, base_dir: str | None, threads: int) -> tupl
                 rewritten, drep = _decompose(base, fused)
             except Exception as exc:  # a model onnx-ir cannot read: pagedkit's own loader reports it, clearly
                 why = f"the attention rewrite failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-                out, live, report = _delegate(model, base_dir, threads, [])
+                out, live, report = _delegate(model, base_dir, threads, [], keep=keep)
                 report.kept.setdefault("(attention rewrite)", why)
                 return out, live, report
             if not drep.changed and not lrep.lowered:
                 break
             out, live, report = _delegate(rewritten, base_dir, threads, list(drep.changed),
-                                          library if lowering else None, lrep.in_place)
+                                          library if lowering else None, lrep.in_place, keep=keep)
             if not report.kept:
                 report.fused = fused and any(n.op_type == "Attention" and n.domain in ("", "ai.onnx")
                                              for n in rewritten.graph.node)
@@ -187,10 +200,10 @@ def delegate(model: onnx.ModelProto, base_dir: str | None, threads: int) -> tupl
             if not drep.changed:
                 break
     if first is not None:
-        out, live, report = _delegate(model, base_dir, threads, [])
+        out, live, report = _delegate(model, base_dir, threads, [], keep=keep)
         report.kept.setdefault("(attention rewrite)", f"not used: {first[0]}: {first[1]}")
         return out, live, report
-    return _delegate(model, base_dir, threads, [])
+    return _delegate(model, base_dir, threads, [], keep=keep)
 
 
 @dataclass(frozen=True)
@@ -240,7 +253,7 @@ def _forget(live: list[Segment]) -> None:
 
 
 def _delegate(model: onnx.ModelProto, base_dir: str | None, threads: int, decomposed: list[str],
-              library: str | None = None, in_place: dict[str, str] | None = None):
+              library: str | None = None, in_place: dict[str, str] | None = None, keep: bool = False):
     g = model.graph
     facts, _ = static_facts(model)
     inits = {t.name: t for t in g.initializer}
@@ -267,7 +280,7 @@ def _delegate(model: onnx.ModelProto, base_dir: str | None, threads: int, decomp
         name = f"segment_{lv}"
         if seg:
             node = _build(name, seg, g, facts, inits, graph_inputs, readers, graph_outputs, base_dir, threads,
-                          model, report, live, moved, spin, (library, in_place or {}))
+                          model, report, live, moved, spin, (library, in_place or {}), keep)
             new_nodes.extend([node] if node is not None else [g.node[i] for i in seg])
         new_nodes.extend(g.node[i] for i in bar)
     out = _shell(model)
@@ -305,9 +318,10 @@ def _shell(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _build(name, seg, g, facts, inits, graph_inputs, readers, graph_outputs, base_dir, threads, model, report,
-           live, moved, spin, lowered) -> onnx.NodeProto | None:
+           live, moved, spin, lowered, keep: bool = False) -> onnx.NodeProto | None:
     """One segment's onnxruntime session and the node that stands for it; None (reason in the report) when
-    it stays with pagedkit. lowered: (the CPU attention library, cache output -> cache input of its nodes)."""
+    it stays with pagedkit. lowered: (the CPU attention library, cache output -> cache input of its nodes).
+    keep: the Segment keeps `sub` and how its session was made (Segment.source)."""
     mine = set(seg)
     produced = [o for i in seg for o in g.node[i].output if o]
     made = set(produced)
@@ -368,6 +382,7 @@ def _build(name, seg, g, facts, inits, graph_inputs, readers, graph_outputs, bas
     except Exception as exc:  # onnxruntime refuses: an op, type or opset it lacks
         report.kept[name] = f"onnxruntime refused it: {str(exc).splitlines()[0][:200]}"
         return None
+    source = SegmentSource(sub, base_dir if external else None, library if cpu_nodes else None, spin) if keep else None
     del sub
     for arg in session.get_outputs():  # what onnxruntime inferred types the later segments' inputs
         elem = _ORT_TYPES.get(arg.type)
@@ -378,6 +393,7 @@ def _build(name, seg, g, facts, inits, graph_inputs, readers, graph_outputs, bas
     aliases = {o: producer[o].input[0] for o in outs
                if producer[o].op_type == "ScatterND" and producer[o].input[0] in ins}
     seg_obj = Segment(key, ins, outs, len(seg), session, aliases, written)
+    seg_obj.source = source
     SEGMENTS[key] = seg_obj  # the op's implementation (ops/control.py) finds it there
     live.append(seg_obj)
     moved.update(used_inits)

@@ -50,6 +50,7 @@ class Segment:
         self.written = dict(written or {})
         self._pos = {n: i for i, n in enumerate(inputs)}
         self._zero_copy = set(self.written.values())  # inputs the session writes: bound as the torch memory
+        self.source = None  # delegate(keep=True): the model and options its session was made from
         self._binding = None
         self._bound: dict[str, tuple] = {}  # name -> ((data_ptr, shape, dtype), the bound array: kept alive)
         self._last: list = [None] * len(inputs)  # the tensor objects bound last run

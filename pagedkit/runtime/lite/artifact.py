@@ -1,0 +1,119 @@
+"""The CPU plan of a model folder on disk: the one onnxruntime model that runtime/delegate.py makes of it (every
+PagedAttention node a pagedkit.cpu node, float16 weights widened, the LM head for chosen rows) and what running it
+needs (`plan.json`). Torch-free: the runner (runtime/lite/runner.py) reads it in a process that never imports torch;
+a missing plan is made by a child process (`python -m pagedkit.runtime.lite.compile`, which does import torch).
+
+Where: `<model folder>/.pagedkit/cpu/<key>/` when the folder is writable (weights widened to float32 go to
+`segment.data` there, memory-mapped by onnxruntime as the folder's other external data), else
+`$PAGEDKIT_CACHE/cpu_plans/<key>/` (widened weights inline). The key is a digest of everything the plan depends on:
+the model folder's files (names, sizes, modification times), genai_config.json's bytes, the thread count (the
+attention nodes' attribute), onnxruntime's version, pagedkit's source (the delegation and the kernel) and
+PLAN_VERSION: any change makes a new plan, never a stale one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ... import settings
+
+PLAN_VERSION = 1
+PLAN_FILE = "plan.json"
+SEGMENT_FILE = "segment.onnx"
+DATA_FILE = "segment.data"
+IN_FOLDER = Path(".pagedkit") / "cpu"  # under the model folder
+_SOURCE_DIGEST: str | None = None
+
+
+class LiteUnavailable(RuntimeError):
+    """The model cannot run on the torch-free CPU path; the message says why (the torch path serves it)."""
+
+
+def _source_digest() -> str:
+    """A digest of pagedkit's source (.py, .c, .h), computed once per process."""
+    global _SOURCE_DIGEST
+    if _SOURCE_DIGEST is None:
+        h = hashlib.sha256()
+        root = Path(__file__).resolve().parents[2]
+        for p in sorted(root.rglob("*")):
+            if p.suffix in (".py", ".c", ".h") and "__pycache__" not in p.parts:
+                h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+        _SOURCE_DIGEST = h.hexdigest()
+    return _SOURCE_DIGEST
+
+
+def plan_key(folder: str | os.PathLike, threads: int) -> str:
+    """The key of a folder's plan at `threads` (see the module doc)."""
+    import onnxruntime
+
+    folder = Path(folder).resolve()
+    h = hashlib.sha256(f"v{PLAN_VERSION}\0{threads}\0{onnxruntime.__version__}\0{_source_digest()}\0".encode())
+    for p in sorted(folder.iterdir()):
+        if p.name.startswith(".") or not p.is_file():
+            continue
+        st = p.stat()
+        h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    cfg = folder / "genai_config.json"
+    if cfg.is_file():
+        h.update(cfg.read_bytes())
+    return h.hexdigest()[:24]
+
+
+def _writable(folder: Path) -> bool:
+    try:
+        (folder / IN_FOLDER).mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder / IN_FOLDER, os.W_OK)
+
+
+def plan_dirs(folder: str | os.PathLike, threads: int) -> list[Path]:
+    """Where the plan may lie, in the order looked at: under the model folder, then under $PAGEDKIT_CACHE."""
+    folder, key = Path(folder).resolve(), plan_key(folder, threads)
+    return [folder / IN_FOLDER / key, Path(settings.read("PAGEDKIT_CACHE")).expanduser() / "cpu_plans" / key]
+
+
+def read_plan(path: str | os.PathLike) -> dict:
+    """plan.json of a plan folder (a ValueError naming the file when it is not one of this PLAN_VERSION)."""
+    f = Path(path) / PLAN_FILE
+    plan = json.loads(f.read_text())
+    if plan.get("version") != PLAN_VERSION:
+        raise ValueError(f"{f}: plan version {plan.get('version')!r}, expected {PLAN_VERSION}")
+    return plan
+
+
+def find_plan(folder: str | os.PathLike, threads: int) -> Path | None:
+    """The folder's plan at `threads`, if one was made."""
+    for d in plan_dirs(folder, threads):
+        if (d / PLAN_FILE).is_file():
+            return d
+    return None
+
+
+def ensure_plan(folder: str | os.PathLike, threads: int, timeout: float = 900) -> Path:
+    """The folder's plan at `threads`, made first by a child process if missing (it imports torch; this process
+    does not). LiteUnavailable (the child's reason) when the model cannot run on this path."""
+    found = find_plan(folder, threads)
+    if found is not None:
+        return found
+    folder = Path(folder).resolve()
+    out = plan_dirs(folder, threads)[0 if _writable(folder) else 1].resolve()
+    cmd = [sys.executable, "-m", "pagedkit.runtime.lite.compile", str(folder), "--threads", str(threads),
+           "--out", str(out)]
+    # run from the folder holding this pagedkit, so that the child imports the same one (installed or not)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                         cwd=Path(__file__).resolve().parents[3])
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    answer = json.loads(lines[-1]) if lines else {}
+    if res.returncode != 0 or "refused" in answer or not (out / PLAN_FILE).is_file():
+        why = answer.get("refused") or (res.stderr.strip().splitlines() or ["no output"])[-1]
+        raise LiteUnavailable(f"{folder}: no torch-free CPU plan: {why}")
+    return out
+
+
+__all__ = ["LiteUnavailable", "PLAN_VERSION", "ensure_plan", "find_plan", "plan_dirs", "plan_key", "read_plan"]
