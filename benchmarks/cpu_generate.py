@@ -12,9 +12,13 @@ EOS never stops a run), batch 1; the batch rows run --batch (8) distinct 61-toke
 the same text) in lockstep. Columns per row:
 - ttft_ms: from the prompt ids in hand to the first generated token (prefill + argmax; request setup included);
 - decode_tok_s: (tokens after the first, times the batch) / their wall time;
-- peak_rss_mb: the row's process peak resident memory (getrusage ru_maxrss: loading included);
+- peak_rss_mb: the row's process peak resident memory (/proc/self/status VmHWM: loading included; not
+  getrusage's ru_maxrss, which Linux carries over exec from the orchestrating parent);
 - import_s / load_s: the engine's imports, then the model's loading (sessions built; pagedkit: external data
-  mapped by onnxruntime, not copied);
+  mapped by onnxruntime, not copied). The pagedkit rows run the default CPU path: runtime/lite's LiteGenerator (a
+  process without torch) over the model's CPU plan, made once per folder and thread count by a child process
+  (whose time the first load includes and whose memory the row's peak RSS does not) and reused; a model it
+  refuses runs on Generator (`runner`, `lite_refused`). The generator rows run Generator in a torch process;
 - host_ms_per_step / host_fraction (pagedkit, a model that is one onnxruntime segment): a decode step's time
   outside onnxruntime's run (planning, binding, sampling);
 - floor_tok_s: the memory-bandwidth bound, DRAM read bandwidth (measured in this run, same threads) / bytes one
@@ -101,7 +105,8 @@ MODELS = {m.key: m for m in (
 @dataclass(frozen=True)
 class Row:
     name: str
-    engine: str  # "hf" | "genai" | "pagedkit"
+    engine: str  # "hf" | "genai" | "pagedkit" (the default CPU path: runtime/lite, else Generator) | "generator"
+    # (Generator, a torch process) | "llamacpp"
     model: str  # a MODELS key
     batched: bool = False  # runs --batch sequences in lockstep
     note: str = ""
@@ -111,21 +116,26 @@ ROWS = {r.name: r for r in (
     Row("hf-fp32", "hf", "hf-fp32", note="transformers eager float32, forward loop with KV cache"),
     Row("genai-fp32", "genai", "genai-fp32"),
     Row("genai-int4", "genai", "genai-int4"),
-    Row("pagedkit-fp16", "pagedkit", "export-fp16", note="Generator on paged-export's fp16 model"),
-    Row("pagedkit-fp32", "pagedkit", "export-fp32", note="Generator on paged-export --dtype fp32"),
-    Row("pagedkit-int4", "pagedkit", "export-int4", note="Generator on paged-export --weights int4 (fp16)"),
-    Row("pagedkit-fp32-int4", "pagedkit", "export-fp32-int4", note="Generator on --dtype fp32 --weights int4"),
-    Row("pagedkit-on-genai-fp32", "pagedkit", "genai-fp32", note="Generator on the builder's fp32 GQA model"),
-    Row("pagedkit-on-genai-int4", "pagedkit", "genai-int4", note="Generator on the builder's int4 GQA model"),
+    Row("pagedkit-fp16", "pagedkit", "export-fp16", note="the default CPU path on paged-export's fp16 model"),
+    Row("pagedkit-fp32", "pagedkit", "export-fp32", note="the default CPU path on paged-export --dtype fp32"),
+    Row("pagedkit-int4", "pagedkit", "export-int4", note="the default CPU path on --weights int4 (fp16)"),
+    Row("pagedkit-fp32-int4", "pagedkit", "export-fp32-int4", note="the default CPU path on --dtype fp32 --weights int4"),
+    Row("pagedkit-on-genai-fp32", "pagedkit", "genai-fp32", note="the default CPU path on the builder's fp32 GQA model "
+        "(lite refuses the GQA layout: Generator)"),
+    Row("pagedkit-on-genai-int4", "pagedkit", "genai-int4", note="the default CPU path on the builder's int4 GQA model"),
+    Row("generator-fp32", "generator", "export-fp32", note="Generator (a torch process) on paged-export --dtype fp32"),
+    Row("generator-fp32-int4", "generator", "export-fp32-int4", note="Generator on --dtype fp32 --weights int4"),
     Row("llamacpp-q4", "llamacpp", "gguf-q4", note="llama-cpp-python (llama.cpp) on the GGUF: eval + argmax"),
     Row("genai-fp32-batch", "genai", "genai-fp32", True, "GeneratorParams batch_size"),
     Row("genai-int4-batch", "genai", "genai-int4", True, "GeneratorParams batch_size"),
-    Row("pagedkit-fp16-batch", "pagedkit", "export-fp16", True, "KVCacheManager + run_torch, all sequences per step"
+    Row("pagedkit-fp16-batch", "pagedkit", "export-fp16", True, "the default CPU path, all sequences per step"
         " (the LM head for each sequence's last token)"),
-    Row("pagedkit-fp32-batch", "pagedkit", "export-fp32", True, "KVCacheManager + run_torch, all sequences per step"
+    Row("pagedkit-fp32-batch", "pagedkit", "export-fp32", True, "the default CPU path, all sequences per step"
         " (the LM head for each sequence's last token)"),
     Row("pagedkit-fp32-int4-batch", "pagedkit", "export-fp32-int4", True,
-        "KVCacheManager + run_torch, all sequences per step (the LM head for each sequence's last token)"),
+        "the default CPU path, all sequences per step (the LM head for each sequence's last token)"),
+    Row("generator-fp32-int4-batch", "generator", "export-fp32-int4", True,
+        "KVCacheManager + run_torch in a torch process, all sequences per step"),
 )}
 
 
@@ -500,6 +510,15 @@ def table_lines(rows: list[dict]) -> list[str]:
 
 # ---- the child: one row ---------------------------------------------------------------------------------------
 def _rss_mb() -> float:
+    """This process's peak resident memory: VmHWM, the high-water mark of its own address space. Not getrusage's
+    ru_maxrss: Linux carries that over exec from the forked parent, so every row would read at least the
+    orchestrating process's size (342 MB here, the same for every row that stayed below it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
@@ -603,6 +622,44 @@ def _engine_genai(folder: Path, prompts: list[list[int]], new_tokens: int, threa
 
 
 def _engine_pagedkit(folder: Path, prompts: list[list[int]], new_tokens: int, threads: int):
+    """pagedkit's default CPU path: the torch-free runner (pagedkit.runtime.lite) where it serves the model, else
+    Generator (the reason is recorded as `lite_refused`)."""
+    sys.path.insert(0, str(REPO))
+    from pagedkit.runtime.lite import LiteGenerator, LiteUnavailable
+
+    max_len = len(prompts[0]) + new_tokens
+    try:
+        gen = LiteGenerator(folder, threads=threads, max_seq_len=max_len, max_batch_size=len(prompts))
+    except LiteUnavailable as exc:
+        run, info = _engine_generator(folder, prompts, new_tokens, threads)
+        return run, info | {"runner": "generator", "lite_refused": str(exc)}
+    info = {"runner": "lite", "layout": "paged", "delegated": gen.plan["delegation"],
+            "cpu_plan": str(gen.plan_dir)}
+    ort_s, real = [], gen.session.run_with_iobinding
+
+    def timed(binding, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return real(binding, *args, **kwargs)
+        finally:
+            ort_s.append(time.perf_counter() - t)
+
+    gen.session.run_with_iobinding = timed
+
+    def run(n: int) -> tuple[dict, list[list[int]]]:
+        ort_s.clear()
+        timer = _Timer()
+        toks = []
+        for step in gen.generate(prompts, n, stop_at_eos=False):
+            timer.token()
+            toks.append(step)
+        return _with_host(timer.result(n, len(prompts)), ort_s, n), [list(s) for s in zip(*toks)]
+
+    return run, info
+
+
+def _engine_generator(folder: Path, prompts: list[list[int]], new_tokens: int, threads: int):
+    """pagedkit's torch-process path: Generator (batch rows: one KVCacheManager over its session)."""
     import torch
 
     sys.path.insert(0, str(REPO))
@@ -611,7 +668,8 @@ def _engine_pagedkit(folder: Path, prompts: list[list[int]], new_tokens: int, th
     max_len = len(prompts[0]) + new_tokens
     gen = Generator(folder, threads=threads, max_seq_len=max_len)
     d = gen.session.delegated
-    info = {"torch_threads": torch.get_num_threads(), "layout": "paged" if gen.config.paged else "gqa",
+    info = {"runner": "generator", "torch_threads": torch.get_num_threads(),
+            "layout": "paged" if gen.config.paged else "gqa",
             "attention_variants": sorted(set(gen.session.attention_variants.values())),
             "cpu_backend": gen.session.cpu_backend,
             "delegated": {k: (len(v) if isinstance(v, (list, dict)) else v) for k, v in d.items()} if d else None}
@@ -770,10 +828,12 @@ def _engine_llamacpp(gguf: Path, prompts: list[list[int]], new_tokens: int, thre
     return run, info
 
 
-ENGINES = {"hf": _engine_hf, "genai": _engine_genai, "pagedkit": _engine_pagedkit, "llamacpp": _engine_llamacpp}
+ENGINES = {"hf": _engine_hf, "genai": _engine_genai, "pagedkit": _engine_pagedkit, "generator": _engine_generator,
+           "llamacpp": _engine_llamacpp}
 # what each engine imports before it loads a model (timed apart: import_s, then load_s)
 IMPORTS = {"hf": ("torch", "transformers"), "genai": ("numpy", "onnxruntime_genai"),
-           "pagedkit": ("torch", "pagedkit.runtime.generate"), "llamacpp": ("numpy", "llama_cpp")}
+           "pagedkit": ("numpy", "onnxruntime", "pagedkit.runtime.lite"),
+           "generator": ("torch", "pagedkit.runtime.generate"), "llamacpp": ("numpy", "llama_cpp")}
 
 
 def run_row(args) -> int:
@@ -1100,7 +1160,8 @@ def plot(doc: dict, path: Path) -> None:
              + (f" {r.get('threads')}T" if several else "") for r in rows]
     y = list(range(len(rows)))[::-1]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 0.45 * len(rows) + 2.2), sharey=True)
-    colors = {"hf": "tab:gray", "genai": "tab:blue", "pagedkit": "tab:orange", "llamacpp": "tab:purple"}
+    colors = {"hf": "tab:gray", "genai": "tab:blue", "pagedkit": "tab:orange", "generator": "tab:brown",
+              "llamacpp": "tab:purple"}
     for yi, r in zip(y, rows):
         c = colors.get(r["engine"], "tab:green")
         if r["status"] != "ok":

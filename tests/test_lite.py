@@ -104,6 +104,19 @@ def test_greedy_matches_generator(model_dir):
     assert [s[0] for s in steps] == ref and [s[1] for s in steps] == alone
 
 
+def test_optional_step_inputs(hf, tmp_path, monkeypatch):
+    """An export with the optional slot_mapping and query_positions inputs: the runner makes them too."""
+    out = tmp_path / "opt"
+    export_tiny(hf, out, dtype="fp32", slot_mapping=True, query_positions=True)
+    gen = LiteGenerator(out, threads=1, max_seq_len=32, max_batch_size=3)
+    assert {"slot_mapping", "query_positions"} <= set(gen.plan["roles"])
+    assert _teacher_forced_error(gen, hf) <= TOL
+    # teeth: the slots of one sequence's tokens given to another's
+    real = np.repeat
+    monkeypatch.setattr(runner.np, "repeat", lambda x, r: real(x, r)[::-1].copy())
+    assert _teacher_forced_error(gen, hf) > 10 * TOL
+
+
 def test_stop_at_eos(model_dir):
     gen = LiteGenerator(model_dir, threads=1, max_seq_len=40)
     free = gen.greedy([1, 17, 33], 10, stop_at_eos=False)

@@ -360,7 +360,7 @@ def test_engine_arm_with_overlap_times_full_decode_steps(tiny_llama):
 
 def test_repeats_interleave_the_arms_and_combine(tiny_llama, tmp_path, monkeypatch):
     """--repeats 3: each arm runs the row 3 times, the arms interleaved; tokens/s = all tokens / all time
-    (recomputed here from the per-repeat figures), the step = the median of the repeats; the ORT arm
+    (recomputed here from the per-repeat figures), the step and the TTFT = the medians of the repeats; the ORT arm
     reports its run time alone (run_ms, at most its step)."""
     order = []
     monkeypatch.setattr(ort_arm, "unavailable", lambda device: None)
@@ -398,6 +398,7 @@ def test_repeats_interleave_the_arms_and_combine(tiny_llama, tmp_path, monkeypat
         total = sum(2 * 4 / r["tokens_per_s"] for r in reps)
         assert arm["tokens_per_s"] == pytest.approx(arm["decode_tokens"] / total)
         assert arm["ms_per_step"] == pytest.approx(sorted(r["ms_per_step"] for r in reps)[1])
+        assert arm["ttft_ms"] == pytest.approx(sorted(r["ttft_ms"] for r in reps)[1])  # the median, not the first
     ort = row["arms"]["ort"]
     assert 0 < ort["run_ms"] <= ort["ms_per_step"] * 1.5 and all("run_ms" in r for r in ort["repeats"])
     assert cli.main([str(tiny_llama), "--device", "cpu", "--repeats", "0", "--out", str(tmp_path)]) == 2

@@ -35,7 +35,7 @@ from .artifact import DATA_FILE, IN_FOLDER, PLAN_FILE, PLAN_VERSION, SEGMENT_FIL
 # step inputs the runner makes (names.* -> plan.json role); every other input must be a cache
 STEP_ROLES = {N.INPUT_IDS: "input_ids", N.CUMULATIVE_SEQUENCE_LENGTHS: "cu_seqlens",
               N.PAST_SEQUENCE_LENGTHS: "past_seqlens", N.BLOCK_TABLE: "block_table", N.SLOT_MAPPING: "slot_mapping",
-              N.QUERY_POSITIONS: "query_positions", N.ATTENTION_METADATA: "attention_metadata"}
+              N.QUERY_POSITIONS: "query_positions"}  # attention_metadata: not made (refused as an unknown input)
 _INLINE_MAX = 1024  # bytes: a larger inline tensor goes to segment.data when the plan lies in the model folder
 
 

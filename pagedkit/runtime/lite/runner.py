@@ -85,7 +85,7 @@ class LiteGenerator:
         dt = plan["step_dtypes"]
         shapes = {"input_ids": (t,), "cu_seqlens": (b + 1,), "past_seqlens": (b,),
                   "block_table": (b, self.blocks_per_seq), "slot_mapping": (t,), "query_positions": (t,),
-                  "attention_metadata": (3,), "logit_rows": (b,)}
+                  "logit_rows": (b,)}
         arrays = {r: np.zeros(shapes[r], dt[r]) for r in plan["roles"]}
         rows = b if "logit_rows" in plan["roles"] else t
         arrays["logits"] = np.empty((rows, int(plan["vocab_size"] or 0) or self._vocab()), plan["logits_dtype"])
@@ -95,9 +95,11 @@ class LiteGenerator:
                 self._binding.bind_ortvalue_output(plan["logits"], v)
             else:
                 self._binding.bind_ortvalue_input(plan["roles"][role], v)
-        if "block_table" in arrays:
-            arrays["block_table"][:] = (np.arange(b)[:, None] * self.blocks_per_seq
-                                        + np.arange(self.blocks_per_seq)[None, :])
+        arrays["block_table"][:] = np.arange(b)[:, None] * self.blocks_per_seq + np.arange(self.blocks_per_seq)
+        if t == b:  # one token each: token i is sequence i's last (step() writes these only when t != b)
+            arrays["cu_seqlens"][:] = np.arange(b + 1)
+            if "logit_rows" in arrays:
+                arrays["logit_rows"][:] = np.arange(b)
         self._arrays, self._shape = arrays, (b, t)
         return arrays
 
@@ -118,9 +120,15 @@ class LiteGenerator:
                              "each adding >= 1 token)")
         a = self._arrays if self._shape == (b, t) else self._bind_step(lens)
         roles = self.plan["roles"]
-        ends = np.cumsum(lens)
-        a["input_ids"][:] = [x for seq in tokens for x in seq]
-        a["cu_seqlens"][0], a["cu_seqlens"][1:] = 0, ends
+        if t == b:  # one token each (decode): cumulative lengths and logit rows are the shape's constants
+            a["input_ids"][:] = [seq[0] for seq in tokens]
+            ends = None
+        else:
+            ends = np.cumsum(lens)
+            a["input_ids"][:] = [x for seq in tokens for x in seq]
+            a["cu_seqlens"][1:] = ends
+            if "logit_rows" in roles:
+                a["logit_rows"][:] = ends - 1
         if "past_seqlens" in a:
             a["past_seqlens"][:] = past
         if "query_positions" in a or "slot_mapping" in a:
@@ -131,13 +139,8 @@ class LiteGenerator:
                 seq = np.repeat(np.arange(b), lens)
                 a["slot_mapping"][:] = (a["block_table"][seq, pos // self.block_size] * self.block_size
                                         + pos % self.block_size)
-        if "attention_metadata" in a:  # exact bounds: max query length, max KV length (twice)
-            kv = max(p + n for p, n in zip(past, lens))
-            a["attention_metadata"][:] = (max(lens), kv, kv)
-        if "logit_rows" in roles:
-            a["logit_rows"][:] = ends - 1
         self.session.run_with_iobinding(self._binding)
-        return a["logits"] if "logit_rows" in roles else a["logits"][ends - 1]
+        return a["logits"] if ends is None or "logit_rows" in roles else a["logits"][ends - 1]
 
     # ---- generation ----
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
