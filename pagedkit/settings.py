@@ -163,7 +163,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("PAGEDKIT_CPU_BACKEND", "user", "session", "`onnxruntime` / `torch` / `auto`", None,
        "what runs a CPU session when `cpu_backend=` is not given (docs/runtime.md); `onnxruntime` falls back to "
        "`torch` where onnxruntime is not installed.", _lower_or_none,
-       unset="`torch` for InferenceSession, `auto` for Generator and paged-run"),
+       unset="`torch` for InferenceSession, `auto` for Generator and paged-run (whose `auto` first tries "
+             "runtime/lite: docs/cpu.md)"),
     _S("PAGEDKIT_CPU_ATTENTION", "user", "session", "`auto` / `kernel` / `decompose`", "auto",
        "how the onnxruntime CPU backend runs PagedAttention (docs/runtime.md): `auto` and `kernel` as one custom op "
        "per node (pagedkit/kernels/cpu, compiled once with the system's C compiler) where the node's features allow, "

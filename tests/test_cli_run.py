@@ -144,6 +144,25 @@ def test_parity_with_hf(builder, layout, capsys):
     assert [o for o, h, r in zip(ours, hf_tokens, rows) if o != h and "near-tie" not in r] == []
 
 
+def test_lite_is_the_cpu_default(builder, capsys):
+    """On the CPU, paged-run runs a paged model through runtime/lite (no torch in its session's path) with
+    --parity OK, and the same tokens as the onnxruntime backend under pagedkit's session; --cpu-backend lite on a
+    model lite does not serve exits 2 with the reason on one line."""
+    get, _ = builder
+    model_dir, hf_dir = get("paged")
+    args = [str(model_dir), "--prompt-ids", "5,9,33,70,4,101", "--max-new-tokens", "8", "--ignore-eos"]
+    assert main(args + ["--parity", str(hf_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "runtime/lite" in out and "parity OK" in out and len(_table(out)) == 8
+    assert main(args + ["--cpu-backend", "onnxruntime"]) == 0
+    other = capsys.readouterr().out
+    assert "runtime/lite" not in other and _ids(other) == _ids(out)
+    gqa, _ = get("gqa")
+    assert main([str(gqa), "--prompt-ids", "1,2", "--max-new-tokens", "2", "--cpu-backend", "lite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--cpu-backend lite" in err[0] and "GQA-layout" in err[0]
+
+
 def test_parity_failure_exits_1(builder, capsys):
     get, other = builder
     model_dir, _ = get("gqa")

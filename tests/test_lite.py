@@ -221,3 +221,16 @@ def test_bad_input(model_dir):
         list(gen.generate([[]], 2))
     with pytest.raises(ValueError, match="max_batch_size"):
         LiteGenerator(model_dir, threads=1, max_batch_size=0)
+
+
+def test_docs_example_runs(tmp_path, monkeypatch, capsys):
+    """docs/cpu.md's example, run as written (on a copy of examples/tiny-paged: the plan goes in the folder)."""
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "cpu.md").read_text()
+    code = doc.split("## The torch-free path", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    shutil.copytree(root / "examples" / "tiny-paged", tmp_path / "examples" / "tiny-paged")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "docs/cpu.md", "exec"), {})
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 7 and len(json.loads(lines[0])) == 6
+    assert [json.loads(x.replace("None", "null"))[0] for x in lines[1:]] == json.loads(lines[0])

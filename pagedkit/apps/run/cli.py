@@ -58,10 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="KV block size (paged layout; default from the model / config)")
     p.add_argument("--threads", type=int, help="CPU threads (like onnxruntime's intra_op_num_threads; "
                                                "default: torch's, one per core)")
-    p.add_argument("--cpu-backend", choices=["auto", "onnxruntime", "torch"],
-                   help="on the CPU, who runs the standard ops (and the PagedAttention nodes it can express): "
-                        "onnxruntime's CPU execution provider or pagedkit's torch kernels; auto (default): "
-                        "onnxruntime unless the model holds float16 / bfloat16 weights")
+    p.add_argument("--cpu-backend", choices=["auto", "lite", "onnxruntime", "torch"],
+                   help="on the CPU, who runs the model: lite (the whole model as one onnxruntime session, run "
+                        "without torch: runtime/lite), onnxruntime (onnxruntime's CPU execution provider under "
+                        "pagedkit's session) or torch (pagedkit's torch kernels); auto (default): lite where it "
+                        "serves the model (docs/cpu.md), else onnxruntime unless the model holds float16 / "
+                        "bfloat16 weights")
     p.add_argument("--tp", type=int, metavar="N",
                    help="run a tensor-parallel export (paged-export --tp N) on N ranks started here (default: the "
                         "folder's own world size; a single-device folder runs alone)")
@@ -89,6 +91,43 @@ def _tokenizer(model_dir: Path):
 def _precision(gen) -> str:
     act, att = (str(t).replace("torch.", "") for t in (gen.activation_dtype, gen.dtype))
     return act if act == att else f"{act}, attention caches {att}"
+
+
+def _lite(args, model_dir: Path, max_seq_len: int):
+    """runtime/lite's LiteGenerator where it serves this run (the CPU, no --tp / --block-size /
+    --allow-reference-fallback, --cpu-backend auto or lite), else None; --cpu-backend lite and a model it refuses:
+    ValueError with its reason."""
+    backend = args.cpu_backend or settings.read("PAGEDKIT_CPU_BACKEND") or "auto"
+    if backend not in ("auto", "lite") or args.device != "cpu":
+        return None
+    other = [f for f, v in (("--tp", args.tp), ("--block-size", args.block_size),
+                            ("--allow-reference-fallback", args.allow_reference_fallback)) if v]
+    from ...runtime.lite import LiteGenerator, LiteUnavailable
+
+    try:
+        if other:
+            raise LiteUnavailable(f"{', '.join(other)} is served by the torch path")
+        return LiteGenerator(model_dir, threads=args.threads, max_seq_len=max_seq_len)
+    except LiteUnavailable as exc:
+        if backend == "lite":
+            raise ValueError(f"--cpu-backend lite: {exc}") from None
+        return None
+
+
+def _lite_precision(gen) -> str:
+    key = next(iter(gen.plan["caches"].values()))["dtype"]
+    act = gen.plan["logits_dtype"]
+    return act if act == key else f"{act}, attention caches {key}"
+
+
+def _dtype(gen):
+    """The dtype whose parity tolerance applies (Generator.dtype's rule: the first cache's, else float16)."""
+    import torch
+
+    if not hasattr(gen, "plan"):
+        return gen.dtype
+    key = next(iter(gen.plan["caches"].values()))["dtype"]
+    return {"float32": torch.float32, "float16": torch.float16}.get(key, torch.float16)
 
 
 @cli_main("paged-run")
@@ -148,28 +187,37 @@ def _main(args, sets: list) -> int:
             prompt = tok.encode(args.prompt).ids
         else:
             prompt = args.prompt_ids
-        from ...runtime.generate import TOLERANCES, Generator
-
         t0 = time.perf_counter()
-        # caches sized for this run (prompt + new tokens), not for the config's context_length
-        session = _session(args, model_dir, sets)
-        gen = Generator(model_dir, device=args.device, block_size=args.block_size,
-                        max_seq_len=len(prompt) + args.max_new_tokens, threads=args.threads,
-                        allow_reference_fallback=args.allow_reference_fallback or None,
-                        cpu_backend=args.cpu_backend, session=session)
+        gen = _lite(args, model_dir, len(prompt) + args.max_new_tokens)
+        if gen is None:
+            from ...runtime.generate import Generator
+
+            # caches sized for this run (prompt + new tokens), not for the config's context_length
+            session = _session(args, model_dir, sets)
+            gen = Generator(model_dir, device=args.device, block_size=args.block_size,
+                            max_seq_len=len(prompt) + args.max_new_tokens, threads=args.threads,
+                            allow_reference_fallback=args.allow_reference_fallback or None,
+                            cpu_backend=args.cpu_backend, session=session)
         setup = time.perf_counter() - t0
     except (OSError, ValueError, NotImplementedError) as exc:
         return report_error("paged-run", exc)
     except TPError as exc:  # a rank that failed to start or load: one line, status 2
         return report_error("paged-run", ValueError(str(exc)))
-    cfg = gen.config
     ranks = f" x {sets[0].world} tensor-parallel ranks" if sets else ""
-    print(f"model: {model_dir} ({'paged' if cfg.paged else 'GQA'} layout, {cfg.num_layers} layers, "
-          f"{_precision(gen)}) on {args.device}{ranks}, session ready in {setup:.2f} s")
+    if hasattr(gen, "plan"):  # runtime/lite
+        print(f"model: {model_dir} (paged layout, {gen.plan['num_layers']} layers, {_lite_precision(gen)}) on cpu, "
+              f"runtime/lite (one onnxruntime session, no torch), session ready in {setup:.2f} s")
+    else:
+        cfg = gen.config
+        print(f"model: {model_dir} ({'paged' if cfg.paged else 'GQA'} layout, {cfg.num_layers} layers, "
+              f"{_precision(gen)}) on {args.device}{ranks}, session ready in {setup:.2f} s")
     print(f"prompt: {len(prompt)} tokens {prompt}")
     tokens, shown = [], ""
     try:
-        for step in gen.greedy(prompt, args.max_new_tokens, stop_at_eos=not args.ignore_eos):
+        steps = (gen.run(prompt, args.max_new_tokens, stop_at_eos=not args.ignore_eos,
+                         keep_logits=args.parity is not None) if hasattr(gen, "plan")
+                 else gen.greedy(prompt, args.max_new_tokens, stop_at_eos=not args.ignore_eos))
+        for step in steps:
             tokens.append(step.token)
             if tok is not None:
                 text = tok.decode(tokens)
@@ -190,14 +238,21 @@ def _main(args, sets: list) -> int:
           f"decode {len(steps) - 1} tokens in {decode:.3f} s ({rate})")
     if args.parity is None:
         return 0
+    from ...runtime.generate import TOLERANCES, History, StepResult, read_config
     from ...runtime.parity import hf_logits, load_hf, parity, recorded_source
 
-    tol = args.tol if args.tol is not None else TOLERANCES[gen.dtype]
+    history = gen.history
+    if hasattr(gen, "plan"):  # runtime/lite: its numpy logits as the torch path's history
+        import torch
+
+        history = History(history.prompt, [StepResult(s.token, torch.from_numpy(s.logits), s.position, s.seconds)
+                                           for s in history.steps])
+    tol = args.tol if args.tol is not None else TOLERANCES[_dtype(gen)]
     try:
-        checkpoint, layers = (recorded_source(cfg.pagedkit, model_dir) if args.parity == ""
+        checkpoint, layers = (recorded_source(read_config(model_dir).pagedkit, model_dir) if args.parity == ""
                               else (Path(args.parity), None))
-        ref = hf_logits(load_hf(checkpoint, layers), gen.history.token_ids)
-        report = parity(gen.history, ref, tol)
+        ref = hf_logits(load_hf(checkpoint, layers), history.token_ids)
+        report = parity(history, ref, tol)
     except (OSError, ValueError) as exc:
         return report_error("paged-run: --parity", exc)
     print(f"parity vs Hugging Face eager float32 ({checkpoint}), teacher-forced over the same tokens:")

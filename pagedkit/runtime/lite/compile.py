@@ -92,7 +92,7 @@ def build_plan(folder: Path, threads: int) -> tuple[onnx.ModelProto, dict]:
     types = {vi.name: vi.type.tensor_type.elem_type for vi in list(src.model.graph.input) + list(src.model.graph.output)}
     plan = {"version": PLAN_VERSION, "threads": threads, "spin": src.spin, "library": src.library,
             "external": src.external_dir is not None, "block_size": block_size,
-            "vocab_size": cfg.vocab_size, "eos_token_ids": cfg.eos_token_ids, "context_length": cfg.context_length,
+            "num_layers": cfg.num_layers, "vocab_size": cfg.vocab_size, "eos_token_ids": cfg.eos_token_ids, "context_length": cfg.context_length,
             "roles": roles, "caches": caches, "logits": logits,
             "logits_dtype": dtypes.numpy_name(types[logits]),
             "step_dtypes": {r: dtypes.numpy_name(types[n]) for r, n in roles.items()},

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import math
 import os
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -40,6 +42,25 @@ def _session(plan_dir: Path, plan: dict, folder: Path, threads: int):
             raise LiteUnavailable(f"the CPU attention library {plan['library']} is gone")
         so.register_custom_ops_library(plan["library"])
     return ort.InferenceSession((plan_dir / SEGMENT_FILE).read_bytes(), so, providers=["CPUExecutionProvider"])
+
+
+@dataclass
+class LiteStep:
+    token: int  # the greedy token after this step
+    logits: np.ndarray | None  # [V] float32 copy of the step's last-position logits (run(keep_logits=True))
+    position: int  # the position of the step's last token
+    seconds: float  # wall time of the step
+
+
+@dataclass
+class LiteHistory:
+    prompt: list[int]
+    steps: list[LiteStep] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """prompt + every token produced (what a teacher-forced reference reads)."""
+        return self.prompt + [s.token for s in self.steps]
 
 
 class LiteGenerator:
@@ -74,6 +95,7 @@ class LiteGenerator:
             self._binding.bind_ortvalue_output(out, self._values[src])
         self._shape = None  # (batch, tokens) of the step inputs bound last
         self.eos = set(plan["eos_token_ids"])
+        self.history: LiteHistory | None = None
 
     # ---- one step ----
     def _bind_step(self, query_lens: Sequence[int]) -> dict[str, np.ndarray]:
@@ -168,9 +190,31 @@ class LiteGenerator:
                     return
             feed = [[t] for t in toks]  # ended sequences keep stepping (lockstep); their tokens are not yielded
 
+    def run(self, prompt: Sequence[int], max_new_tokens: int, stop_at_eos: bool = True,
+            keep_logits: bool = False) -> Iterator[LiteStep]:
+        """One sequence, greedy, step by step (timed; the logits kept where asked): self.history records it."""
+        prompt = [int(t) for t in prompt]
+        if not prompt or len(prompt) + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"run: a prompt of {len(prompt)} tokens (at least 1) + max_new_tokens {max_new_tokens} "
+                             f"must fit max_seq_len {self.max_seq_len}")
+        self.history = LiteHistory(prompt)
+        past, feed = 0, prompt
+        for _ in range(max_new_tokens):
+            t0 = time.perf_counter()
+            row = self.step([past], [feed])[0]
+            token = int(np.argmax(row))
+            keep = row.astype(np.float32, copy=True) if keep_logits else None
+            past += len(feed)
+            step = LiteStep(token, keep, past - 1, time.perf_counter() - t0)
+            self.history.steps.append(step)
+            yield step
+            if stop_at_eos and token in self.eos:
+                return
+            feed = [token]
+
     def greedy(self, prompt: Sequence[int], max_new_tokens: int, stop_at_eos: bool = True) -> list[int]:
         """The greedy continuation of one prompt."""
         return [t[0] for t in self.generate([prompt], max_new_tokens, stop_at_eos) if t[0] is not None]
 
 
-__all__ = ["LiteGenerator"]
+__all__ = ["LiteGenerator", "LiteHistory", "LiteStep"]
