@@ -16,10 +16,13 @@ swiglu/geglu take g and l from fc1, interleaved (swiglu_fusion=1: [g0, l0, g1, l
 concatenated ([g | l], fusion 2), or (swiglu, fusion 0) g from fc1 and l from fc3. Other activations
 with fc3 gate it: act(fc1 x) * (fc3 x).
 Matmuls run in the input dtype (float32 for half inputs, see _experts); activations and the weighted sum of expert outputs in float32.
-Small batches (tokens * k <= experts, i.e. decode) gather the chosen experts' weights and stay on
-the device; on CUDA, steps of up to DENSE_MAX_TOKENS tokens with more routes than experts run every expert
-on every token (no host read: CUDA-graph capturable); larger ones group tokens by expert, which reads the
-per-expert counts on the host.
+On CUDA the experts run as two grouped GEMM launches over the routes sorted by expert (kernels/triton/moe.py:
+no host read at any batch, CUDA-graph capturable; its hidden rows in the activation dtype, as onnxruntime's CUDA
+MoE) wherever that kernel serves the node (`triton_moe_refusal` says why not). Otherwise small batches (tokens * k
+<= experts, i.e. decode) gather the chosen experts' weights and stay on the device; on CUDA, steps of up to
+DENSE_MAX_TOKENS tokens with more routes than experts run every expert on every token (no host read); larger ones
+group tokens by expert, which reads the per-expert counts on the host. ROUTES[node name] records which of
+"triton", "dense", "gather" or "grouped" served a node's last call.
 
 com.microsoft QMoE (quant_type 'int': 2/4/8-bit expert weights [E, N, K * bits / 8] packed along K, low
 bits first, scales [E, N, K / block_size] or per row [E, N], zero points packed like the weights, default
@@ -37,7 +40,34 @@ import torch.nn.functional as F
 from . import nbits
 from .quant import unpack_bits
 from .registry import MS_DOMAIN, RUNTIME, prepack, register
-from .util import opt
+from .util import opt, triton_kernels
+
+ROUTES: dict[str, str] = {}  # node name -> the path its last call took (module doc)
+TRITON_FAILURE: list[str] = []  # why the fused kernel failed on this device, once it has: the torch path since
+
+
+def triton_moe_refusal(xs: torch.Tensor, weights, attrs: dict) -> str | None:
+    """None when kernels/triton/moe.py serves this call (CUDA tensors), else why not."""
+    if not xs.is_cuda:
+        return "not a CUDA tensor"
+    if TRITON_FAILURE:
+        return f"the fused kernel failed here: {TRITON_FAILURE[0]}"
+    tk = triton_kernels("moe")
+    return "triton is not available" if tk is None else tk.serves(xs, weights, attrs)
+
+
+def _fused(xs, top_e, top_w, weights, attrs, where: str) -> torch.Tensor | None:
+    """The fused kernel's output, or None (recorded in TRITON_FAILURE, with a warning) when it fails to build or
+    run on this device: the torch path serves this call and every later one."""
+    try:
+        return triton_kernels("moe").fused_moe(xs.contiguous(), top_e, top_w, weights, attrs)
+    except Exception as exc:  # a Triton compile / launch error on this device
+        import warnings
+
+        TRITON_FAILURE.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+        warnings.warn(f"{where}: the fused MoE kernel failed ({TRITON_FAILURE[0]}); MoE runs its torch path from "
+                      "now on (runtime/ops/moe.py)", RuntimeWarning, stacklevel=2)
+        return None
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -168,17 +198,25 @@ def moe(inputs, attrs, ctx):
         top_w, top_e = torch.topk(probs, k, dim=-1)  # [T, k]
         if attrs.get("normalize_routing_weights", 0):
             top_w = top_w / top_w.sum(-1, keepdim=True)
+    if triton_moe_refusal(xs, weights, attrs) is None:  # CUDA: two grouped GEMM launches, no host read
+        out = _fused(xs, top_e, top_w, weights, attrs, where)
+        if out is not None:
+            ROUTES[ctx.node_name] = "triton"
+            return [out.to(x.dtype).reshape(x.shape)]
     rows = torch.arange(n_tok, device=x.device).repeat_interleave(k)  # [T*k] token of each route
     route_e, route_w = top_e.reshape(-1), top_w.reshape(-1)
     if n_tok * k > n_exp and n_tok <= DENSE_MAX_TOKENS and x.is_cuda:  # decode on CUDA: every expert, densely
+        ROUTES[ctx.node_name] = "dense"
         dense = torch.zeros(n_tok, n_exp, dtype=torch.float32, device=x.device).scatter_(1, top_e, top_w)  # [T, E]
         y = _all_experts(xs, weights, attrs, where)  # [E, T, hidden]
         out = (y * dense.T.unsqueeze(-1)).sum(0)
         return [out.to(x.dtype).reshape(x.shape)]
     if n_tok * k <= n_exp:  # gather the chosen experts' weights: no host read
+        ROUTES[ctx.node_name] = "gather"
         y = _experts(xs[rows], route_e, weights, attrs, where).float()
         contrib, dest = y * route_w.unsqueeze(-1), rows
     else:  # group routes by expert
+        ROUTES[ctx.node_name] = "grouped"
         order = torch.argsort(route_e, stable=True)
         counts = torch.bincount(route_e, minlength=n_exp).tolist()
         dest = rows[order]
