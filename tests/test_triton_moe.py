@@ -191,3 +191,63 @@ def test_op_falls_back_when_the_kernel_fails(monkeypatch):
         got = op.moe([xs, router, *w], attrs, ctx)[0]
     assert torch.equal(got, expected) and op.ROUTES["moe_fallback"] != "triton"
     assert op.TRITON_FAILURE == ["RuntimeError: PassManager::run failed"]
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [..., n] (n a multiple of 8 / bits) -> bytes, the first code in the lowest bits."""
+    per = 8 // bits
+    c = codes.to(torch.int64).reshape(*codes.shape[:-1], -1, per)
+    return sum(c[..., i] << (i * bits) for i in range(per)).to(torch.uint8)
+
+
+def _packed_case(w_float: torch.Tensor, bits: int, block: int, zp: bool, g: torch.Generator, dtype):
+    """Random codes, scales and zero points for a weight of w_float's shape [E, N, K]: (PackedExperts, the
+    dequantized weight in float64 by hand, rounded to the scales' dtype as the op's dequantization is)."""
+    e, n, k = w_float.shape
+    groups = k // block if block else 1
+    codes = torch.randint(0, 1 << bits, (e, n, k), generator=g)
+    scales = (torch.rand(e, n, groups, generator=g) * 0.05 + 0.01).to(dtype)
+    per = 8 // bits
+    if zp:
+        zc = torch.randint(0, 1 << bits, (e, n, groups) if block else (e, n), generator=g)
+        pad = (-zc.shape[-1]) % per
+        zpk = _pack(torch.cat([zc, torch.zeros(*zc.shape[:-1], pad, dtype=zc.dtype)], -1), bits)
+        z = (zc if block else zc).double()
+    else:
+        zpk, z = None, torch.full((e, n, groups) if block else (e, n), float(1 << (bits - 1)), dtype=torch.float64)
+    zz = z.reshape(e, n, -1).repeat_interleave(block if block else k, dim=-1)
+    ss = scales.double().reshape(e, n, -1).repeat_interleave(block if block else k, dim=-1)
+    deq = ((codes.double() - zz) * ss).to(dtype)
+    return moe_k.PackedExperts(_pack(codes, bits), scales.reshape(e, n, groups) if block else scales.reshape(e, n),
+                               zpk, bits, block), deq
+
+
+@pytest.mark.parametrize("bits,block,zp,fusion", [(4, 32, True, 1), (8, 0, False, 2), (2, 16, True, 0),
+                                                  (4, 0, True, 1), (8, 16, False, 0)])
+def test_packed_experts_match_the_dequantized_loop(bits, block, zp, fusion):
+    """QMoE's integer experts dequantized in the kernel's loads: the float64 loop over the weights dequantized by
+    hand (codes, scales and zero points packed here, the first code in the lowest bits)."""
+    dtype = torch.float16
+    xs, top_e, top_w, w, attrs = make(n_tok=9, k=2, n_exp=3, hidden=64, inter=32, fusion=fusion, fc3=fusion == 0,
+                                      seed=bits + block)
+    g = torch.Generator().manual_seed(21)
+    packed, dense = list(w), list(w)
+    for i in (0, 2, 4):
+        if w[i] is not None:
+            packed[i], dense[i] = _packed_case(w[i], bits, block, zp, g, dtype)
+    assert moe_k.serves(xs, packed, attrs) is None
+    got = moe_k.fused_moe(xs, top_e, top_w, packed, attrs)
+    assert _err(got, oracle(xs, top_e, top_w, dense, attrs)) <= TOL[dtype]
+    if zp:  # teeth: the default zero point instead of the given ones
+        wrong = [moe_k.PackedExperts(p.q, p.scales, None, p.bits, p.block_size)
+                 if isinstance(p, moe_k.PackedExperts) else p for p in packed]
+        assert _err(moe_k.fused_moe(xs, top_e, top_w, wrong, attrs), oracle(xs, top_e, top_w, dense, attrs)) > 0.05
+
+
+def test_packed_refusals():
+    xs, top_e, top_w, w, attrs = make(hidden=64)
+    g = torch.Generator().manual_seed(1)
+    p, _ = _packed_case(w[0], 4, 32, False, g, torch.float16)
+    assert "block_size 48" in moe_k.serves(xs, [moe_k.PackedExperts(p.q, p.scales, None, 4, 48)] + w[1:], attrs)
+    assert "3-bit" in moe_k.serves(xs, [moe_k.PackedExperts(p.q, p.scales, None, 3, 32)] + w[1:], attrs)
+    assert "scales" in moe_k.serves(xs, [moe_k.PackedExperts(p.q, p.scales[..., :1], None, 4, 32)] + w[1:], attrs)

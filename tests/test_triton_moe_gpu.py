@@ -61,3 +61,31 @@ def test_graph_replay_equals_eager():
     torch.cuda.synchronize()
     assert torch.equal(out, fused_moe(xs, top_e, top_w, w, attrs))
     assert not torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("bits,block", [(4, 32), (8, 0)])
+def test_qmoe_op_takes_the_codes(bits, block):
+    """QMoE on CUDA: the fused kernel dequantizes in its loads (ROUTES "triton"); equal within the float16 bound
+    to the op on the CPU (the experts dequantized first, float32 products)."""
+    from test_triton_moe import _packed_case
+
+    from pagedkit.runtime.ops.moe import ROUTES, qmoe
+    from pagedkit.runtime.ops.registry import OpContext
+
+    xs, _, _, w, attrs = make(n_tok=24, k=4, n_exp=16, hidden=256, inter=128, seed=bits, bias=False)
+    g = torch.Generator().manual_seed(3)
+    p1, _ = _packed_case(w[0], bits, block, True, g, torch.float16)
+    p2, _ = _packed_case(w[2], bits, block, True, g, torch.float16)
+    router = torch.randn(24, 16, generator=g).half()
+    attrs = attrs | {"k": 4, "expert_weight_bits": bits, "block_size": block, "quant_type": "int"}
+
+    def run(dev, name):
+        t = lambda x: x.to(dev) if x is not None else None  # noqa: E731
+        ins = [t(xs), t(router), t(p1.q), t(p1.scales), None, t(p2.q), t(p2.scales), None, None, None, None,
+               t(p1.zero_points), t(p2.zero_points)]
+        return qmoe(ins, attrs, OpContext(node_name=name, device=dev))[0].float().cpu()
+
+    got = run("cuda", "qmoe_gpu")
+    assert ROUTES["qmoe_gpu"] == "triton"
+    ref = run("cpu", "qmoe_cpu")
+    assert float((got - ref).abs().max()) <= 2 * TOL[torch.float16] * float(ref.abs().max())

@@ -23,6 +23,7 @@ float32.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -53,6 +54,45 @@ if common.HAVE_TRITON:
         return e, e_ok, pos, route, valid
 
     @triton.jit
+    def _w_tile(w_ptr, s_ptr, z_ptr, e, rows, kk, K, n_ok, k_ok, w_expert, s_expert, z_expert, groups,
+                BITS: tl.constexpr, GROUP: tl.constexpr, HAS_Z: tl.constexpr, UPCAST: tl.constexpr, out_dt):
+        """W[e, rows, kk] as a [BK, BN] tile (kk down, rows across) in out_dt: a float weight as stored, or packed
+        BITS-bit codes (the first value in the lowest bits of a byte) dequantized as (q - zero point) * scale in
+        float32, with one scale per GROUP values of K (GROUP 0: one per row) and zero points packed like the codes
+        (along the groups; per row: along N), else 2^(BITS - 1)."""
+        m = k_ok[:, None] & n_ok[None, :]
+        base = e.to(tl.int64) * w_expert
+        if BITS == 0:
+            w = tl.load(w_ptr + base + rows[None, :] * K + kk[:, None], mask=m, other=0.0)
+            if UPCAST:
+                w = w.to(tl.float32)
+            return w
+        PER: tl.constexpr = 8 // BITS
+        MASK: tl.constexpr = (1 << BITS) - 1
+        byte = tl.load(w_ptr + base + rows[None, :] * (K // PER) + (kk // PER)[:, None], mask=m, other=0)
+        q = ((byte.to(tl.int32) >> ((kk % PER) * BITS)[:, None]) & MASK).to(tl.float32)
+        if GROUP:
+            g = kk // GROUP
+        else:
+            g = kk * 0
+        sc = tl.load(s_ptr + e.to(tl.int64) * s_expert + rows[None, :] * groups + g[:, None], mask=m,
+                     other=0.0).to(tl.float32)
+        if HAS_Z:
+            if GROUP:
+                zb = tl.load(z_ptr + e.to(tl.int64) * z_expert + rows[None, :] * ((groups + PER - 1) // PER)
+                             + (g // PER)[:, None], mask=m, other=0)
+                z = ((zb.to(tl.int32) >> ((g % PER) * BITS)[:, None]) & MASK).to(tl.float32)
+            else:
+                zb = tl.load(z_ptr + e.to(tl.int64) * z_expert + rows // PER, mask=n_ok, other=0)
+                z = ((zb.to(tl.int32) >> ((rows % PER) * BITS)) & MASK).to(tl.float32)[None, :]
+        else:
+            z = (1 << (BITS - 1)) * 1.0
+        w = ((q - z) * sc).to(out_dt)  # the dequantized weight in the scales' dtype, as runtime/ops/moe.py
+        if UPCAST:
+            w = w.to(tl.float32)
+        return w
+
+    @triton.jit
     def _act(a, b, ACT: tl.constexpr, GATED: tl.constexpr, alpha, beta, limit, LIMIT_AFTER: tl.constexpr):
         if ACT == 5:  # swiglu
             l = tl.minimum(tl.maximum(b, -limit), limit)
@@ -78,12 +118,14 @@ if common.HAVE_TRITON:
         return h
 
     @triton.jit
-    def _fc1_kernel(x_ptr, wa_ptr, wb_ptr, ba_ptr, bb_ptr, act_ptr, tile_end_ptr, tiles_ptr, counts_ptr, start_ptr,
-                    order_ptr, E, H, I, K_ROUTES, a_base, a_step, b_base, b_step, wa_expert, wb_expert,
-                    ba_expert, bb_expert, alpha, beta, limit,
+    def _fc1_kernel(x_ptr, wa_ptr, sa_ptr, za_ptr, wb_ptr, sb_ptr, zb_ptr, ba_ptr, bb_ptr, act_ptr, tile_end_ptr,
+                    tiles_ptr, counts_ptr, start_ptr, order_ptr, E, H, I, K_ROUTES, a_base, a_step, b_base, b_step,
+                    wa_expert, sa_expert, za_expert, ga, wb_expert, sb_expert, zb_expert, gb, ba_expert, bb_expert,
+                    alpha, beta, limit,
                     EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr,
                     GATED: tl.constexpr, HAS_BA: tl.constexpr, HAS_BB: tl.constexpr, LIMIT_AFTER: tl.constexpr,
-                    IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                    IEEE: tl.constexpr, UPCAST: tl.constexpr, BITS_A: tl.constexpr, GROUP_A: tl.constexpr,
+                    HAS_ZA: tl.constexpr, BITS_B: tl.constexpr, GROUP_B: tl.constexpr, HAS_ZB: tl.constexpr):
         t = tl.program_id(0)
         e, e_ok, pos, route, valid = _tile(tile_end_ptr, tiles_ptr, counts_ptr, start_ptr, order_ptr, t, E, EP, BM)
         if e_ok:
@@ -94,25 +136,21 @@ if common.HAVE_TRITON:
             rows_b = (b_base + b_step * n).to(tl.int64)
             acc_a = tl.zeros((BM, BN), dtype=tl.float32)
             acc_b = tl.zeros((BM, BN), dtype=tl.float32)
-            wa = wa_ptr + e.to(tl.int64) * wa_expert
-            wb = wb_ptr + e.to(tl.int64) * wb_expert
             for k0 in range(0, H, BK):
                 kk = k0 + tl.arange(0, BK)
                 k_ok = kk < H
                 x = tl.load(x_ptr + token[:, None] * H + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(wa + rows_a[None, :] * H + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 if UPCAST:  # the interpreter's bfloat16: float32 at once
                     x = x.to(tl.float32)
-                    w = w.to(tl.float32)
+                w = _w_tile(wa_ptr, sa_ptr, za_ptr, e, rows_a, kk, H, n_ok, k_ok, wa_expert, sa_expert, za_expert,
+                            ga, BITS_A, GROUP_A, HAS_ZA, UPCAST, x_ptr.dtype.element_ty)
                 if IEEE:  # float32 weights: full-precision products, not tf32
                     acc_a += tl.dot(x, w, input_precision="ieee")
                 else:
                     acc_a += tl.dot(x, w)
                 if GATED:
-                    w2 = tl.load(wb + rows_b[None, :] * H + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
-                                 other=0.0)
-                    if UPCAST:
-                        w2 = w2.to(tl.float32)
+                    w2 = _w_tile(wb_ptr, sb_ptr, zb_ptr, e, rows_b, kk, H, n_ok, k_ok, wb_expert, sb_expert,
+                                 zb_expert, gb, BITS_B, GROUP_B, HAS_ZB, UPCAST, x_ptr.dtype.element_ty)
                     if IEEE:
                         acc_b += tl.dot(x, w2, input_precision="ieee")
                     else:
@@ -126,26 +164,26 @@ if common.HAVE_TRITON:
                      mask=valid[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _fc2_kernel(act_ptr, w_ptr, b_ptr, rw_ptr, y_ptr, tile_end_ptr, tiles_ptr, counts_ptr, start_ptr, order_ptr,
-                    E, H, I, EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    HAS_B: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    def _fc2_kernel(act_ptr, w_ptr, s_ptr, z_ptr, b_ptr, rw_ptr, y_ptr, tile_end_ptr, tiles_ptr, counts_ptr,
+                    start_ptr, order_ptr, E, H, I, w_expert, s_expert, z_expert, groups,
+                    EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_B: tl.constexpr,
+                    IEEE: tl.constexpr, UPCAST: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                    HAS_Z: tl.constexpr):
         t = tl.program_id(0)
         e, e_ok, pos, route, valid = _tile(tile_end_ptr, tiles_ptr, counts_ptr, start_ptr, order_ptr, t, E, EP, BM)
         if e_ok:
             n = tl.program_id(1) * BN + tl.arange(0, BN)  # output columns (hidden)
             n_ok = n < H
-            w = w_ptr + e.to(tl.int64) * H * I
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for k0 in range(0, I, BK):
                 kk = k0 + tl.arange(0, BK)
                 k_ok = kk < I
                 a = tl.load(act_ptr + pos.to(tl.int64)[:, None] * I + kk[None, :],
                             mask=valid[:, None] & k_ok[None, :], other=0.0)
-                wt = tl.load(w + n.to(tl.int64)[None, :] * I + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
-                             other=0.0)
                 if UPCAST:
                     a = a.to(tl.float32)
-                    wt = wt.to(tl.float32)
+                wt = _w_tile(w_ptr, s_ptr, z_ptr, e, n.to(tl.int64), kk, I, n_ok, k_ok, w_expert, s_expert,
+                             z_expert, groups, BITS, GROUP, HAS_Z, UPCAST, act_ptr.dtype.element_ty)
                 if IEEE:
                     acc += tl.dot(a, wt, input_precision="ieee")
                 else:
@@ -155,6 +193,51 @@ if common.HAVE_TRITON:
             rw = tl.load(rw_ptr + route, mask=valid, other=0.0)
             tl.store(y_ptr + route.to(tl.int64)[:, None] * H + n[None, :], acc * rw[:, None],
                      mask=valid[:, None] & n_ok[None, :])
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """QMoE's integer expert weights as the op holds them: codes uint8 [E, N, K * bits / 8] (the first value in the
+    lowest bits), scales [E, N, K / block_size] (block_size 0: [E, N]), zero points packed like the codes (along
+    the groups; per row: [E, ceil(N * bits / 8)]) or None (2^(bits - 1)). Dequantized in the kernel's loads."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    zero_points: torch.Tensor | None
+    bits: int
+    block_size: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, n, b = self.q.shape
+        return e, n, b * 8 // self.bits
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    def why_not(self) -> str | None:
+        e, n, k = self.shape
+        if self.bits not in (2, 4, 8) or self.q.dtype != torch.uint8:
+            return f"{self.bits}-bit codes of dtype {self.q.dtype}"
+        groups = k // self.block_size if self.block_size else 1
+        if self.block_size and k % self.block_size:
+            return f"K={k} is not a multiple of block_size {self.block_size}"
+        if self.scales.numel() != e * n * groups:
+            return f"scales {tuple(self.scales.shape)} for [{e}, {n}, {groups}]"
+        if self.zero_points is not None and self.zero_points.dtype != torch.uint8:
+            return f"zero points of dtype {self.zero_points.dtype} (packed uint8 expected)"
+        per = 8 // self.bits
+        z_bytes = e * n * (-(-groups // per)) if self.block_size else e * (-(-n // per))
+        if self.zero_points is not None and self.zero_points.numel() != z_bytes:
+            return f"zero points {tuple(self.zero_points.shape)} ({z_bytes} bytes expected)"
+        return None
+
+
+def _tensors(w) -> list[torch.Tensor]:
+    if isinstance(w, PackedExperts):
+        return [t for t in (w.q, w.scales, w.zero_points) if t is not None]
+    return [w] if w is not None else []
 
 
 def serves(xs: torch.Tensor, weights, attrs: dict) -> str | None:
@@ -167,19 +250,23 @@ def serves(xs: torch.Tensor, weights, attrs: dict) -> str | None:
         return "not a CUDA tensor"
     if act not in ACTS:
         return f"activation_type {act!r}"
-    ts = [t for t in weights if t is not None]
-    if any(not isinstance(t, torch.Tensor) for t in ts):
-        return "expert weights that are not plain tensors (quantized)"
-    if xs.dtype not in (torch.float16, torch.bfloat16, torch.float32) or any(t.dtype != xs.dtype for t in ts):
-        return f"dtypes {sorted({str(t.dtype) for t in ts + [xs]})} (one float dtype expected)"
-    if any(not t.is_contiguous() for t in ts + [xs]):
+    if any(w is not None and not isinstance(w, (torch.Tensor, PackedExperts)) for w in weights):
+        return "expert weights of another kind"
+    for w in (fc1_w, fc2_w, fc3_w):
+        why = w.why_not() if isinstance(w, PackedExperts) else None
+        if why:
+            return why
+    dts = {xs.dtype} | {w.dtype for w in weights if w is not None}
+    if xs.dtype not in (torch.float16, torch.bfloat16, torch.float32) or len(dts) != 1:
+        return f"dtypes {sorted(str(d) for d in dts)} (one float dtype expected)"
+    if any(not t.is_contiguous() for w in list(weights) + [xs] for t in _tensors(w)):
         return "non-contiguous weights"
     e, n1, h = fc1_w.shape
     if act in GLU:
         fusion = attrs.get("swiglu_fusion", 0)
         if fusion not in (0, 1, 2) or (fusion == 0 and fc3_w is None) or (fusion and n1 % 2):
             return f"swiglu_fusion {fusion} with fc1 rows {n1}" + (" and no fc3" if fc3_w is None else "")
-    if fc2_w.shape[:2] != (e, h):
+    if tuple(fc2_w.shape[:2]) != (e, h):
         return f"fc2 weights {tuple(fc2_w.shape)} against fc1 {tuple(fc1_w.shape)}"
     return None
 
@@ -196,10 +283,22 @@ def _layout(n1: int, act: str, attrs: dict, has_fc3: bool) -> tuple[int, tuple[i
     return n1, (0, 1, 0, 1), has_fc3, True
 
 
+def _weight_args(w) -> tuple[list, dict]:
+    """(pointer / stride arguments [w, s, z, w_expert, s_expert, z_expert, groups], constexprs) of one fc."""
+    e, n, k = w.shape
+    if not isinstance(w, PackedExperts):
+        return [w, w, w, n * k, 0, 0, 1], dict(BITS=0, GROUP=0, HAS_Z=False)
+    groups = k // w.block_size if w.block_size else 1
+    z = w.zero_points
+    return ([w.q, w.scales, z if z is not None else w.q, w.q[0].numel(), n * groups,
+             z[0].numel() if z is not None else 0, groups],
+            dict(BITS=w.bits, GROUP=w.block_size, HAS_Z=z is not None))
+
+
 def fused_moe(xs: torch.Tensor, top_e: torch.Tensor, top_w: torch.Tensor, weights, attrs: dict,
               block_n: int = 64, block_k: int = 64) -> torch.Tensor:
     """out [T, H] float32 (see the module doc; `serves` must hold). weights: (fc1_w, fc1_b, fc2_w, fc2_b, fc3_w,
-    fc3_b) as runtime/ops/moe.py passes them."""
+    fc3_b) as runtime/ops/moe.py passes them, each weight a float tensor or PackedExperts."""
     fc1_w, fc1_b, fc2_w, fc2_b, fc3_w, fc3_b = weights
     act = attrs.get("activation_type", "relu")
     n_tok, k = top_e.shape
@@ -223,26 +322,30 @@ def fused_moe(xs: torch.Tensor, top_e: torch.Tensor, top_w: torch.Tensor, weight
     limit = float(attrs.get("swiglu_limit", math.inf))
     bn1 = min(block_n, triton.next_power_of_2(max(inter, 16)))
     bk1 = min(block_k, triton.next_power_of_2(max(h, 16)))
-    dummy = fc1_w
     upcast = bool(common.INTERPRET) and xs.dtype == torch.bfloat16  # the interpreter misreads bfloat16 operands
+    (wa, sa, za, wa_e, sa_e, za_e, ga), ca = _weight_args(fc1_w)
+    (wbp, sbp, zbp, wb_e, sb_e, zb_e, gb), cb = _weight_args(wb)
+    dummy = xs
     _fc1_kernel[(grid_m, triton.cdiv(inter, bn1))](
-        xs, fc1_w, wb, fc1_b if fc1_b is not None else dummy, bb if bb is not None else dummy, act_buf,
-        tile_end, tiles, counts, start, order, e, h, inter, k, a_base, a_step, b_base, b_step,
-        fc1_w.shape[1] * h, wb.shape[1] * h, fc1_w.shape[1], wb.shape[1],
+        xs, wa, sa, za, wbp, sbp, zbp, fc1_b if fc1_b is not None else dummy, bb if bb is not None else dummy,
+        act_buf, tile_end, tiles, counts, start, order, e, h, inter, k, a_base, a_step, b_base, b_step,
+        wa_e, sa_e, za_e, ga, wb_e, sb_e, zb_e, gb, n1, wb.shape[1],
         float(attrs.get("activation_alpha", 1.0)), float(attrs.get("activation_beta", 0.0)),
         limit if math.isfinite(limit) else 3.0e38,
         EP=ep, BM=BLOCK_M, BN=bn1, BK=bk1, ACT=ACTS[act], GATED=gated, HAS_BA=fc1_b is not None,
         HAS_BB=gated and bb is not None, LIMIT_AFTER=bool(attrs.get("swiglu_limit_after_activation", 0)),
-        IEEE=xs.dtype == torch.float32, UPCAST=upcast)
+        IEEE=xs.dtype == torch.float32, UPCAST=upcast, BITS_A=ca["BITS"], GROUP_A=ca["GROUP"], HAS_ZA=ca["HAS_Z"],
+        BITS_B=cb["BITS"], GROUP_B=cb["GROUP"], HAS_ZB=cb["HAS_Z"])
     y = torch.empty(max(routes, 1), h, dtype=torch.float32, device=dev)
     rw = top_w.reshape(-1).to(torch.float32).contiguous()
     bn2 = min(block_n, triton.next_power_of_2(max(h, 16)))
     bk2 = min(block_k, triton.next_power_of_2(max(inter, 16)))
+    (w2, s2, z2, w2_e, s2_e, z2_e, g2), c2 = _weight_args(fc2_w)
     _fc2_kernel[(grid_m, triton.cdiv(h, bn2))](
-        act_buf, fc2_w, fc2_b if fc2_b is not None else dummy, rw, y, tile_end, tiles, counts, start, order,
-        e, h, inter, EP=ep, BM=BLOCK_M, BN=bn2, BK=bk2, HAS_B=fc2_b is not None, IEEE=xs.dtype == torch.float32,
-        UPCAST=upcast)
+        act_buf, w2, s2, z2, fc2_b if fc2_b is not None else dummy, rw, y, tile_end, tiles, counts, start, order,
+        e, h, inter, w2_e, s2_e, z2_e, g2, EP=ep, BM=BLOCK_M, BN=bn2, BK=bk2, HAS_B=fc2_b is not None,
+        IEEE=xs.dtype == torch.float32, UPCAST=upcast, **c2)
     return y[:routes].reshape(n_tok, k, h).sum(1)
 
 
-__all__ = ["ACTS", "fused_moe", "serves"]
+__all__ = ["ACTS", "PackedExperts", "fused_moe", "serves"]

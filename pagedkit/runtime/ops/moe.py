@@ -26,7 +26,8 @@ group tokens by expert, which reads the per-expert counts on the host. ROUTES[no
 
 com.microsoft QMoE (quant_type 'int': 2/4/8-bit expert weights [E, N, K * bits / 8] packed along K, low
 bits first, scales [E, N, K / block_size] or per row [E, N], zero points packed like the weights, default
-2^(bits-1)) dequantizes the experts ((q - zp) * scale in float32, then the scales' dtype) and runs MoE. The
+2^(bits-1)) dequantizes the experts ((q - zp) * scale in float32, then the scales' dtype) and runs MoE; on CUDA the
+fused kernel takes the codes as they are and dequantizes them in its loads, the same way. The
 prepack step dequantizes them once, within nbits' dequantized-cache budget; otherwise on every call.
 """
 
@@ -203,6 +204,7 @@ def moe(inputs, attrs, ctx):
         if out is not None:
             ROUTES[ctx.node_name] = "triton"
             return [out.to(x.dtype).reshape(x.shape)]
+    weights = tuple(_dense(t, where) for t in weights)  # QMoE's packed experts (the fused path failed)
     rows = torch.arange(n_tok, device=x.device).repeat_interleave(k)  # [T*k] token of each route
     route_e, route_w = top_e.reshape(-1), top_w.reshape(-1)
     if n_tok * k > n_exp and n_tok <= DENSE_MAX_TOKENS and x.is_cuda:  # decode on CUDA: every expert, densely
@@ -302,10 +304,42 @@ class DequantizedExperts(nbits.Packed):
         nbits.reserve(self, self.nbytes)
 
 
+def _packed(inputs, attrs) -> list | None:
+    """[fc1_w, fc1_b, fc2_w, fc2_b, fc3_w, fc3_b] with each integer weight as the fused kernel's PackedExperts
+    (dequantized in its loads); None when the kernels are not available or a weight was dequantized at creation."""
+    tk = triton_kernels("moe")
+    if tk is None:
+        return None
+    out = []
+    for fc, (w, s, b, z) in _QMOE_FC.items():
+        q = opt(inputs, w)
+        if isinstance(q, DequantizedExperts):
+            return None
+        if q is not None and q.dtype == torch.uint8:
+            zp = opt(inputs, z)
+            q = tk.PackedExperts(q, inputs[s], zp if isinstance(zp, torch.Tensor) else None,
+                                 attrs.get(f"{fc}_expert_weight_bits", attrs.get("expert_weight_bits", 4)),
+                                 attrs.get("block_size", 0))
+        out += [q, opt(inputs, b)]
+    return out
+
+
+def _dense(w, where: str):
+    """A fused-kernel PackedExperts as the dequantized tensor the torch path takes (anything else as it is)."""
+    if w is None or isinstance(w, torch.Tensor):
+        return w
+    return dequantize_experts(w.q, w.scales, w.zero_points, w.bits, w.block_size, where)
+
+
 @register("QMoE", domain=MS_DOMAIN)
 def qmoe(inputs, attrs, ctx):
     where = f"QMoE node {ctx.node_name!r}"
     _qmoe_check(inputs, attrs, where)
+    if inputs[0].is_cuda:  # the fused kernel dequantizes the codes in its loads: no dequantized copy per call
+        packed = _packed(inputs, attrs)
+        xs = inputs[0].reshape(-1, inputs[0].shape[-1])
+        if packed is not None and triton_moe_refusal(xs, packed, attrs) is None:
+            return moe([inputs[0], inputs[1], *packed], attrs, ctx)
     w = _qmoe_weights(inputs, attrs, where)
     return moe([inputs[0], inputs[1], *w], attrs, ctx)
 
