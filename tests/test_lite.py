@@ -186,6 +186,33 @@ def test_plan_in_cache_when_folder_not_writable(model_dir, tmp_path, monkeypatch
     assert len(gen.greedy([1, 2, 3], 3, stop_at_eos=False)) == 3
 
 
+def test_plan_library_path_is_not_trusted(model_dir, tmp_path):
+    """plan.json's library path is never loaded: the runner registers this pagedkit's own build (a folder could
+    ship a forged plan); a plan of another build is refused."""
+    gen = LiteGenerator(model_dir, threads=1, max_seq_len=16)
+    plan_file = gen.plan_dir / artifact.PLAN_FILE
+    doc = json.loads(plan_file.read_text())
+    fake = tmp_path / "evil" / Path(doc["library"]).name
+    fake.parent.mkdir()
+    fake.write_bytes(b"not a library")  # registered, onnxruntime would fail on it
+    plan_file.write_text(json.dumps(doc | {"library": str(fake)}))
+    assert LiteGenerator(model_dir, threads=1, max_seq_len=16).greedy([1, 2], 2, stop_at_eos=False)
+    plan_file.write_text(json.dumps(doc | {"library": str(tmp_path / "paged_attention-0000.so")}))
+    with pytest.raises(LiteUnavailable, match="another build"):
+        LiteGenerator(model_dir, threads=1, max_seq_len=16)
+
+
+def test_plan_folder_link_out_is_not_followed(model_dir, tmp_path, monkeypatch):
+    """A model folder whose .pagedkit is a link out of it: the plan goes under $PAGEDKIT_CACHE, nothing is
+    written through the link."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (model_dir / ".pagedkit").symlink_to(outside, target_is_directory=True)
+    monkeypatch.setenv("PAGEDKIT_CACHE", str(tmp_path / "cache"))
+    gen = LiteGenerator(model_dir, threads=1, max_seq_len=16)
+    assert gen.plan_dir.is_relative_to(tmp_path / "cache") and not any(outside.iterdir())
+
+
 def test_widened_weights_mapped_from_the_folder(hf, tmp_path):
     """An fp16 export: weights widened to float32 go to segment.data beside the plan; the logits match HF within
     the fp16 tolerance and the torch path's greedy tokens."""

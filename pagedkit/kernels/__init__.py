@@ -12,10 +12,18 @@ node picks one (docs/kernels.md):
                   runs a call
     quant.py, attention_math.py, scope.py   shared: KV quantization and rotation, the oracle's math, per-run
                   host bookkeeping
-Exported here: the two reference kernels, `paged_attention` and `group_query_attention`.
+Exported here: the two reference kernels, `paged_attention` and `group_query_attention` (imported on first use:
+`pagedkit.kernels.cpu.build` serves the torch-free CPU path, runtime/lite, without torch).
 """
 
-from .paged.reference import paged_attention
-from .gqa.reference import group_query_attention
+from importlib import import_module
+
+_WHERE = {"paged_attention": ".paged.reference", "group_query_attention": ".gqa.reference"}
 
 __all__ = ["group_query_attention", "paged_attention"]
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        return getattr(import_module(_WHERE[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

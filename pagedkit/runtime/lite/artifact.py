@@ -6,7 +6,7 @@ a missing plan is made by a child process (`python -m pagedkit.runtime.lite.comp
 Where: `<model folder>/.pagedkit/cpu/<key>/` when the folder is writable (weights widened to float32 go to
 `segment.data` there, memory-mapped by onnxruntime as the folder's other external data), else
 `$PAGEDKIT_CACHE/cpu_plans/<key>/` (widened weights inline). The key is a digest of everything the plan depends on:
-the model folder's files (names, sizes, modification times), genai_config.json's bytes, the thread count (the
+the model folder's files (names, sizes, modification times: genai_config.json's among them), the thread count (the
 attention nodes' attribute), onnxruntime's version, pagedkit's source (the delegation and the kernel) and
 PLAN_VERSION: any change makes a new plan, never a stale one.
 """
@@ -58,18 +58,19 @@ def plan_key(folder: str | os.PathLike, threads: int) -> str:
             continue
         st = p.stat()
         h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-    cfg = folder / "genai_config.json"
-    if cfg.is_file():
-        h.update(cfg.read_bytes())
     return h.hexdigest()[:24]
 
 
 def _writable(folder: Path) -> bool:
+    """Whether plans may go under the folder: .pagedkit/cpu creatable there, writable, and no link leading out."""
+    top = folder / IN_FOLDER.parts[0]
+    if top.is_symlink() or (top / IN_FOLDER.parts[1]).is_symlink():
+        return False
     try:
         (folder / IN_FOLDER).mkdir(parents=True, exist_ok=True)
     except OSError:
         return False
-    return os.access(folder / IN_FOLDER, os.W_OK)
+    return (folder / IN_FOLDER).resolve().is_relative_to(folder) and os.access(folder / IN_FOLDER, os.W_OK)
 
 
 def plan_dirs(folder: str | os.PathLike, threads: int) -> list[Path]:
@@ -88,21 +89,29 @@ def read_plan(path: str | os.PathLike) -> dict:
 
 
 def find_plan(folder: str | os.PathLike, threads: int) -> Path | None:
-    """The folder's plan at `threads`, if one was made."""
+    """The folder's plan at `threads`, if one was made (under the folder: only where no link leads out of it)."""
+    root = Path(folder).resolve()
     for d in plan_dirs(folder, threads):
-        if (d / PLAN_FILE).is_file():
+        if (d / PLAN_FILE).is_file() and (not d.is_relative_to(root) or (d / PLAN_FILE).resolve().is_relative_to(root)):
             return d
     return None
 
 
-def ensure_plan(folder: str | os.PathLike, threads: int, timeout: float = 900) -> Path:
-    """The folder's plan at `threads`, made first by a child process if missing (it imports torch; this process
-    does not). LiteUnavailable (the child's reason) when the model cannot run on this path."""
+def ensure_plan(folder: str | os.PathLike, threads: int, timeout: float = 900, in_process: bool | None = None
+                ) -> Path:
+    """The folder's plan at `threads`, made first if missing: in this process when it has imported torch already
+    (in_process None), else by a child process (it imports torch; this process does not). LiteUnavailable when
+    the model cannot run on this path (from a child: also when the folder is bad, with Generator's reason); in
+    this process a bad folder raises what Generator raises."""
     found = find_plan(folder, threads)
     if found is not None:
         return found
     folder = Path(folder).resolve()
     out = plan_dirs(folder, threads)[0 if _writable(folder) else 1].resolve()
+    if in_process if in_process is not None else "torch" in sys.modules:
+        from .compile import write_plan
+
+        return write_plan(folder, threads, out)
     cmd = [sys.executable, "-m", "pagedkit.runtime.lite.compile", str(folder), "--threads", str(threads),
            "--out", str(out)]
     # run from the folder holding this pagedkit, so that the child imports the same one (installed or not)

@@ -44,7 +44,11 @@ def _dims(vi: onnx.ValueInfoProto) -> list:
 
 
 def build_plan(folder: Path, threads: int) -> tuple[onnx.ModelProto, dict]:
-    """(the segment's model, plan.json's content); LiteUnavailable names what this path does not serve."""
+    """(the segment's model, plan.json's content). The folder is first opened as Generator opens it (the same
+    checks of the config, the model and its caches: a bad folder raises what Generator raises); LiteUnavailable
+    names what this path does not serve."""
+    from ..generate import Generator
+
     cfg = read_config(folder)
     if not cfg.paged:
         raise LiteUnavailable("a GQA-layout model (no block_table input): the torch path serves it")
@@ -52,6 +56,11 @@ def build_plan(folder: Path, threads: int) -> tuple[onnx.ModelProto, dict]:
         raise LiteUnavailable("sliding-window layers (their ring caches): the torch path serves them")
     if (cfg.pagedkit.get("tensor_parallel") or {}).get("world_size", 1) != 1:
         raise LiteUnavailable("a tensor-parallel export")
+    gen = Generator(folder, threads=threads, max_seq_len=16)  # every check the torch path makes on the folder
+    if gen.session.single_segment() is None:
+        raise LiteUnavailable(f"the model is not one onnxruntime segment on the CPU (backend "
+                              f"{gen.session.cpu_backend}: {next(iter((gen.session.delegated or {}).get('kept') or {}), '')})")
+    del gen
     model, base_dir = load_model(str(folder / cfg.filename), lazy_weights=True)
     _, live, report = delegate(model, base_dir, threads, keep=True)
     if len(live) != 1 or report.kept or report.barriers:
@@ -64,8 +73,8 @@ def build_plan(folder: Path, threads: int) -> tuple[onnx.ModelProto, dict]:
     sub_inputs = {vi.name: vi for vi in src.model.graph.input}
     renames = {cfg.input(k): k for k in STEP_ROLES}
     roles, caches = {}, {}
-    cache_names = {N.layer_name(past, i): kind for kind, (past, _) in cfg.caches.items()
-                   for i in range(cfg.num_layers)}
+    cache_names = {n for n in seg.inputs
+                   if any(N.layer_of(n, past) is not None for past, _ in cfg.caches.values())}
     key0 = cfg.name(N.past_names_key("key"), 0)
     block_size = resolve_block_size(cfg, _dims(graph_inputs[key0]) if key0 in graph_inputs else [])
     for name in seg.inputs:
@@ -144,8 +153,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         out = write_plan(args.model_dir, max(1, args.threads), args.out)
-    except (LiteUnavailable, ValueError, FileNotFoundError) as exc:
-        print(json.dumps({"refused": str(exc)}))
+    except Exception as exc:  # a refusal, or the folder's own error (what Generator raises on it)
+        print(json.dumps({"refused": f"{type(exc).__name__}: {exc}" if not isinstance(exc, LiteUnavailable)
+                          else str(exc)}))
         return 0
     print(json.dumps({"plan": str(out)}))
     return 0

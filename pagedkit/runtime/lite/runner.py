@@ -37,10 +37,16 @@ def _session(plan_dir: Path, plan: dict, folder: Path, threads: int):
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if plan["spin"] else "0")
     if plan["external"]:  # the model's external data and the plan's segment.data, mapped from the model folder
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
-    if plan["library"]:
-        if not Path(plan["library"]).is_file():
-            raise LiteUnavailable(f"the CPU attention library {plan['library']} is gone")
-        so.register_custom_ops_library(plan["library"])
+    if plan["library"]:  # never the path plan.json names: this pagedkit's own build of the library
+        from ...kernels.cpu.build import library
+
+        path, why = library()
+        if path is None:
+            raise LiteUnavailable(f"the CPU attention library is not available: {why}")
+        if Path(path).name != Path(str(plan["library"])).name:
+            raise LiteUnavailable(f"the plan was made with another build of the CPU attention library "
+                                  f"({Path(str(plan['library'])).name}, this one is {Path(path).name})")
+        so.register_custom_ops_library(path)
     return ort.InferenceSession((plan_dir / SEGMENT_FILE).read_bytes(), so, providers=["CPUExecutionProvider"])
 
 
@@ -110,7 +116,7 @@ class LiteGenerator:
                   "logit_rows": (b,)}
         arrays = {r: np.zeros(shapes[r], dt[r]) for r in plan["roles"]}
         rows = b if "logit_rows" in plan["roles"] else t
-        arrays["logits"] = np.empty((rows, int(plan["vocab_size"] or 0) or self._vocab()), plan["logits_dtype"])
+        arrays["logits"] = np.empty((rows, self._vocab()), plan["logits_dtype"])
         self._keep = [OrtValue.ortvalue_from_numpy(a) for a in arrays.values()]  # alive while bound
         for (role, a), v in zip(arrays.items(), self._keep):
             if role == "logits":
@@ -126,10 +132,16 @@ class LiteGenerator:
         return arrays
 
     def _vocab(self) -> int:
+        """The logits' vocabulary size: the model's static dimension, else genai_config's vocab_size (at most
+        2^24: a larger one is a malformed config, not a buffer to allocate)."""
         shape = next(o.shape for o in self.session.get_outputs() if o.name == self.plan["logits"])
-        if not isinstance(shape[-1], int):
-            raise LiteUnavailable("the logits' vocabulary dimension is not static and genai_config has no vocab_size")
-        return shape[-1]
+        if shape and isinstance(shape[-1], int) and shape[-1] > 0:
+            return shape[-1]
+        vocab = self.plan["vocab_size"]
+        if not isinstance(vocab, int) or not 0 < vocab <= 1 << 24:
+            raise ValueError(f"the logits' vocabulary dimension is not static in the model and genai_config's "
+                             f"vocab_size is {vocab!r} (expected 1 .. {1 << 24})")
+        return vocab
 
     def step(self, past: Sequence[int], tokens: Sequence[Sequence[int]]) -> np.ndarray:
         """Run one step: sequence b (slot b of the batch) has past[b] tokens cached and adds tokens[b]. Returns
