@@ -635,16 +635,7 @@ def _engine_pagedkit(folder: Path, prompts: list[list[int]], new_tokens: int, th
         return run, info | {"runner": "generator", "lite_refused": str(exc)}
     info = {"runner": "lite", "layout": "paged", "delegated": gen.plan["delegation"],
             "cpu_plan": str(gen.plan_dir)}
-    ort_s, real = [], gen.session.run_with_iobinding
-
-    def timed(binding, *args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return real(binding, *args, **kwargs)
-        finally:
-            ort_s.append(time.perf_counter() - t)
-
-    gen.session.run_with_iobinding = timed
+    ort_s = _timed_runs(gen.session)
 
     def run(n: int) -> tuple[dict, list[list[int]]]:
         ort_s.clear()
@@ -703,8 +694,12 @@ def _time_onnxruntime(sess) -> list[float] | None:
     one = sess.single_segment() if hasattr(sess, "single_segment") else None
     if one is None:
         return None
-    ort_sess, times = one[0].session, []
-    real = ort_sess.run_with_iobinding
+    return _timed_runs(one[0].session)
+
+
+def _timed_runs(ort_sess) -> list[float]:
+    """The wall time of each run_with_iobinding of an onnxruntime session from now on (the list it appends to)."""
+    times, real = [], ort_sess.run_with_iobinding
 
     def timed(binding, *args, **kwargs):
         t = time.perf_counter()

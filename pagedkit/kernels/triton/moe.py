@@ -93,6 +93,13 @@ if common.HAVE_TRITON:
         return w
 
     @triton.jit
+    def _mma(acc, a, b, IEEE: tl.constexpr):
+        """acc + a @ b: float32 operands in full precision (not tf32) when IEEE."""
+        if IEEE:
+            return acc + tl.dot(a, b, input_precision="ieee")
+        return acc + tl.dot(a, b)
+
+    @triton.jit
     def _act(a, b, ACT: tl.constexpr, GATED: tl.constexpr, alpha, beta, limit, LIMIT_AFTER: tl.constexpr):
         if ACT == 5:  # swiglu
             l = tl.minimum(tl.maximum(b, -limit), limit)
@@ -144,17 +151,11 @@ if common.HAVE_TRITON:
                     x = x.to(tl.float32)
                 w = _w_tile(wa_ptr, sa_ptr, za_ptr, e, rows_a, kk, H, n_ok, k_ok, wa_expert, sa_expert, za_expert,
                             ga, BITS_A, GROUP_A, HAS_ZA, UPCAST, x_ptr.dtype.element_ty)
-                if IEEE:  # float32 weights: full-precision products, not tf32
-                    acc_a += tl.dot(x, w, input_precision="ieee")
-                else:
-                    acc_a += tl.dot(x, w)
+                acc_a = _mma(acc_a, x, w, IEEE)
                 if GATED:
                     w2 = _w_tile(wb_ptr, sb_ptr, zb_ptr, e, rows_b, kk, H, n_ok, k_ok, wb_expert, sb_expert,
                                  zb_expert, gb, BITS_B, GROUP_B, HAS_ZB, UPCAST, x_ptr.dtype.element_ty)
-                    if IEEE:
-                        acc_b += tl.dot(x, w2, input_precision="ieee")
-                    else:
-                        acc_b += tl.dot(x, w2)
+                    acc_b = _mma(acc_b, x, w2, IEEE)
             if HAS_BA:
                 acc_a += tl.load(ba_ptr + e.to(tl.int64) * ba_expert + rows_a, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             if HAS_BB:
@@ -184,10 +185,7 @@ if common.HAVE_TRITON:
                     a = a.to(tl.float32)
                 wt = _w_tile(w_ptr, s_ptr, z_ptr, e, n.to(tl.int64), kk, I, n_ok, k_ok, w_expert, s_expert,
                              z_expert, groups, BITS, GROUP, HAS_Z, UPCAST, act_ptr.dtype.element_ty)
-                if IEEE:
-                    acc += tl.dot(a, wt, input_precision="ieee")
-                else:
-                    acc += tl.dot(a, wt)
+                acc = _mma(acc, a, wt, IEEE)
             if HAS_B:
                 acc += tl.load(b_ptr + e.to(tl.int64) * H + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             rw = tl.load(rw_ptr + route, mask=valid, other=0.0)
