@@ -74,8 +74,6 @@ class PrefillGraphs:
         if model.rows is None:
             raise ValueError("PrefillGraphs needs a model whose head reads the rows asked for (the "
                              "'pagedkit.logit_rows' input)")
-        if any(g.windowed for g in mgr.config.groups):
-            raise ValueError("PrefillGraphs needs full-attention caches only (the model has sliding-window layers)")
         self.model, self.runs, self.capture = model, runs, capture
         self.max_tokens = min(max_tokens, mgr.config.max_num_tokens)
         self.max_graphs = max_graphs
