@@ -179,7 +179,7 @@ def test_plan_reused_and_renewed(model_dir):
 
 def test_plan_in_cache_when_folder_not_writable(model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDKIT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(artifact, "_writable", lambda folder: False)
+    monkeypatch.setattr(artifact, "writable", lambda folder: False)
     gen = LiteGenerator(model_dir, threads=1, max_seq_len=16)
     assert gen.plan_dir.is_relative_to(tmp_path / "cache" / "cpu_plans")
     assert not (gen.plan_dir / artifact.DATA_FILE).exists()

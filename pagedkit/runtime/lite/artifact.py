@@ -1,7 +1,8 @@
 """The CPU plan of a model folder on disk: the one onnxruntime model that runtime/delegate.py makes of it (every
 PagedAttention node a pagedkit.cpu node, float16 weights widened, the LM head for chosen rows) and what running it
 needs (`plan.json`). Torch-free: the runner (runtime/lite/runner.py) reads it in a process that never imports torch;
-a missing plan is made by a child process (`python -m pagedkit.runtime.lite.compile`, which does import torch).
+a missing plan is made by runtime/lite/make.py (in a child process, `python -m pagedkit.runtime.lite.compile`, which
+does import torch, unless the caller has imported torch already).
 
 Where: `<model folder>/.pagedkit/cpu/<key>/` when the folder is writable (weights widened to float32 go to
 `segment.data` there, memory-mapped by onnxruntime as the folder's other external data), else
@@ -16,8 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 from ... import settings
@@ -61,7 +60,7 @@ def plan_key(folder: str | os.PathLike, threads: int) -> str:
     return h.hexdigest()[:24]
 
 
-def _writable(folder: Path) -> bool:
+def writable(folder: Path) -> bool:
     """Whether plans may go under the folder: .pagedkit/cpu creatable there, writable, and no link leading out."""
     top = folder / IN_FOLDER.parts[0]
     if top.is_symlink() or (top / IN_FOLDER.parts[1]).is_symlink():
@@ -97,32 +96,4 @@ def find_plan(folder: str | os.PathLike, threads: int) -> Path | None:
     return None
 
 
-def ensure_plan(folder: str | os.PathLike, threads: int, timeout: float = 900, in_process: bool | None = None
-                ) -> Path:
-    """The folder's plan at `threads`, made first if missing: in this process when it has imported torch already
-    (in_process None), else by a child process (it imports torch; this process does not). LiteUnavailable when
-    the model cannot run on this path (from a child: also when the folder is bad, with Generator's reason); in
-    this process a bad folder raises what Generator raises."""
-    found = find_plan(folder, threads)
-    if found is not None:
-        return found
-    folder = Path(folder).resolve()
-    out = plan_dirs(folder, threads)[0 if _writable(folder) else 1].resolve()
-    if in_process if in_process is not None else "torch" in sys.modules:
-        from .compile import write_plan
-
-        return write_plan(folder, threads, out)
-    cmd = [sys.executable, "-m", "pagedkit.runtime.lite.compile", str(folder), "--threads", str(threads),
-           "--out", str(out)]
-    # run from the folder holding this pagedkit, so that the child imports the same one (installed or not)
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                         cwd=Path(__file__).resolve().parents[3])
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
-    answer = json.loads(lines[-1]) if lines else {}
-    if res.returncode != 0 or "refused" in answer or not (out / PLAN_FILE).is_file():
-        why = answer.get("refused") or (res.stderr.strip().splitlines() or ["no output"])[-1]
-        raise LiteUnavailable(f"{folder}: no torch-free CPU plan: {why}")
-    return out
-
-
-__all__ = ["LiteUnavailable", "PLAN_VERSION", "ensure_plan", "find_plan", "plan_dirs", "plan_key", "read_plan"]
+__all__ = ["LiteUnavailable", "PLAN_VERSION", "find_plan", "plan_dirs", "plan_key", "read_plan", "writable"]

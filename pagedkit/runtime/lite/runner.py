@@ -24,7 +24,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .artifact import SEGMENT_FILE, LiteUnavailable, ensure_plan, read_plan
+from .artifact import SEGMENT_FILE, LiteUnavailable, read_plan
+from .make import ensure_plan
 
 
 def _session(plan_dir: Path, plan: dict, folder: Path, threads: int):
