@@ -223,7 +223,8 @@ def _packed_case(w_float: torch.Tensor, bits: int, block: int, zp: bool, g: torc
 
 
 @pytest.mark.parametrize("bits,block,zp,fusion", [(4, 32, True, 1), (8, 0, False, 2), (2, 16, True, 0),
-                                                  (4, 0, True, 1), (8, 16, False, 0)])
+                                                  (4, 0, True, 1), (8, 16, False, 0),
+                                                  (4, 8, True, 2), (2, 8, True, 1)])  # several zero-point bytes a row
 def test_packed_experts_match_the_dequantized_loop(bits, block, zp, fusion):
     """QMoE's integer experts dequantized in the kernel's loads: the float64 loop over the weights dequantized by
     hand (codes, scales and zero points packed here, the first code in the lowest bits)."""
