@@ -206,7 +206,7 @@ def _main(args, sets: list) -> int:
     ranks = f" x {sets[0].world} tensor-parallel ranks" if sets else ""
     if hasattr(gen, "plan"):  # runtime/lite
         print(f"model: {model_dir} (paged layout, {gen.plan['num_layers']} layers, {_lite_precision(gen)}) on cpu, "
-              f"runtime/lite (one onnxruntime session, no torch), session ready in {setup:.2f} s")
+              f"runtime/lite (the model as one onnxruntime session), session ready in {setup:.2f} s")
     else:
         cfg = gen.config
         print(f"model: {model_dir} ({'paged' if cfg.paged else 'GQA'} layout, {cfg.num_layers} layers, "
