@@ -173,8 +173,10 @@ def test_plan_reused_and_renewed(model_dir):
     doc["model"]["context_length"] = int(doc["model"].get("context_length") or 256) - 1
     cfg.write_text(json.dumps(doc))
     assert find_plan(model_dir, 1) is None  # a changed folder is a new key, never the stale plan
+    other = LiteGenerator(model_dir, threads=2, max_seq_len=16).plan_dir
     again = LiteGenerator(model_dir, threads=1, max_seq_len=16)
     assert again.plan_dir != first and again.plan["context_length"] == doc["model"]["context_length"]
+    assert not first.exists() and other.exists()  # the stale plan of the same threads is removed, not the other
 
 
 def test_plan_in_cache_when_folder_not_writable(model_dir, tmp_path, monkeypatch):

@@ -142,7 +142,22 @@ def write_plan(folder: Path, threads: int, out: Path) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _drop_stale(out, threads)
     return out
+
+
+def _drop_stale(out: Path, threads: int) -> None:
+    """Remove the other plans beside `out` made for the same thread count: their key no longer matches the folder,
+    onnxruntime or pagedkit (each can hold the widened weights: hundreds of MB)."""
+    for other in out.parent.iterdir():
+        if other == out or not (other / PLAN_FILE).is_file():
+            continue
+        try:
+            stale = json.loads((other / PLAN_FILE).read_text()).get("threads") == threads
+        except (OSError, ValueError):
+            stale = False
+        if stale:
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def main(argv=None) -> int:
