@@ -85,6 +85,8 @@ def _teacher_forced_error(gen: LiteGenerator, hf, lens=(5, 9, 1), steps=4, seed=
 def test_batch_matches_hf_teacher_forced(model_dir, hf):
     gen = LiteGenerator(model_dir, threads=1, max_seq_len=32, max_batch_size=3)
     assert _teacher_forced_error(gen, hf) <= TOL
+    # sequences spanning both of their blocks (16-token blocks): each sequence's blocks its own, all in the pool
+    assert _teacher_forced_error(gen, hf, lens=(18, 9, 20), seed=1) <= TOL
     assert gen.plan["delegation"]["lowered"] == 2  # both attention nodes on the CPU kernel
     assert gen.plan_dir.is_relative_to(model_dir / artifact.IN_FOLDER)
 
@@ -115,6 +117,42 @@ def test_optional_step_inputs(hf, tmp_path, monkeypatch):
     real = np.repeat
     monkeypatch.setattr(runner.np, "repeat", lambda x, r: real(x, r)[::-1].copy())
     assert _teacher_forced_error(gen, hf) > 10 * TOL
+
+
+def test_fills_max_seq_len(model_dir):
+    """max_seq_len 40 (not a whole number of 16-token blocks): a sequence may hold all 40 tokens."""
+    from pagedkit.runtime.generate import Generator
+
+    prompt = [3 + (7 * i) % 130 for i in range(30)]
+    ref = [s.token for s in Generator(model_dir, threads=1, max_seq_len=40).greedy(prompt, 10, stop_at_eos=False)]
+    assert LiteGenerator(model_dir, threads=1, max_seq_len=40).greedy(prompt, 10, stop_at_eos=False) == ref
+
+
+def test_run_keeps_a_history(model_dir):
+    gen = LiteGenerator(model_dir, threads=1, max_seq_len=40)
+    prompt = [1, 17, 33]
+    steps = list(gen.run(prompt, 6, stop_at_eos=False, keep_logits=True))
+    tokens = [s.token for s in steps]
+    assert tokens == gen.greedy(prompt, 6, stop_at_eos=False)
+    assert gen.history.token_ids == prompt + tokens and [s.position for s in steps] == list(range(2, 8))
+    assert all(s.logits.dtype == np.float32 and int(np.argmax(s.logits)) == s.token for s in steps)
+    assert all(s.logits is None for s in gen.run(prompt, 2))
+
+
+def test_vocab_width(model_dir, monkeypatch):
+    """The logits' width is the model's static dimension (a config's vocab_size does not override it); only a
+    symbolic one reads the config, within bounds."""
+    from types import SimpleNamespace
+
+    gen = LiteGenerator(model_dir, threads=1, max_seq_len=16)
+    gen.plan["vocab_size"] = 7
+    assert gen._vocab() == 144
+    out = SimpleNamespace(name=gen.plan["logits"], shape=["tokens", "vocab"])
+    monkeypatch.setattr(gen, "session", SimpleNamespace(get_outputs=lambda: [out]))
+    assert gen._vocab() == 7
+    gen.plan["vocab_size"] = 10 ** 12
+    with pytest.raises(ValueError, match="vocab_size is 1000000000000"):
+        gen._vocab()
 
 
 def test_stop_at_eos(model_dir):
@@ -199,7 +237,7 @@ def test_plan_library_path_is_not_trusted(model_dir, tmp_path):
     fake.write_bytes(b"not a library")  # registered, onnxruntime would fail on it
     plan_file.write_text(json.dumps(doc | {"library": str(fake)}))
     assert LiteGenerator(model_dir, threads=1, max_seq_len=16).greedy([1, 2], 2, stop_at_eos=False)
-    plan_file.write_text(json.dumps(doc | {"library": str(tmp_path / "paged_attention-0000.so")}))
+    plan_file.write_text(json.dumps(doc | {"library": str(tmp_path / "paged_attention-zzzz.so")}))
     with pytest.raises(LiteUnavailable, match="another build"):
         LiteGenerator(model_dir, threads=1, max_seq_len=16)
 
