@@ -252,3 +252,36 @@ def test_packed_refusals():
     assert "block_size 48" in moe_k.serves(xs, [moe_k.PackedExperts(p.q, p.scales, None, 4, 48)] + w[1:], attrs)
     assert "3-bit" in moe_k.serves(xs, [moe_k.PackedExperts(p.q, p.scales, None, 3, 32)] + w[1:], attrs)
     assert "scales" in moe_k.serves(xs, [moe_k.PackedExperts(p.q, p.scales[..., :1], None, 4, 32)] + w[1:], attrs)
+
+
+def test_several_column_blocks():
+    """fc1 columns (72) and fc2 columns (80) over more than one 64-wide column block, K over two 64-wide steps with
+    a masked tail (mutants of the column offsets and their masks survived the narrower cases)."""
+    for case in (dict(hidden=80, inter=72, seed=12), dict(hidden=80, inter=72, act="relu2", bias=False, seed=13),
+                 dict(hidden=80, inter=72, dtype=torch.float32, fusion=2, seed=14)):
+        xs, top_e, top_w, w, attrs = make(n_tok=6, k=2, n_exp=3, **case)
+        got = moe_k.fused_moe(xs, top_e, top_w, w, attrs)
+        assert _err(got, oracle(xs, top_e, top_w, w, attrs)) <= TOL[xs.dtype]
+
+
+def test_more_refusals():
+    xs, top_e, top_w, w, attrs = make(hidden=64)
+    g = torch.Generator().manual_seed(2)
+    p, _ = _packed_case(w[0], 4, 16, True, g, torch.float16)
+    bad_s = moe_k.PackedExperts(p.q, torch.cat([p.scales, p.scales[..., :1]], -1), p.zero_points, 4, 16)
+    assert "scales" in moe_k.serves(xs, [bad_s] + w[1:], attrs)
+    bad_z = moe_k.PackedExperts(p.q, p.scales, torch.cat([p.zero_points, p.zero_points[..., :1]], -1), 4, 16)
+    assert "zero points" in moe_k.serves(xs, [bad_z] + w[1:], attrs)
+    short_z = moe_k.PackedExperts(p.q, p.scales, p.zero_points[..., :1].contiguous(), 4, 16)
+    assert "zero points" in moe_k.serves(xs, [short_z] + w[1:], attrs)
+    assert moe_k.serves(xs, [p] + w[1:], attrs) is None
+    mixed = list(w)
+    mixed[2] = w[2].float()  # fc2 in another dtype than x and fc1
+    assert "dtypes" in moe_k.serves(xs, mixed, attrs)
+    no_fusion = {k: v for k, v in attrs.items() if k != "swiglu_fusion"}  # the default: fc3 separate
+    assert "swiglu_fusion 0" in moe_k.serves(xs, w, no_fusion)
+    xs3, top_e3, top_w3, w3, attrs3 = make(fusion=0, fc3=True, seed=15)
+    attrs3.pop("swiglu_fusion")
+    assert moe_k.serves(xs3, w3, attrs3) is None
+    got = moe_k.fused_moe(xs3, top_e3, top_w3, w3, attrs3)
+    assert _err(got, oracle(xs3, top_e3, top_w3, w3, attrs3)) <= TOL[xs3.dtype]
