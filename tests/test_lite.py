@@ -106,12 +106,13 @@ def test_greedy_matches_generator(model_dir):
     assert [s[0] for s in steps] == ref and [s[1] for s in steps] == alone
 
 
-def test_optional_step_inputs(hf, tmp_path, monkeypatch):
-    """An export with the optional slot_mapping and query_positions inputs: the runner makes them too."""
+@pytest.mark.parametrize("query_positions", [True, False])
+def test_optional_step_inputs(hf, tmp_path, monkeypatch, query_positions):
+    """An export with the optional slot_mapping (and query_positions) inputs: the runner makes them too."""
     out = tmp_path / "opt"
-    export_tiny(hf, out, dtype="fp32", slot_mapping=True, query_positions=True)
+    export_tiny(hf, out, dtype="fp32", slot_mapping=True, query_positions=query_positions)
     gen = LiteGenerator(out, threads=1, max_seq_len=32, max_batch_size=3)
-    assert {"slot_mapping", "query_positions"} <= set(gen.plan["roles"])
+    assert ("query_positions" in gen.plan["roles"]) == query_positions and "slot_mapping" in gen.plan["roles"]
     assert _teacher_forced_error(gen, hf) <= TOL
     # teeth: the slots of one sequence's tokens given to another's
     real = np.repeat
@@ -136,7 +137,11 @@ def test_run_keeps_a_history(model_dir):
     assert tokens == gen.greedy(prompt, 6, stop_at_eos=False)
     assert gen.history.token_ids == prompt + tokens and [s.position for s in steps] == list(range(2, 8))
     assert all(s.logits.dtype == np.float32 and int(np.argmax(s.logits)) == s.token for s in steps)
-    assert all(s.logits is None for s in gen.run(prompt, 2))
+    assert all(s.logits is None for s in gen.run(prompt, 2, stop_at_eos=False))
+    assert all(0 < s.seconds < 10 for s in steps)
+    gen.eos = {tokens[1]}  # run and generate stop at an end-of-sequence token by default
+    assert [s.token for s in gen.run(prompt, 6)] == tokens[:2]
+    assert [t[0] for t in gen.generate([prompt], 6)] == tokens[:2]
 
 
 def test_vocab_width(model_dir, monkeypatch):
@@ -150,9 +155,24 @@ def test_vocab_width(model_dir, monkeypatch):
     out = SimpleNamespace(name=gen.plan["logits"], shape=["tokens", "vocab"])
     monkeypatch.setattr(gen, "session", SimpleNamespace(get_outputs=lambda: [out]))
     assert gen._vocab() == 7
-    gen.plan["vocab_size"] = 10 ** 12
-    with pytest.raises(ValueError, match="vocab_size is 1000000000000"):
-        gen._vocab()
+    for ok in (1, 1 << 24):
+        gen.plan["vocab_size"] = ok
+        assert gen._vocab() == ok
+    for bad in (0, (1 << 24) + 1, 10 ** 12, "144"):
+        gen.plan["vocab_size"] = bad
+        with pytest.raises(ValueError, match=rf"vocab_size is {bad!r} \(expected 1 \.\. 16777216\)"):
+            gen._vocab()
+
+
+def test_model_without_row_selection(model_dir, hf, monkeypatch):
+    """A head the row selection does not recognize (no pagedkit.logit_rows input): every token's logits come back
+    and the runner reads each sequence's last."""
+    import pagedkit.kernels.cpu.logits as logits_mod
+
+    monkeypatch.setattr(logits_mod, "select_logit_rows", lambda model, *a, **k: False)
+    gen = LiteGenerator(model_dir, threads=2, max_seq_len=32, max_batch_size=3)  # threads 2: a plan of its own
+    assert "logit_rows" not in gen.plan["roles"]
+    assert _teacher_forced_error(gen, hf) <= TOL
 
 
 def test_stop_at_eos(model_dir):
@@ -237,9 +257,10 @@ def test_plan_library_path_is_not_trusted(model_dir, tmp_path):
     fake.write_bytes(b"not a library")  # registered, onnxruntime would fail on it
     plan_file.write_text(json.dumps(doc | {"library": str(fake)}))
     assert LiteGenerator(model_dir, threads=1, max_seq_len=16).greedy([1, 2], 2, stop_at_eos=False)
-    plan_file.write_text(json.dumps(doc | {"library": str(tmp_path / "paged_attention-zzzz.so")}))
-    with pytest.raises(LiteUnavailable, match="another build"):
-        LiteGenerator(model_dir, threads=1, max_seq_len=16)
+    for other in ("paged_attention-0000.so", "paged_attention-zzzz.so"):  # names sorting before and after
+        plan_file.write_text(json.dumps(doc | {"library": str(tmp_path / other)}))
+        with pytest.raises(LiteUnavailable, match="another build"):
+            LiteGenerator(model_dir, threads=1, max_seq_len=16)
 
 
 def test_plan_folder_link_out_is_not_followed(model_dir, tmp_path, monkeypatch):
@@ -327,10 +348,20 @@ def test_bad_input(model_dir):
     gen = LiteGenerator(model_dir, threads=1, max_seq_len=16, max_batch_size=2)
     with pytest.raises(ValueError, match="3 sequences"):
         gen.step([0, 0, 0], [[1], [2], [3]])
-    with pytest.raises(ValueError, match="max_seq_len 16"):
+    with pytest.raises(ValueError, match=r"past \+ new \[17\] \(at most max_seq_len 16"):
         gen.step([15], [[1, 2]])
-    with pytest.raises(ValueError, match="exceeds max_seq_len 16"):
+    gen.step([0, 0], [[1, 2, 3], [4] * 8])
+    gen.step([3, 8], [[5] * 8, [6] * 8])  # exactly max_seq_len for the second: allowed
+    with pytest.raises(ValueError, match=r"\[17, 16\]"):
+        gen.step([9, 8], [[5] * 8, [6] * 8])
+    with pytest.raises(ValueError, match="prompt \\+ max_new_tokens = 17 tokens exceeds max_seq_len 16"):
         list(gen.generate([[1] * 10], 7))
+    assert len(list(gen.generate([[1] * 10], 6, stop_at_eos=False))) == 6  # exactly max_seq_len
+    with pytest.raises(ValueError, match="run: a prompt of 10 tokens"):
+        list(gen.run([1] * 10, 7))
+    with pytest.raises(ValueError, match="run: a prompt of 0 tokens"):
+        list(gen.run([], 2))
+    assert len(list(gen.run([1] * 10, 6, stop_at_eos=False))) == 6
     with pytest.raises(ValueError, match="non-empty prompts"):
         list(gen.generate([[]], 2))
     with pytest.raises(ValueError, match="max_batch_size"):
