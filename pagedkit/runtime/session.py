@@ -87,10 +87,13 @@ class SessionOptions:
 
     intra_op_num_threads: threads of the CPU kernels (torch's intra-op pool; 0 = torch's default). torch's
     pool is per process: the last session created with a value sets it for every session.
-    inter_op_num_threads: accepted for compatibility; the plan runs its steps in order on one thread."""
+    inter_op_num_threads: accepted for compatibility; the plan runs its steps in order on one thread.
+    keep_segment_sources (pagedkit): delegated onnxruntime segments keep the model their session was made from
+    (`Segment.source`; runtime/lite saves it as the CPU plan)."""
 
     intra_op_num_threads: int = 0
     inter_op_num_threads: int = 0
+    keep_segment_sources: bool = False
 
 
 def _apply_threads(options: Any) -> None:
@@ -160,7 +163,9 @@ class InferenceSession:
         if self.cpu_backend == "onnxruntime":
             threads = getattr(sess_options, "intra_op_num_threads", 0) or os.cpu_count() or 1
             try:
-                model, self._segments, self._delegation = delegate(self._model, self._base_dir, threads)
+                model, self._segments, self._delegation = delegate(
+                    self._model, self._base_dir, threads,
+                    keep=bool(getattr(sess_options, "keep_segment_sources", False)))
             except KernelUnavailable:
                 raise
             except Exception as exc:  # a malformed model: the torch compiler below names what is wrong

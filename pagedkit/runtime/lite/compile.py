@@ -26,10 +26,8 @@ from ...interface import dtypes
 from ...interface import names as N
 from ...interface.genai_config import GENAI_CONFIG
 from ...kernels.cpu.logits import ROWS_INPUT
-from ..delegate import delegate
+from ...interface.paths import inside_folder
 from ..generate import read_config
-from ..generate_state import resolve_block_size
-from ..loading import load_model
 from .artifact import DATA_FILE, IN_FOLDER, PLAN_FILE, PLAN_VERSION, SEGMENT_FILE, LiteUnavailable
 
 # step inputs the runner makes (names.* -> plan.json role); every other input must be a cache
@@ -44,10 +42,12 @@ def _dims(vi: onnx.ValueInfoProto) -> list:
 
 
 def build_plan(folder: Path, threads: int) -> tuple[onnx.ModelProto, dict]:
-    """(the segment's model, plan.json's content). The folder is first opened as Generator opens it (the same
-    checks of the config, the model and its caches: a bad folder raises what Generator raises); LiteUnavailable
-    names what this path does not serve."""
+    """(the segment's model, plan.json's content). The folder is opened by Generator itself (the same checks of
+    the config, the model and its caches: a bad folder raises what Generator raises), on a session whose segment
+    keeps the model onnxruntime was given; LiteUnavailable names what this path does not serve."""
+    from ..cpu_backend import _cpu_backend
     from ..generate import Generator
+    from ..session import InferenceSession, SessionOptions
 
     cfg = read_config(folder)
     if not cfg.paged:
@@ -56,27 +56,23 @@ def build_plan(folder: Path, threads: int) -> tuple[onnx.ModelProto, dict]:
         raise LiteUnavailable("sliding-window layers (their ring caches): the torch path serves them")
     if (cfg.pagedkit.get("tensor_parallel") or {}).get("world_size", 1) != 1:
         raise LiteUnavailable("a tensor-parallel export")
-    gen = Generator(folder, threads=threads, max_seq_len=16)  # every check the torch path makes on the folder
-    if gen.session.single_segment() is None:
+    path = inside_folder(folder, cfg.filename, "model.decoder.filename", str(folder / GENAI_CONFIG))
+    session = InferenceSession(str(path), SessionOptions(intra_op_num_threads=threads, keep_segment_sources=True),
+                               providers=["CPUExecutionProvider"], cpu_backend=_cpu_backend(None, "auto"))
+    gen = Generator(folder, threads=threads, max_seq_len=16, session=session)  # Generator's checks of the folder
+    one = session.single_segment()
+    if one is None:
         raise LiteUnavailable(f"the model is not one onnxruntime segment on the CPU (backend "
-                              f"{gen.session.cpu_backend}: {next(iter((gen.session.delegated or {}).get('kept') or {}), '')})")
-    del gen
-    model, base_dir = load_model(str(folder / cfg.filename), lazy_weights=True)
-    _, live, report = delegate(model, base_dir, threads, keep=True)
-    if len(live) != 1 or report.kept or report.barriers:
-        why = next(iter(report.kept.items()), None)
-        raise LiteUnavailable("the model is not one onnxruntime segment"
-                              + (f" ({why[0]}: {why[1]})" if why else f" ({len(live)} segments)"))
-    seg = live[0]
+                              f"{session.cpu_backend}: {next(iter(session.delegated.get('torch') or {}), '')})")
+    seg, report = one[0], session.delegated
     src = seg.source
-    graph_inputs = {vi.name: vi for vi in model.graph.input}
+    block_size = gen.state.mgr.config.groups[0].block_size
+    del gen
     sub_inputs = {vi.name: vi for vi in src.model.graph.input}
     renames = {cfg.input(k): k for k in STEP_ROLES}
     roles, caches = {}, {}
     cache_names = {n for n in seg.inputs
                    if any(N.layer_of(n, past) is not None for past, _ in cfg.caches.values())}
-    key0 = cfg.name(N.past_names_key("key"), 0)
-    block_size = resolve_block_size(cfg, _dims(graph_inputs[key0]) if key0 in graph_inputs else [])
     for name in seg.inputs:
         if name in cache_names:
             dims = _dims(sub_inputs[name])
@@ -106,7 +102,8 @@ def build_plan(folder: Path, threads: int) -> tuple[onnx.ModelProto, dict]:
             "logits_dtype": dtypes.numpy_name(types[logits]),
             "step_dtypes": {r: dtypes.numpy_name(types[n]) for r, n in roles.items()},
             "aliases": dict(seg.aliases), "written": dict(seg.written),
-            "delegation": {"lowered": len(report.lowered), "widened": report.widened, "fused": report.fused}}
+            "delegation": {"lowered": len(report["lowered"]), "widened": report["widened"],
+                           "fused": report["onnx_attention"]}}
     return src.model, plan
 
 
