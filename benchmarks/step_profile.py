@@ -47,13 +47,20 @@ def _config(text: str) -> dict:
     (split waves), "sN" (software-pipeline stages of the decode attention), "pdl" (programmatic dependent launch
     of the Triton kernels, kernels/triton/common.PDL; "pdlN": only launches of <= N programs,
     PDL_MAX_PROGRAMS; "late": released as programs exit, "nopdl": off), "lt" / "nored" (cuBLAS through the cublasLt heuristics / without
-    reduced-precision split-K reductions); "BNxNW@W" is also accepted."""
+    reduced-precision split-K reductions), "pfSPEC" / "nopf" (L2 prefetch of the products' weights,
+    runtime/prefetch.py, SPEC as PAGEDKIT_L2_PREFETCH: "pf16:late", "pf8:early:line:d2"); "BNxNW@W" is also
+    accepted."""
     if text in ("default", "dedup"):
         return {"name": text}
     out = {"name": text}
     for part in text.split("+"):
         if part in ("lt", "nored"):  # cuBLAS: the cublasLt heuristics / no reduced-precision split-K reductions
             out[part] = True
+            continue
+        if part.startswith("pf") or part == "nopf":  # L2 prefetch (runtime/prefetch.py): pfMB[:early|late][:line][:dN]
+            from pagedkit import settings
+
+            out["prefetch"] = None if part == "nopf" else settings.parse_prefetch(part[2:])
             continue
         if part == "nopdl":
             out["pdl"] = False
@@ -86,6 +93,11 @@ _KNOBS = {"tile": ("DECODE_TILE", "PAGEDKIT_DECODE_TILE"), "waves": ("DECODE_WAV
 def _applied(cfg: dict):
     from pagedkit.kernels import scope
     from pagedkit.kernels.triton import common, decode
+    from pagedkit.runtime import prefetch
+
+    saved_prefetch = prefetch.CONFIG
+    if "prefetch" in cfg:
+        prefetch.CONFIG = cfg["prefetch"]
 
     saved = ({k: getattr(decode, attr) for k, (attr, _) in _KNOBS.items()}, common.PDL, scope.distinct_slots,
              common.PDL_MAX_PROGRAMS, common.PDL_EARLY_RELEASE)
@@ -107,6 +119,7 @@ def _applied(cfg: dict):
     try:
         yield
     finally:
+        prefetch.CONFIG = saved_prefetch
         torch.backends.cuda.preferred_blas_library(blas)
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = reduced
         for k, (attr, _) in _KNOBS.items():

@@ -123,6 +123,29 @@ def _int8_mma(value: str) -> str:
     return "kv" if value == "1" else sides(value, "the sides")
 
 
+def parse_prefetch(text: str) -> dict | None:
+    """"off" / "0" -> None; "MB[:early|late][:bulk|line][:dN]" -> {"mb", "at", "mode", "distance"} (runtime/prefetch.py:
+    the head of each product's weight, MB megabytes at most, requested into the L2 on a side stream, forked before
+    ("early") or after ("late") the product N products earlier)."""
+    value = text.strip().lower()
+    if value in ("", "0", "off"):
+        return None
+    head, *parts = value.split(":")
+    out = {"mb": float(head), "at": "late", "mode": "bulk", "distance": 1}
+    if not out["mb"] > 0:
+        raise ValueError("expected a positive MB, e.g. 16:late")
+    for part in parts:
+        if part in ("early", "late"):
+            out["at"] = part
+        elif part in ("bulk", "line"):
+            out["mode"] = part
+        elif part[:1] == "d" and part[1:].isdigit() and int(part[1:]) >= 1:
+            out["distance"] = int(part[1:])
+        else:
+            raise ValueError(f"{part!r}: expected early, late, bulk, line or dN (N >= 1)")
+    return out
+
+
 QUANT_ASM_FORMATS = ("int8", "fp8", "int4")  # the cache formats PAGEDKIT_QUANT_ASM names
 
 
@@ -227,6 +250,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("PAGEDKIT_PDL_LATE", "tuning", "import", "`0` early, anything else late", "1",
        "a PDL launch releases its dependent launch as its programs exit (late) or right after its wait (early, "
        "`common.PDL_EARLY_RELEASE`; `--sweep late`).", _not_zero),
+    _S("PAGEDKIT_L2_PREFETCH", "tuning", "import", "`off` or `MB[:early|late][:bulk|line][:dN]`", "off",
+       "L2 prefetch of each product's weight head on a side stream in captured decode steps (`prefetch.CONFIG`, "
+       "runtime/prefetch.py; `step_profile.py --sweep pf16:late`).", parse_prefetch),
     _S("PAGEDKIT_BLAS", "tuning", "import", "`cublaslt` / `cublas` (torch.backends.cuda.preferred_blas_library)",
        None, "the cuBLAS front end of the runtime's CUDA products, set at the first one (`math.BLAS`; "
        "`step_profile.py --sweep lt` sets torch's in-process); within 2% in `probes/linear_probe.py`.",

@@ -274,6 +274,8 @@ CASES = [  # (variable, value in the environment or None (unset), what the code 
     ("PAGEDKIT_PDL_MAX_PROGRAMS", None, 0), ("PAGEDKIT_PDL_MAX_PROGRAMS", "8", 8),
     ("PAGEDKIT_PDL_LATE", None, True), ("PAGEDKIT_PDL_LATE", "0", False), ("PAGEDKIT_PDL_LATE", "1", True),
     ("PAGEDKIT_BLAS", "cublaslt", "cublaslt"), ("PAGEDKIT_BLAS", "", None), ("PAGEDKIT_BLAS", None, None),
+    ("PAGEDKIT_L2_PREFETCH", None, None), ("PAGEDKIT_L2_PREFETCH", "off", None),
+    ("PAGEDKIT_L2_PREFETCH", "16:early:d2", {"mb": 16.0, "at": "early", "mode": "bulk", "distance": 2}),
     ("TRITON_INTERPRET", "1", True), ("TRITON_INTERPRET", "true", False), ("TRITON_INTERPRET", None, False),
 ]
 
@@ -296,6 +298,7 @@ def test_every_variable_has_parsing_cases():
     ("PAGEDKIT_DEQUANT_CACHE_MB", "lots", "PAGEDKIT_DEQUANT_CACHE_MB='lots': could not convert"),
     ("PAGEDKIT_TP_TIMEOUT", "soon", "PAGEDKIT_TP_TIMEOUT='soon': could not convert"),
     ("PAGEDKIT_PDL_MAX_PROGRAMS", "x", "PAGEDKIT_PDL_MAX_PROGRAMS='x': invalid literal"),
+    ("PAGEDKIT_L2_PREFETCH", "16:soon", "PAGEDKIT_L2_PREFETCH='16:soon': 'soon': expected early, late"),
     ("PAGEDKIT_QUANT_ASM", "int9:v", "PAGEDKIT_QUANT_ASM: cache format 'int9' should be one of"),
     ("PAGEDKIT_INT8_MMA", "q", "PAGEDKIT_INT8_MMA='q': the sides: expected k, v, kv or 0, got 'q'"),
 ])

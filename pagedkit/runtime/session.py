@@ -33,6 +33,7 @@ from ..kernels.scope import run_scope
 from ..kernels.variant import PLANS
 from ..validators.issues import ValidationError
 from . import plan as plan_mod
+from . import prefetch
 from .graph import CompiledModel, Graph, Step, compile_model
 from .cpu_backend import CPU_BACKENDS, _auto_backend, _cpu_backend  # noqa: F401 (re-exported)
 from .delegate import DelegationReport, KernelUnavailable, delegate
@@ -208,6 +209,7 @@ class InferenceSession:
         self._programs: dict[int, plan_mod.Program] = {}  # id(subgraph) -> its plan
         self._envs: list = []  # values of the graphs being run (subgraphs read their enclosing scopes)
         self._main = self._bind(self._compiled.graph)
+        self._prefetch = prefetch.attach(self._main, self.device)  # L2 prefetch in captured decode steps
         # overridable initializers a delegated segment reads (a graph input with a default value, e.g.
         # kernels/cpu/logits.py's row selection): run_torch may feed them; elsewhere folding fixed their value
         segment_ins = {n for op in self._main.ops if op.step.op_type == "Segment" for n in op.step.inputs}
@@ -371,6 +373,8 @@ class InferenceSession:
         self._plan, self._last_variants = plan, {}
         with run_scope(distinct_slots=bool(distinct_slots)):  # attention nodes share the step's host bookkeeping
             vals = self._execute(self._main, env_feeds, None)
+            if self._prefetch is not None:
+                self._prefetch.join()
         slot = self._main.slot
         return {n: vals[slot[n]] for n in names}
 
