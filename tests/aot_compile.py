@@ -109,20 +109,47 @@ def _scenarios():
     argmax.argmax_rows(torch.randn(2, 5000).half())
 
 
+def _moe_and_prefetch():
+    """The fused MoE (float16 swiglu, bfloat16 gated relu with fc3, QMoE 4-bit blocks of 32 with zero points, 8-bit
+    per row) and the L2 prefetch kernel (bulk and line requests; compiled with RECORD off, as on a GPU)."""
+    import torch
+
+    from pagedkit.kernels.triton import moe, prefetch
+
+    sys.path.insert(0, str(HERE))
+    from test_triton_moe import _packed_case, make
+
+    for dtype, act, fusion, fc3 in ((torch.float16, "swiglu", 1, False), (torch.bfloat16, "relu", 0, True)):
+        xs, top_e, top_w, w, attrs = make(n_tok=5, k=2, n_exp=4, hidden=64, inter=64, dtype=dtype, act=act,
+                                          fusion=fusion, fc3=fc3)
+        moe.fused_moe(xs, top_e, top_w, w, attrs)
+    g = torch.Generator().manual_seed(3)
+    for bits, block, zp in ((4, 32, True), (8, 0, False)):
+        xs, top_e, top_w, w, attrs = make(n_tok=5, k=2, n_exp=4, hidden=64, inter=64)
+        w[0], _ = _packed_case(w[0], bits, block, zp, g, torch.float16)
+        w[2], _ = _packed_case(w[2], bits, block, zp, g, torch.float16)
+        moe.fused_moe(xs, top_e, top_w, w, attrs)
+    t = torch.zeros(1 << 16, dtype=torch.float16)
+    for mode in prefetch.MODES:
+        prefetch.prefetch_l2(t, 1 << 17, mode, marks=torch.zeros(1 << 10, dtype=torch.int32))
+
+
 def record(out_path: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "record runs the launchers in the interpreter"
-    from pagedkit.kernels.triton import _decode_kernels, argmax, cache_write, norm, swiglu
+    from pagedkit.kernels.triton import _decode_kernels, argmax, cache_write, moe, norm, prefetch, swiglu
 
     out: list = []
     for mod, name in ((_decode_kernels, "_attn_kernel"), (_decode_kernels, "_reduce_kernel"),
                       (cache_write, "_write_kernel"), (norm, "_rms_kernel"),
                       (swiglu, "_silu_mul_kernel"), (argmax, "_argmax_chunk_kernel"),
-                      (argmax, "_argmax_final_kernel")):
+                      (argmax, "_argmax_final_kernel"), (moe, "_fc1_kernel"), (moe, "_fc2_kernel"),
+                      (prefetch, "_prefetch_kernel")):
         setattr(mod, name, _Recorder(getattr(mod, name), out))
-    try:
-        _scenarios()
-    except Exception:  # noqa: BLE001 - a launcher reading a recorded (never written) output: what ran is recorded
-        pass
+    for part in (_scenarios, _moe_and_prefetch):
+        try:
+            part()
+        except Exception:  # noqa: BLE001 - a launcher reading a recorded (never written) output: what ran is recorded
+            pass
     Path(out_path).write_text(json.dumps(out))
 
 
@@ -137,7 +164,7 @@ def compile_all(in_path: str) -> None:
         mod, name = rec["kernel"].split(":")
         fn = getattr(importlib.import_module(mod), name)
         cex = dict(rec["cex"])
-        cex.update({k: False for k in ("INTERP",) if k in cex})
+        cex.update({k: False for k in ("INTERP", "UPCAST", "RECORD") if k in cex})  # as on a GPU
         if "PDL" in cex:
             cex["PDL"] = 2  # as on a Hopper GPU: griddepcontrol in the kernel
         kernel = triton.compile(ASTSource(fn=fn, signature=rec["sig"], constexprs=cex), target=target,

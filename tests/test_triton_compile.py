@@ -1,7 +1,9 @@
 """A decode step's Triton kernels, which the CPU tests run only in the interpreter, compile for an H100 / H200
 (sm_90) too, without a GPU (tests/aot_compile.py: launches recorded in the interpreter, then triton.compile for
 GPUTarget("cuda", 90, 32)): the residual norm, the cache write, the split-KV attention and its reduce in float16 and
-bfloat16, SwiGLU, argmax. Catches what the interpreter accepts and the compiler does not."""
+bfloat16, SwiGLU, argmax, the fused MoE (float and QMoE 4 / 8-bit experts) and the L2 prefetch. Catches what the
+interpreter accepts and the compiler does not (with the device's triton 3.6 on the path too: the MoE weight tile's
+early constexpr return, which 3.8 compiles and 3.6 does not)."""
 
 from __future__ import annotations
 
@@ -38,5 +40,8 @@ def test_kernels_compile_for_sm90(tmp_path):
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("compiled ")]
     want = ["_rms_kernel [*fp16]", "_write_kernel [*fp16]", "_attn_kernel [*fp16]", "_reduce_kernel [*fp32]",
             "_write_kernel [*bf16]", "_attn_kernel [*bf16]", "_reduce_kernel [*fp32]", "_silu_mul_kernel [*fp16]",
-            "_argmax_chunk_kernel [*fp16]", "_argmax_final_kernel [*i64]"]
+            "_argmax_chunk_kernel [*fp16]", "_argmax_final_kernel [*i64]",
+            "_fc1_kernel [*fp16]", "_fc2_kernel [*fp16]", "_fc1_kernel [*bf16]", "_fc2_kernel [*bf16]",
+            "_fc1_kernel [*fp16]", "_fc2_kernel [*fp16]", "_fc1_kernel [*fp16]", "_fc2_kernel [*fp16]",
+            "_prefetch_kernel [*u8]", "_prefetch_kernel [*u8]"]
     assert sorted(ln.split(" ptx")[0].removeprefix("compiled ") for ln in lines) == sorted(want), out.stdout

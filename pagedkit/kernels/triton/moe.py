@@ -62,32 +62,30 @@ if common.HAVE_TRITON:
         (along the groups; per row: along N), else 2^(BITS - 1)."""
         m = k_ok[:, None] & n_ok[None, :]
         base = e.to(tl.int64) * w_expert
-        if BITS == 0:
+        if BITS == 0:  # (if / else, no early return: triton 3.6 compiles the code after a constexpr return)
             w = tl.load(w_ptr + base + rows[None, :] * K + kk[:, None], mask=m, other=0.0)
-            if UPCAST:
-                w = w.to(tl.float32)
-            return w
-        PER: tl.constexpr = 8 // BITS
-        MASK: tl.constexpr = (1 << BITS) - 1
-        byte = tl.load(w_ptr + base + rows[None, :] * (K // PER) + (kk // PER)[:, None], mask=m, other=0)
-        q = ((byte.to(tl.int32) >> ((kk % PER) * BITS)[:, None]) & MASK).to(tl.float32)
-        if GROUP:
-            g = kk // GROUP
         else:
-            g = kk * 0
-        sc = tl.load(s_ptr + e.to(tl.int64) * s_expert + rows[None, :] * groups + g[:, None], mask=m,
-                     other=0.0).to(tl.float32)
-        if HAS_Z:
+            PER: tl.constexpr = 8 // BITS
+            MASK: tl.constexpr = (1 << BITS) - 1
+            byte = tl.load(w_ptr + base + rows[None, :] * (K // PER) + (kk // PER)[:, None], mask=m, other=0)
+            q = ((byte.to(tl.int32) >> ((kk % PER) * BITS)[:, None]) & MASK).to(tl.float32)
             if GROUP:
-                zb = tl.load(z_ptr + e.to(tl.int64) * z_expert + rows[None, :] * ((groups + PER - 1) // PER)
-                             + (g // PER)[:, None], mask=m, other=0)
-                z = ((zb.to(tl.int32) >> ((g % PER) * BITS)[:, None]) & MASK).to(tl.float32)
+                g = kk // GROUP
             else:
-                zb = tl.load(z_ptr + e.to(tl.int64) * z_expert + rows // PER, mask=n_ok, other=0)
-                z = ((zb.to(tl.int32) >> ((rows % PER) * BITS)) & MASK).to(tl.float32)[None, :]
-        else:
-            z = (1 << (BITS - 1)) * 1.0
-        w = ((q - z) * sc).to(out_dt)  # the dequantized weight in the scales' dtype, as runtime/ops/moe.py
+                g = kk * 0
+            sc = tl.load(s_ptr + e.to(tl.int64) * s_expert + rows[None, :] * groups + g[:, None], mask=m,
+                         other=0.0).to(tl.float32)
+            if HAS_Z:
+                if GROUP:
+                    zb = tl.load(z_ptr + e.to(tl.int64) * z_expert + rows[None, :] * ((groups + PER - 1) // PER)
+                                 + (g // PER)[:, None], mask=m, other=0)
+                    z = ((zb.to(tl.int32) >> ((g % PER) * BITS)[:, None]) & MASK).to(tl.float32)
+                else:
+                    zb = tl.load(z_ptr + e.to(tl.int64) * z_expert + rows // PER, mask=n_ok, other=0)
+                    z = ((zb.to(tl.int32) >> ((rows % PER) * BITS)) & MASK).to(tl.float32)[None, :]
+            else:
+                z = (1 << (BITS - 1)) * 1.0
+            w = ((q - z) * sc).to(out_dt)  # the dequantized weight in the scales' dtype, as runtime/ops/moe.py
         if UPCAST:
             w = w.to(tl.float32)
         return w
