@@ -137,8 +137,12 @@ def profile_row(model_dir: Path, batch: int, context: int, top: int, seed: int =
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rng = random.Random(seed)
     prompt_len = context - 64
+    from pagedkit.apps.bench.cli import _block_size
+    from pagedkit.runtime.generate import read_config
+
+    bs = _block_size(Path(model_dir), read_config(Path(model_dir)))  # the pool: the row's blocks of the model's size
     engine = Engine(model_dir, device, max_batch_size=batch, max_num_tokens=8192,
-                    num_blocks=batch * (-(-context // 16) + 1), enable_prefix_caching=False, overlap=False,
+                    num_blocks=batch * (-(-context // bs) + 1), enable_prefix_caching=False, overlap=False,
                     cuda_graphs=None if cuda else "padded")
     vocab = engine.vocab_size or 1000
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
