@@ -250,9 +250,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("PAGEDKIT_PDL_LATE", "tuning", "import", "`0` early, anything else late", "1",
        "a PDL launch releases its dependent launch as its programs exit (late) or right after its wait (early, "
        "`common.PDL_EARLY_RELEASE`; `--sweep late`).", _not_zero),
-    _S("PAGEDKIT_L2_PREFETCH", "tuning", "import", "`off` or `MB[:early|late][:bulk|line][:dN]`", "off",
-       "L2 prefetch of each product's weight head on a side stream in captured decode steps (`prefetch.CONFIG`, "
-       "runtime/prefetch.py; `step_profile.py --sweep pf16:late`).", parse_prefetch),
+    _S("PAGEDKIT_L2_PREFETCH", "tuning", "import", "`off` or `MB[:early|late][:bulk|line][:dN]`", "4:late",
+       "L2 prefetch of the next product's weight head (MB at most) on a side stream in captured decode steps "
+       "(`prefetch.CONFIG`, runtime/prefetch.py; `step_profile.py --sweep pf4:late`): 2.5-3.8% off the H100 "
+       "decode replays of a Llama-3.2-1B shape at 4-6 MB, less from 8 MB up, slower forked early "
+       "(`benchmarks/results/step_profile_prefetch.json`).", parse_prefetch),
     _S("PAGEDKIT_BLAS", "tuning", "import", "`cublaslt` / `cublas` (torch.backends.cuda.preferred_blas_library)",
        None, "the cuBLAS front end of the runtime's CUDA products, set at the first one (`math.BLAS`; "
        "`step_profile.py --sweep lt` sets torch's in-process); within 2% in `probes/linear_probe.py`.",
