@@ -48,14 +48,21 @@ def _config(text: str) -> dict:
     of the Triton kernels, kernels/triton/common.PDL; "pdlN": only launches of <= N programs,
     PDL_MAX_PROGRAMS; "late": released as programs exit, "nopdl": off), "lt" / "nored" (cuBLAS through the cublasLt heuristics / without
     reduced-precision split-K reductions), "pfSPEC" / "nopf" (L2 prefetch of the products' weights,
-    runtime/prefetch.py, SPEC as PAGEDKIT_L2_PREFETCH: "pf16:late", "pf8:early:line:d2"); "BNxNW@W" is also
-    accepted."""
+    runtime/prefetch.py, SPEC as PAGEDKIT_L2_PREFETCH: "pf16:late", "pf8:early:line:d2"), and with
+    PAGEDKIT_DECODE_LINEAR=1 "nolin" (its products on F.linear), "lnpf0" (no weight-slab prefetch),
+    "lnBNxBKxWxS" (its tiles); "BNxNW@W" is also accepted."""
     if text in ("default", "dedup"):
         return {"name": text}
     out = {"name": text}
     for part in text.split("+"):
         if part in ("lt", "nored"):  # cuBLAS: the cublasLt heuristics / no reduced-precision split-K reductions
             out[part] = True
+            continue
+        if part in ("nolin", "lnpf0"):  # decode_linear's products on F.linear / without the slab's L2 prefetch
+            out[part] = True
+            continue
+        if part.startswith("ln") and part[2:3].isdigit():  # decode_linear tiles: lnBNxBKxWARPSxSTAGES
+            out["linear_tile"] = tuple(int(v) for v in part[2:].split("x"))
             continue
         if part.startswith("pf") or part == "nopf":  # L2 prefetch (runtime/prefetch.py): pfMB[:early|late][:line][:dN]
             from pagedkit import settings
@@ -95,9 +102,21 @@ def _applied(cfg: dict):
     from pagedkit.kernels.triton import common, decode
     from pagedkit.runtime import prefetch
 
+    from pagedkit.runtime.ops import linear as ops_linear
+
     saved_prefetch = prefetch.CONFIG
     if "prefetch" in cfg:
         prefetch.CONFIG = cfg["prefetch"]
+    saved_linear = ops_linear.TRITON
+    ops_linear.TRITON = not cfg.get("nolin")
+    klin = None
+    if common.HAVE_TRITON:
+        from pagedkit.kernels.triton import linear as klin
+    saved_ktiles = (dict(klin.TILES), klin.PREFETCH) if klin is not None else None
+    if klin is not None:
+        if cfg.get("linear_tile"):
+            klin.TILES = {k: cfg["linear_tile"] for k in klin.TILES}
+        klin.PREFETCH = not cfg.get("lnpf0")
 
     saved = ({k: getattr(decode, attr) for k, (attr, _) in _KNOBS.items()}, common.PDL, scope.distinct_slots,
              common.PDL_MAX_PROGRAMS, common.PDL_EARLY_RELEASE)
@@ -120,6 +139,9 @@ def _applied(cfg: dict):
         yield
     finally:
         prefetch.CONFIG = saved_prefetch
+        ops_linear.TRITON = saved_linear
+        if klin is not None:
+            klin.TILES, klin.PREFETCH = saved_ktiles
         torch.backends.cuda.preferred_blas_library(blas)
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = reduced
         for k, (attr, _) in _KNOBS.items():

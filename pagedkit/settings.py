@@ -250,6 +250,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("PAGEDKIT_PDL_LATE", "tuning", "import", "`0` early, anything else late", "1",
        "a PDL launch releases its dependent launch as its programs exit (late) or right after its wait (early, "
        "`common.PDL_EARLY_RELEASE`; `--sweep late`).", _not_zero),
+    _S("PAGEDKIT_DECODE_LINEAR", "tuning", "import", "`1` on, anything else off", "0",
+       "CUDA sessions run their products over constant weights as fused Triton GEMVs for decode-sized steps, with the "
+       "norm or SiluMul before each folded in (`fuse_linear.ENABLED`, runtime/fuse_linear.py, "
+       "kernels/triton/linear.py); off until measured against cuBLAS.", _is_one),
     _S("PAGEDKIT_L2_PREFETCH", "tuning", "import", "`off` or `MB[:early|late][:bulk|line][:dN]`", "4:late",
        "L2 prefetch of the next product's weight head (MB at most) on a side stream in captured decode steps "
        "(`prefetch.CONFIG`, runtime/prefetch.py; `step_profile.py --sweep pf4:late`): 2.5-3.8% off the H100 "

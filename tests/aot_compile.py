@@ -129,6 +129,16 @@ def _moe_and_prefetch():
         w[0], _ = _packed_case(w[0], bits, block, zp, g, torch.float16)
         w[2], _ = _packed_case(w[2], bits, block, zp, g, torch.float16)
         moe.fused_moe(xs, top_e, top_w, w, attrs)
+    from pagedkit.kernels.triton import linear
+
+    g = torch.Generator().manual_seed(5)
+    for kind in linear.KINDS:  # the decode products at Llama-3.2-1B's widths (float16), rms also in bfloat16
+        for dtype in ((torch.float16, torch.bfloat16) if kind == "rms" else (torch.float16,)):
+            k = 8192 if kind == "silu" else 2048
+            a = torch.randn(3, 2 * k if kind == "silu" else k, generator=g).to(dtype)
+            linear.linear(kind, a, torch.randn(64, k, generator=g).to(dtype),
+                          skip=torch.randn(3, k, generator=g).to(dtype) if kind == "rms" else None,
+                          gamma=torch.ones(k, dtype=dtype) if kind == "rms" else None, want_sum=kind == "rms")
     t = torch.zeros(1 << 16, dtype=torch.float16)
     for mode in prefetch.MODES:
         prefetch.prefetch_l2(t, 1 << 17, mode, marks=torch.zeros(1 << 10, dtype=torch.int32))
@@ -136,14 +146,14 @@ def _moe_and_prefetch():
 
 def record(out_path: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "record runs the launchers in the interpreter"
-    from pagedkit.kernels.triton import _decode_kernels, argmax, cache_write, moe, norm, prefetch, swiglu
+    from pagedkit.kernels.triton import _decode_kernels, argmax, cache_write, linear, moe, norm, prefetch, swiglu
 
     out: list = []
     for mod, name in ((_decode_kernels, "_attn_kernel"), (_decode_kernels, "_reduce_kernel"),
                       (cache_write, "_write_kernel"), (norm, "_rms_kernel"),
                       (swiglu, "_silu_mul_kernel"), (argmax, "_argmax_chunk_kernel"),
                       (argmax, "_argmax_final_kernel"), (moe, "_fc1_kernel"), (moe, "_fc2_kernel"),
-                      (prefetch, "_prefetch_kernel")):
+                      (prefetch, "_prefetch_kernel"), (linear, "_linear_kernel")):
         setattr(mod, name, _Recorder(getattr(mod, name), out))
     for part in (_scenarios, _moe_and_prefetch):
         try:
@@ -167,6 +177,8 @@ def compile_all(in_path: str) -> None:
         cex.update({k: False for k in ("INTERP", "UPCAST", "RECORD") if k in cex})  # as on a GPU
         if "PDL" in cex:
             cex["PDL"] = 2  # as on a Hopper GPU: griddepcontrol in the kernel
+        if "PREFETCH" in cex:
+            cex["PREFETCH"] = True  # as on a Hopper GPU: the weight slab's bulk L2 requests
         kernel = triton.compile(ASTSource(fn=fn, signature=rec["sig"], constexprs=cex), target=target,
                                 options=rec["opts"])
         first = next(t for t in rec["sig"].values() if t.startswith("*"))  # the first tensor's type

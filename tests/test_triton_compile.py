@@ -43,5 +43,6 @@ def test_kernels_compile_for_sm90(tmp_path):
             "_argmax_chunk_kernel [*fp16]", "_argmax_final_kernel [*i64]",
             "_fc1_kernel [*fp16]", "_fc2_kernel [*fp16]", "_fc1_kernel [*bf16]", "_fc2_kernel [*bf16]",
             "_fc1_kernel [*fp16]", "_fc2_kernel [*fp16]", "_fc1_kernel [*fp16]", "_fc2_kernel [*fp16]",
-            "_prefetch_kernel [*u8]", "_prefetch_kernel [*u8]"]
+            "_prefetch_kernel [*u8]", "_prefetch_kernel [*u8]", "_linear_kernel [*fp16]", "_linear_kernel [*fp16]",
+            "_linear_kernel [*fp16]", "_linear_kernel [*bf16]"]
     assert sorted(ln.split(" ptx")[0].removeprefix("compiled ") for ln in lines) == sorted(want), out.stdout

@@ -157,9 +157,12 @@ def logit_rows(g: Graph, logits: str) -> int:
 FUSIONS: dict[str, Callable[[Graph], int]] = {"swiglu_mlp": swiglu_mlp}
 
 
-def fuse(g: Graph, logits: str | None = None) -> dict[str, int]:
+def fuse(g: Graph, logits: str | None = None, device: torch.device | None = None) -> dict[str, int]:
     """Every rule on this graph (not its subgraphs); {rule: rewrites} for the rules that changed something.
-    logits: the model's [tokens, vocabulary] logits output, for `logit_rows` (None: not applied)."""
+    logits: the model's [tokens, vocabulary] logits output, for `logit_rows` (None: not applied). device: where the
+    session runs (CUDA sessions also get fuse_linear.py's `decode_linear` when PAGEDKIT_DECODE_LINEAR is on)."""
+    from .fuse_linear import decode_linear
+
     out = {}
     for name, rule in FUSIONS.items():
         n = rule(g)
@@ -167,4 +170,7 @@ def fuse(g: Graph, logits: str | None = None) -> dict[str, int]:
             out[name] = n
     if logits is not None and logit_rows(g, logits):
         out["logit_rows"] = 1
+    n = decode_linear(g, device or torch.device("cpu"))
+    if n:
+        out["decode_linear"] = n
     return out

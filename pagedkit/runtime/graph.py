@@ -382,7 +382,7 @@ def compile_model(model: onnx.ModelProto, device: torch.device, allow_reference_
     _fold(g)
     from .fuse import fuse, token_logits
 
-    fused = fuse(g, logits=token_logits(model.graph))
+    fused = fuse(g, logits=token_logits(model.graph), device=device)
     prepacked = _prepack(g, device)
     host_in = _host_graph_inputs(g)
     uses: dict = {}

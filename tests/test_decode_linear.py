@@ -1,0 +1,165 @@
+"""runtime/fuse_linear.py's `decode_linear` and its fused products (runtime/ops/linear.py, kernels/triton/linear.py)
+on the CPU, the kernel through Triton's interpreter:
+
+- the kernel against a float64 loop (norm / SiluMul / plain prologues, float16 and bfloat16, rows 1..16, N and K
+  off the tile sizes, the sum output), and its refusals;
+- the rewrite on the tiny Llama export (float16): every product over a constant weight becomes NormLinear (QKV,
+  gate | up), SiluLinear (down) or Linear (O), the LM head and the norms' other readers untouched; decode steps
+  (kernel) and prefills (the replaced ops) give the unfused session's logits within float16 noise.
+Teeth: a kernel that drops the skip input, or writes no sum, fails the comparison.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pagedkit.kernels.triton import linear as L  # noqa: E402
+from pagedkit.runtime import fuse_linear  # noqa: E402
+from pagedkit.runtime.ops import linear as ops_linear  # noqa: E402
+
+
+def _oracle(kind, a, w_nk, skip=None, gamma=None, eps=1e-6):
+    """float64 loop: x as the unfused ops round it, then x @ W^T."""
+    rows = a.reshape(-1, a.shape[-1])
+    k = w_nk.shape[1]
+    out = torch.zeros(rows.shape[0], w_nk.shape[0], dtype=torch.float64)
+    sums = []
+    for i in range(rows.shape[0]):
+        r = rows[i].double()
+        if kind == "silu":
+            g, u = rows[i, :k].float(), rows[i, k:].float()
+            x = (g / (1 + torch.exp(-g)) * u).to(a.dtype).double()
+        elif kind == "rms":
+            s = rows[i].float() + (skip.reshape(-1, k)[i].float() if skip is not None else 0)
+            sums.append(s)
+            inv = 1.0 / torch.sqrt((s.double() ** 2).mean() + eps)
+            x = (s.double() * inv * gamma.double()).to(a.dtype).double()
+        else:
+            x = r
+        for n in range(w_nk.shape[0]):
+            out[i, n] = (x * w_nk[n].double()).sum()
+    return out, sums
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", L.KINDS)
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (5, 33, 300), (16, 48, 256)])
+def test_kernel_matches_the_float64_loop(dtype, kind, m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    a = torch.randn(m, 2 * k if kind == "silu" else k, generator=g).to(dtype)
+    skip = torch.randn(m, k, generator=g).to(dtype) if kind == "rms" else None
+    gamma = (torch.rand(k, generator=g) + 0.5).to(dtype) if kind == "rms" else None
+    y, s = L.linear(kind, a, w, skip=skip, gamma=gamma, eps=1e-5, want_sum=True)
+    ref, sums = _oracle(kind, a, w, skip, gamma, 1e-5)
+    tol = 2e-3 if dtype == torch.float16 else 1.6e-2  # the output's rounding, plus float32 sums
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert float((y.double() - ref).abs().max()) <= tol * float(ref.abs().max())
+    if kind == "rms":
+        want = torch.stack(sums)
+        if dtype == torch.float16:
+            assert torch.equal(s, want.to(dtype))
+        else:  # the interpreter rounds float32 to bfloat16 toward zero: within one bfloat16 step
+            assert bool(((s.float() - want).abs() <= want.abs() * 2 ** -7 + 1e-30).all())
+    else:
+        assert s is None
+
+
+def test_kernel_refuses_what_it_does_not_serve():
+    w = torch.randn(8, 32).half()
+    assert "rows" in L.serves("plain", torch.randn(17, 32).half(), w)
+    assert "dtypes" in L.serves("plain", torch.randn(2, 32), w)
+    assert "K" in L.serves("silu", torch.randn(2, 32).half(), w)
+    assert "gamma" in L.serves("rms", torch.randn(2, 32).half(), w)
+    assert "skip" in L.serves("rms", torch.randn(2, 32).half(), w, gamma=torch.ones(32).half(),
+                              skip=torch.randn(3, 32).half())
+    assert L.serves("rms", torch.randn(2, 32).half(), w, gamma=torch.ones(32).half()) is None
+    with pytest.raises(ValueError, match="rows"):
+        L.linear("plain", torch.randn(20, 32).half(), w)
+
+
+@pytest.fixture
+def fused_models(tiny_llama, monkeypatch):
+    """(fused PagedModel, unfused PagedModel) over the tiny Llama on the torch CPU backend."""
+    from pagedkit.engine import Engine
+
+    monkeypatch.setenv("PAGEDKIT_CPU_BACKEND", "torch")
+    plain = Engine(tiny_llama, "cpu", max_batch_size=8, max_num_tokens=256).model
+    monkeypatch.setattr(fuse_linear, "ENABLED", True)
+    monkeypatch.setattr(fuse_linear, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(fuse_linear, "MIN_BYTES", 1)
+    fused = Engine(tiny_llama, "cpu", max_batch_size=8, max_num_tokens=256).model
+    return fused, plain
+
+
+def _logits(model, prompts, steps, seed):
+    """Prefill each prompt (logits of its last row), then `steps` teacher-forced decode steps of the batch."""
+    mgr, rng = model.mgr, random.Random(seed)
+    sids, out = [f"s{i}" for i in range(len(prompts))], []
+    for s, p in zip(sids, prompts):
+        mgr.add_sequence(s, p)
+        plan = model.plan([(s, p)])
+        out.append(model.run(plan, p, [len(p) - 1]).float().clone())
+        mgr.commit(plan)
+    for _ in range(steps):
+        ids = [rng.randrange(3, 144) for _ in sids]
+        plan = model.plan([(s, [t]) for s, t in zip(sids, ids)])
+        out.append(model.run(plan, ids).float().clone())
+        mgr.commit(plan)
+    for s in sids:
+        mgr.free(s)
+    return out
+
+
+def _prompts():
+    rng = random.Random(4)
+    return [[rng.randrange(3, 144) for _ in range(n)] for n in (5, 23, 40)]
+
+
+def test_rewrite_folds_each_product_and_keeps_the_logits(fused_models):
+    fused, plain = fused_models
+    kinds = [s.op_type for s in fused.session._main.graph.steps]
+    layers = sum(1 for s in plain.session._main.graph.steps if s.call is not None)
+    assert kinds.count("NormLinear") == 2 * layers and kinds.count("SiluLinear") == layers
+    assert kinds.count("Linear") == layers + 1  # O, and this tiny model's LM head (vocabulary 144 <= MAX_N)
+    assert "SiluMul" not in kinds and "MatMul" not in kinds
+    assert fused.session.fused.get("decode_linear") == 4 * layers + 1
+    assert kinds.count("SkipSimplifiedLayerNormalization") + kinds.count("SimplifiedLayerNormalization") == 1  # final
+    got, ref = _logits(fused, _prompts(), 4, 9), _logits(plain, _prompts(), 4, 9)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        rel = float((a - b).abs().max() / b.abs().max())
+        assert rel <= 1e-2, f"output {i}: fused vs unfused max |diff| {rel:.3g} x max |ref|"
+
+
+def test_fallback_path_keeps_the_logits(fused_models, monkeypatch):
+    fused, plain = fused_models
+    monkeypatch.setattr(ops_linear, "TRITON", False)
+    got, ref = _logits(fused, _prompts(), 2, 3), _logits(plain, _prompts(), 2, 3)
+    for a, b in zip(got, ref):
+        assert float((a - b).abs().max() / b.abs().max()) <= 1e-2
+
+
+@pytest.mark.parametrize("bug", ["no_skip", "no_sum"])
+def test_teeth(fused_models, monkeypatch, bug):
+    fused, plain = fused_models
+    real = L.linear
+
+    def broken(kind, a, w, *, skip=None, gamma=None, eps=1e-6, want_sum=False):
+        if kind != "rms":
+            return real(kind, a, w, skip=skip, gamma=gamma, eps=eps, want_sum=want_sum)
+        y, s = real(kind, a, w, skip=None if bug == "no_skip" else skip, gamma=gamma, eps=eps, want_sum=want_sum)
+        return y, (torch.zeros_like(a) if (bug == "no_sum" and s is not None) else s)
+
+    monkeypatch.setattr(L, "linear", broken)
+    got, ref = _logits(fused, _prompts(), 2, 3), _logits(plain, _prompts(), 2, 3)
+    worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got[3:], ref[3:]))  # decode steps
+    assert worst > 5e-2, f"a kernel with {bug} went unnoticed ({worst:.3g})"
