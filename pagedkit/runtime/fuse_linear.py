@@ -4,7 +4,7 @@ bfloat16 weight W [K, N] (at least MIN_BYTES, N <= MAX_N: not an LM head) become
 
     NormLinear(x, skip | '', gamma, W^T) -> (y, sum | '')  the norm before it, whose output only it reads
         (SkipSimplifiedLayerNormalization without bias, SimplifiedLayerNormalization, RMSNormalization, last axis)
-    SiluLinear(y, W^T) -> h                                 the SiluMul before it (fuse.py's swiglu_mlp), read by it only
+    SiluLinear(y, W^T) -> h                                 the SiluMul before it (fuse.py's swiglu_mlp), read by it
     Linear(x, W^T) -> y                                      otherwise
 
 with W transposed once to [N, K] (the original dropped when nothing else reads it). The fused ops
