@@ -48,17 +48,22 @@ class _Recorder:
         def launch(*args, **kw):
             params = inspect.signature(self.fn.fn).parameters
             values = dict(zip(self.fn.arg_names, args)) | {k: v for k, v in kw.items() if k in params}
-            sig, cex = {}, {}
-            for name in self.fn.arg_names:
+            sig, cex, div = {}, {}, []
+            for i, name in enumerate(self.fn.arg_names):
                 if "constexpr" in str(params[name].annotation):
                     sig[name] = "constexpr"
                     v = values.get(name, params[name].default)
                     cex[name] = v if isinstance(v, (bool, int, float)) else str(v)
                 else:
-                    sig[name] = _type(values[name])
+                    v = values[name]
+                    sig[name] = _type(v)
+                    # what the JIT specializes on a GPU: 16-byte aligned pointers, integers divisible by 16
+                    if (hasattr(v, "data_ptr") and v.data_ptr() % 16 == 0) or (
+                            isinstance(v, int) and not isinstance(v, bool) and v and v % 16 == 0):
+                        div.append(i)
             opts = {k: v for k, v in kw.items() if k in ("num_warps", "num_stages")}
             self.out.append({"kernel": f"{self.fn.fn.__module__}:{self.fn.fn.__name__}", "sig": sig, "cex": cex,
-                             "opts": opts})
+                             "opts": opts, "div": div})
         return launch
 
 
@@ -179,7 +184,8 @@ def compile_all(in_path: str) -> None:
             cex["PDL"] = 2  # as on a Hopper GPU: griddepcontrol in the kernel
         if "PREFETCH" in cex:
             cex["PREFETCH"] = True  # as on a Hopper GPU: the weight slab's bulk L2 requests
-        kernel = triton.compile(ASTSource(fn=fn, signature=rec["sig"], constexprs=cex), target=target,
+        attrs = {(i,): [["tt.divisibility", 16]] for i in rec.get("div", [])}
+        kernel = triton.compile(ASTSource(fn=fn, signature=rec["sig"], constexprs=cex, attrs=attrs), target=target,
                                 options=rec["opts"])
         first = next(t for t in rec["sig"].values() if t.startswith("*"))  # the first tensor's type
         print(f"compiled {name} [{first}] ptx {len(kernel.asm['ptx'])} chars, shared {kernel.metadata.shared} B")
