@@ -133,7 +133,7 @@ def test_context_beyond_length_skipped(bench):
     (["--batches", "0"], "--batches: expected integers >= 1, got 0"),
     (["--contexts", "-4"], "--contexts: expected integers >= 1, got -4"),
     (["--decode-steps", "0"], "--decode-steps: expected an integer >= 1, got 0"),
-    (["--arms", "vllm"], "--arms: expected some of pagedkit ort, got 'vllm'"),
+    (["--arms", "vllm"], "--arms: expected some of pagedkit ort genai, got 'vllm'"),
 ])
 def test_bad_arguments(tiny_llama, tmp_path, capsys, argv, expected):
     assert cli.main([str(tiny_llama), "--device", "cpu", "--out", str(tmp_path), *argv]) == 2

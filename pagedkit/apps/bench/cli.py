@@ -24,10 +24,11 @@ import sys
 from pathlib import Path
 
 from ...cli_errors import cli_main, folder_problem, one_line
-from . import engine_arm, floor, ort_arm, report
+from . import engine_arm, floor, genai_arm, ort_arm, report
 
 PROG = "paged-bench"
-ARMS = ("pagedkit", "ort")
+ARMS = ("pagedkit", "ort", "genai")
+DEFAULT_ARMS = ("pagedkit", "ort")
 # default step budget cap: a 32 x 4096-token prefill in one step would need [131k, vocab] logits
 DEFAULT_MAX_NUM_TOKENS = 16384
 
@@ -41,7 +42,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="cached tokens per sequence at the last decode step (default 1024 4096)")
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps after the prefill (default 32)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
-    p.add_argument("--arms", nargs="+", default=list(ARMS), help="what to run: pagedkit, ort (default both)")
+    p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS),
+                   help="what to run: pagedkit, ort (onnxruntime, its CUDA EP), genai (onnxruntime-genai's Engine); "
+                        "default pagedkit ort")
     p.add_argument("--out", default="paged_bench", help="output folder (default ./paged_bench)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs of each row before the timed one (default 1)")
     p.add_argument("--repeats", type=int, default=1,
@@ -199,6 +202,16 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
                 runner.graph_refused = f"at session creation: {graph_refused}"
         if ort_reason:
             print(f"{PROG}: ort arm skipped: {ort_reason}", file=sys.stderr)
+    genai_reason, genai_runner = (None, None) if "genai" in arms else ("not asked (--arms)", None)
+    if "genai" in arms:
+        genai_reason = genai_arm.unavailable(device)
+        if genai_reason is None:
+            try:
+                genai_runner = genai_arm.GenaiRunner(str(model_dir), device)
+            except Exception as exc:  # onnxruntime-genai refuses the model (an op its providers lack, ...)
+                genai_reason = f"onnxruntime-genai refused the model: {type(exc).__name__}: {one_line(str(exc))}"[:600]
+        if genai_reason:
+            print(f"{PROG}: genai arm skipped: {genai_reason}", file=sys.stderr)
     vocab = cfg.vocab_size or 3
     versions = report.versions()
     result = {
@@ -221,7 +234,9 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
                               "the engine runs eagerly"},
                  "ort": {"ran": runner is not None, "skipped": ort_reason if "ort" in arms else "not asked (--arms)",
                          "cuda_graph": bool(runner is not None and runner.cuda_graph),
-                         "version": runner.version if runner else versions["onnxruntime"]}},
+                         "version": runner.version if runner else versions["onnxruntime"]},
+                 "genai": ({"ran": True, "version": genai_runner.version} if genai_runner is not None
+                           else {"ran": False, "skipped": genai_reason})},
         "rows": [],
     }
     if runner is not None:
@@ -239,13 +254,17 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
             for arm in arms:
                 progress.set_description(f"{arm} batch {row.batch} context {row.context}")
                 if not runs[arm] or "skipped" not in runs[arm][0]:
-                    runs[arm].append(_arm(arm, engine, runner, ort_reason, row, vocab, args, device, warm=k == 0))
+                    runs[arm].append(_arm(arm, engine, {"ort": (runner, ort_reason), "genai": (genai_runner, genai_reason)},
+                                          row, vocab, args, device, warm=k == 0))
                 progress.update(1)
         for arm in arms:
             rec["arms"][arm] = _combine(runs[arm])
         if "tokens" in rec["arms"].get("pagedkit", {}) and "tokens" in rec["arms"].get("ort", {}):
             rec["parity"] = ort_arm.parity(rec["arms"]["pagedkit"]["tokens"], rec["arms"]["ort"]["tokens"],
                                            row.decode_steps)
+        if "tokens" in rec["arms"].get("pagedkit", {}) and "tokens" in rec["arms"].get("genai", {}):
+            rec["parity_genai"] = ort_arm.parity(rec["arms"]["pagedkit"]["tokens"], rec["arms"]["genai"]["tokens"],
+                                                 row.decode_steps)
         for a in rec["arms"].values():
             a.pop("tokens", None)
         measured[(row.batch, row.context)] = report.finish_row(rec)
@@ -279,14 +298,18 @@ def _combine(runs: list[dict]) -> dict:
     return out
 
 
-def _arm(arm, engine, runner, ort_reason, row, vocab, args, device, warm: bool = True) -> dict:
-    if arm == "ort" and runner is None:
-        return {"skipped": ort_reason}
+def _arm(arm, engine, peers: dict, row, vocab, args, device, warm: bool = True) -> dict:
+    """One arm's record of one row (warm: after args.warmup untimed runs). peers: arm -> (runner, why not)."""
+    runner, why = peers.get(arm, (None, None))
+    if arm != "pagedkit" and runner is None:
+        return {"skipped": why}
     for rep in range(args.warmup + 1 if warm else 1):
         prompts = engine_arm.prompts_for(row, vocab, args.seed * 1_000_003 + rep)
         try:
             if arm == "pagedkit":
                 rec = engine_arm.run_row(engine, row, prompts, device)
+            elif arm == "genai":
+                rec = runner.run_row(row, prompts)
             else:
                 rec = ort_arm.run_row(engine.model, runner, row, prompts, device)
         except Exception as exc:  # the arm fails on this row (e.g. ORT refuses an input at run time): say so

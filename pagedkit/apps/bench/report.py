@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ... import settings
 
-ARM_LABELS = {"pagedkit": "pagedkit engine", "ort": "onnxruntime CUDA EP"}
+ARM_LABELS = {"pagedkit": "pagedkit engine", "ort": "onnxruntime CUDA EP", "genai": "onnxruntime-genai Engine"}
 
 
 def settings_env() -> dict[str, str]:
@@ -63,8 +63,10 @@ def finish_row(rec: dict) -> dict:
         tps = arm.get("tokens_per_s")
         if tps is not None:
             arm["fraction_of_floor"] = tps / floor
-    pk, ort = (rec["arms"].get(a, {}).get("tokens_per_s") for a in ("pagedkit", "ort"))
+    pk, ort, gen = (rec["arms"].get(a, {}).get("tokens_per_s") for a in ("pagedkit", "ort", "genai"))
     rec["pagedkit_over_ort"] = pk / ort if pk and ort else None
+    if "genai" in rec["arms"]:
+        rec["pagedkit_over_genai"] = pk / gen if pk and gen else None
     return rec
 
 
@@ -86,9 +88,10 @@ def table(result: dict) -> list[str]:
         parts.append(f"floor {r['floor']['ms_per_step']:.4g} ms/step {r['floor']['tokens_per_s']:.4g} tok/s")
         if "prefill_floor" in r:
             parts.append(f"prefill floor {r['prefill_floor']['ms']:.4g} ms")
-        if "parity" in r:
-            parts.append("greedy tokens equal" if r["parity"]["equal"]
-                         else f"greedy tokens differ in requests {r['parity']['mismatched_requests']}")
+        for key, peer in (("parity", "ort"), ("parity_genai", "genai")):
+            if key in r:
+                parts.append(f"greedy tokens equal {peer}'s" if r[key]["equal"]
+                             else f"greedy tokens differ from {peer}'s in requests {r[key]['mismatched_requests']}")
         lines.append(f"{head}: " + "; ".join(parts))
     return lines
 
