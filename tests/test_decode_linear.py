@@ -163,3 +163,30 @@ def test_teeth(fused_models, monkeypatch, bug):
     got, ref = _logits(fused, _prompts(), 2, 3), _logits(plain, _prompts(), 2, 3)
     worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got[3:], ref[3:]))  # decode steps
     assert worst > 5e-2, f"a kernel with {bug} went unnoticed ({worst:.3g})"
+
+
+def test_limits_leave_the_head_and_small_weights_alone(tiny_llama, monkeypatch):
+    """Products wider than MAX_N (an LM head) and weights under MIN_BYTES stay MatMul; float32 weights are not
+    taken; with the rule off nothing changes."""
+    from pagedkit.engine import Engine
+
+    monkeypatch.setenv("PAGEDKIT_CPU_BACKEND", "torch")
+    monkeypatch.setattr(fuse_linear, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(fuse_linear, "MIN_BYTES", 1)
+
+    def steps():
+        return Engine(tiny_llama, "cpu", max_batch_size=2, max_num_tokens=64).model.session._main.graph.steps
+
+    def kinds():
+        return [s.op_type for s in steps()]
+
+    assert "Linear" not in kinds() and "NormLinear" not in kinds()  # ENABLED is off by default
+    monkeypatch.setattr(fuse_linear, "ENABLED", True)
+    monkeypatch.setattr(fuse_linear, "MAX_N", 143)  # the head's N is the vocabulary, 144
+    got = steps()
+    head = next(s for s in got if s.inputs and s.inputs[0].endswith("::rows"))  # reads SelectRows' rows
+    assert head.op_type == "MatMul" and sum(s.op_type == "Linear" for s in got) > 0
+    monkeypatch.setattr(fuse_linear, "MAX_N", 144 * 8)
+    assert "MatMul" not in kinds()
+    monkeypatch.setattr(fuse_linear, "MIN_BYTES", 1 << 40)
+    assert "Linear" not in kinds() and "NormLinear" not in kinds()
