@@ -68,7 +68,8 @@ def test_setting_parses_and_names_what_is_wrong():
 
 
 def _chain_model(path, widths=(16, 24, 8, 32, 16, 12)):
-    """x [T, 16] -> (MatMul by a constant, Relu) per width: products of several sizes with a short op between."""
+    """x [B, T, 16] -> (MatMul by a constant, Add a constant [1, n] row, Relu) per width: products of several sizes
+    with short ops between (the Add's 2-D constant is no product's weight)."""
     import numpy as np
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -76,11 +77,15 @@ def _chain_model(path, widths=(16, 24, 8, 32, 16, 12)):
     rng = np.random.default_rng(0)
     nodes, inits, prev, k = [], [], "x", widths[0]
     for i, n in enumerate(widths[1:]):
-        inits.append(numpy_helper.from_array(rng.standard_normal((k, n)).astype(np.float32), f"w{i}"))
-        nodes += [helper.make_node("MatMul", [prev, f"w{i}"], [f"m{i}"]), helper.make_node("Relu", [f"m{i}"], [f"r{i}"])]
+        inits += [numpy_helper.from_array(rng.standard_normal((k, n)).astype(np.float32), f"w{i}"),
+                  numpy_helper.from_array(rng.standard_normal((1, n)).astype(np.float32), f"b{i}")]
+        nodes += [helper.make_node("MatMul", [prev, f"w{i}"], [f"m{i}"]),
+                  helper.make_node("Add", [f"m{i}", f"b{i}"], [f"a{i}"]),
+                  helper.make_node("Relu", [f"a{i}"], [f"r{i}"])]
         prev, k = f"r{i}", n
-    g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", widths[0]])],
-                          [helper.make_tensor_value_info(prev, TensorProto.FLOAT, ["T", k])], inits)
+    g = helper.make_graph(nodes, "chain",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "T", widths[0]])],
+                          [helper.make_tensor_value_info(prev, TensorProto.FLOAT, ["B", "T", k])], inits)
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
     return len(widths) - 1
 
@@ -118,7 +123,7 @@ def traced(tmp_path, monkeypatch):
 
 
 def _run_step(sess, tokens: int):
-    sess.run_torch({"x": torch.randn(tokens, 16)})
+    sess.run_torch({"x": torch.randn(1, tokens, 16)})  # [1, T, 16]: rows are every leading dimension
 
 
 @pytest.mark.parametrize("at,distance,mb", [("late", 1, 1e-3), ("early", 1, 1e-3), ("late", 2, 1e3)])
@@ -129,7 +134,8 @@ def test_each_product_requests_the_head_of_the_one_distance_later(traced, monkey
     want = []
     for k, p in enumerate(prods):
         j = k + distance
-        fork = [("fork", [(j, min(prods[j].nbytes, int(mb * (1 << 20))))], "line")] if j < len(prods) else []
+        size = prods[j].weight.shape[0] * prods[j].weight.shape[1] * 4 if j < len(prods) else 0  # float32 bytes
+        fork = [("fork", [(j, min(size, int(mb * (1 << 20))))], "line")] if j < len(prods) else []
         fork = fork or [("fork", [], "line")]
         want += (fork + [("run", k)]) if at == "early" else ([("run", k)] + fork)
     want.append(("join",))
@@ -172,3 +178,58 @@ def test_products_are_the_constant_weights_in_step_order(tmp_path, monkeypatch):
     monkeypatch.setattr(prefetch, "MIN_BYTES", 16 * 24 * 4)  # at least [16, 24]'s bytes: it and [32, 16]
     assert [tuple(p.weight.shape) for p in prefetch.products(sess._main, device_type="cpu")] == [(16, 24), (32, 16)]
     assert prefetch.products(sess._main) == []  # no CUDA weights on the CPU
+
+
+def test_default_limits(traced, monkeypatch):
+    """MAX_ROWS (64) rows prefetch, one more does not; MIN_BYTES (1 MiB) weights count, smaller ones do not."""
+    sess, prods, log, pf = traced
+    assert prefetch.MAX_ROWS == 64
+    monkeypatch.setattr(prefetch, "CONFIG", {"mb": 1.0, "at": "late", "mode": "bulk", "distance": 1})
+    _run_step(sess, 64)
+    assert sum(1 for e in log if e[0] == "fork" and e[1]) == len(prods) - 1
+    log.clear()
+    _run_step(sess, 65)
+    assert [e for e in log if e[0] == "fork"] == []
+
+
+def test_min_bytes_default(tmp_path):
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from pagedkit.runtime import InferenceSession
+
+    assert prefetch.MIN_BYTES == 1 << 20
+    # float64: the CPU session leaves such weights as tensors (float32 ones it prepacks for oneDNN)
+    w0 = numpy_helper.from_array(np.zeros((512, 256), np.float64), "w0")  # exactly 1 MiB
+    w1 = numpy_helper.from_array(np.zeros((256, 511), np.float64), "w1")  # 2 KiB less
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["y"]), helper.make_node("MatMul", ["y", "w1"], ["z"])]
+    g = helper.make_graph(nodes, "two", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["T", 512])],
+                          [helper.make_tensor_value_info("z", TensorProto.DOUBLE, ["T", 511])], [w0, w1])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
+    sess = InferenceSession(str(tmp_path / "m.onnx"), cpu_backend="torch")
+    got = prefetch.products(sess._main, device_type="cpu")
+    assert [tuple(p.weight.shape) for p in got] == [(512, 256)] and got[0].nbytes == 1 << 20
+
+
+def test_attach_wraps_every_product_on_cuda_only(tmp_path, monkeypatch):
+    from pagedkit.runtime import InferenceSession
+
+    _chain_model(tmp_path / "m.onnx")
+    monkeypatch.setattr(prefetch, "MIN_BYTES", 1)
+    sess = InferenceSession(str(tmp_path / "m.onnx"), cpu_backend="torch")
+    prog = sess._main
+    assert prefetch.attach(prog, torch.device("cpu")) is None
+    assert prefetch.attach(prog, torch.device("cuda")) is None  # no CUDA weights: nothing to prefetch
+    cpu_prods = prefetch.products(prog, device_type="cpu")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: ("stream", device))
+    for n in (1, 2):
+        monkeypatch.setattr(prefetch, "products", lambda p, n=n: cpu_prods[:n])
+        runs = [op.run for op in prog.ops]
+        pf = prefetch.attach(prog, torch.device("cuda"))
+        if n == 1:
+            assert pf is None and [op.run for op in prog.ops] == runs  # one product: nothing to prefetch ahead
+            continue
+        assert pf is not None and pf.side == ("stream", torch.device("cuda")) and pf.prods == cpu_prods[:2]
+        wrapped = [i for i, op in enumerate(prog.ops) if op.run is not runs[i]]
+        assert wrapped == [p.op for p in cpu_prods[:2]]
