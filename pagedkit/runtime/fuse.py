@@ -29,19 +29,8 @@ import torch
 
 from ..interface.names import LOGITS
 from ..kernels.cpu.logits import BY_CONSTANT, HEADS, ROW_WISE, ROWS_INPUT
-from .steps import Graph, Step
+from .steps import Graph, Step, value_readers
 from .ops.registry import FUSED_DOMAIN, lookup
-
-
-def _readers(g: Graph) -> dict[str, int]:
-    n: dict[str, int] = {}
-    for s in g.steps:
-        for name in list(s.inputs) + list(s.free_vars):
-            if name:
-                n[name] = n.get(name, 0) + 1
-    for name in g.outputs:
-        n[name] = n.get(name, 0) + 1
-    return n
 
 
 def _plain(step: Step, op: str, n_in: int) -> bool:
@@ -51,7 +40,7 @@ def _plain(step: Step, op: str, n_in: int) -> bool:
 
 def swiglu_mlp(g: Graph) -> int:
     """MatMul gate / up + Sigmoid + Mul + Mul -> MatMul on [Wg | Wu] + SiluMul (see the module docstring)."""
-    readers = _readers(g)
+    readers = value_readers(g)
     producer = {o: s for s in g.steps for o in s.outputs if o}
     done = 0
     gone: set[int] = set()  # id() of the steps a rewrite replaced (Steps compare by value: never `in` / index)

@@ -20,7 +20,7 @@ import torch
 
 from .. import settings
 from .ops.registry import FUSED_DOMAIN, MS_DOMAIN, lookup
-from .steps import Graph, Step
+from .steps import Graph, Step, value_readers
 
 ENABLED: bool = settings.read("PAGEDKIT_DECODE_LINEAR")
 DEVICES = ("cuda",)  # where the rule applies (the CPU tests add "cpu": the ops then run in Triton's interpreter)
@@ -28,17 +28,6 @@ MIN_BYTES = 1 << 20
 MAX_N = 65536
 NORMS = {(MS_DOMAIN, "SkipSimplifiedLayerNormalization"): 1e-12, ("", "SimplifiedLayerNormalization"): 1e-5,
          ("", "RMSNormalization"): 1e-5}  # (domain, op) -> default epsilon
-
-
-def _readers(g: Graph) -> dict[str, int]:
-    n: dict[str, int] = {}
-    for s in g.steps:
-        for name in list(s.inputs) + list(s.free_vars):
-            if name:
-                n[name] = n.get(name, 0) + 1
-    for name in g.outputs:
-        n[name] = n.get(name, 0) + 1
-    return n
 
 
 def _weight(g: Graph, step: Step):
@@ -78,7 +67,7 @@ def decode_linear(g: Graph, device: torch.device) -> int:
     """The rewrite (module docstring) when ENABLED on one of DEVICES; the rewrites made."""
     if not (ENABLED and device.type in DEVICES):
         return 0
-    readers = _readers(g)
+    readers = value_readers(g)
     producer = {o: s for s in g.steps for o in s.outputs if o}
     gone: set[int] = set()
     placed: dict[int, Step] = {}

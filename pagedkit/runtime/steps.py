@@ -47,3 +47,15 @@ class Graph:
     inputs: list[str]
     outputs: list[str]
     consts: dict[str, torch.Tensor]
+
+
+def value_readers(g: Graph) -> dict[str, int]:
+    """Value name -> how many times steps read it (inputs and subgraph free variables) or the graph outputs it."""
+    n: dict[str, int] = {}
+    for s in g.steps:
+        for name in list(s.inputs) + list(s.free_vars):
+            if name:
+                n[name] = n.get(name, 0) + 1
+    for name in g.outputs:
+        n[name] = n.get(name, 0) + 1
+    return n
