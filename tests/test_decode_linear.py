@@ -190,3 +190,61 @@ def test_limits_leave_the_head_and_small_weights_alone(tiny_llama, monkeypatch):
     assert "MatMul" not in kinds()
     monkeypatch.setattr(fuse_linear, "MIN_BYTES", 1 << 40)
     assert "Linear" not in kinds() and "NormLinear" not in kinds()
+
+
+def _norm_graph(path, k=64, n=48, f=96):
+    """float16: h = SkipSimplifiedLayerNormalization(x, skip) -> q = h @ Wq; o = q[:, :k]... a block of the four
+    product kinds: NormLinear (skip norm, with its sum read later; and SimplifiedLayerNormalization), SwiGLU's
+    SiluLinear, plain Linear."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(2)
+
+    def w(name, *shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) / shape[0] ** 0.5).astype(np.float16), name)
+
+    inits = [w("wq", k, n), w("wo", n, k), w("wg", k, f), w("wu", k, f), w("wd", f, k),
+             numpy_helper.from_array((rng.random(k) + 0.5).astype(np.float16), "g1"),
+             numpy_helper.from_array((rng.random(k) + 0.5).astype(np.float16), "g2")]
+    ms = "com.microsoft"
+    nodes = [
+        helper.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "g1"], ["h", "", "", "s"], domain=ms,
+                         epsilon=1e-5),
+        helper.make_node("MatMul", ["h", "wq"], ["q"]),
+        helper.make_node("MatMul", ["q", "wo"], ["o"]),  # plain Linear
+        helper.make_node("SimplifiedLayerNormalization", ["o", "g2"], ["h2"], epsilon=1e-5, axis=-1),
+        helper.make_node("MatMul", ["h2", "wg"], ["gate"]), helper.make_node("MatMul", ["h2", "wu"], ["up"]),
+        helper.make_node("Sigmoid", ["gate"], ["sg"]), helper.make_node("Mul", ["gate", "sg"], ["act"]),
+        helper.make_node("Mul", ["act", "up"], ["hm"]), helper.make_node("MatMul", ["hm", "wd"], ["d"]),
+        helper.make_node("Add", ["d", "s"], ["y"]),  # the skip norm's sum, read after the products
+    ]
+    g = helper.make_graph(nodes, "block", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["T", k]),
+                                           helper.make_tensor_value_info("skip", TensorProto.FLOAT16, ["T", k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["T", k])], inits)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ms, 1)]), path)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 40])  # <= 16: the kernel (interpreter); 40: the replaced ops
+def test_fused_block_against_onnxruntime(tmp_path, monkeypatch, rows):
+    """The three fused ops against onnxruntime's CPU kernels on the unfused graph (an independent oracle)."""
+    import numpy as np
+
+    ort = pytest.importorskip("onnxruntime")
+    from pagedkit.runtime import InferenceSession
+
+    _norm_graph(tmp_path / "m.onnx")
+    monkeypatch.setattr(fuse_linear, "ENABLED", True)
+    monkeypatch.setattr(fuse_linear, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(fuse_linear, "MIN_BYTES", 1)
+    sess = InferenceSession(str(tmp_path / "m.onnx"), cpu_backend="torch")
+    kinds = [s.op_type for s in sess._main.graph.steps]
+    assert kinds.count("NormLinear") == 2 and kinds.count("SiluLinear") == 1 and kinds.count("Linear") == 1
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 64)).astype(np.float16)
+    skip = rng.standard_normal((rows, 64)).astype(np.float16)
+    got = sess.run(None, {"x": x, "skip": skip})[0].astype(np.float64)
+    ref = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x, "skip": skip})[0].astype(np.float64)
+    assert np.abs(got - ref).max() <= 1e-2 * np.abs(ref).max()

@@ -246,10 +246,13 @@ def _tested_ops() -> set[tuple[str, str]]:
     tested = {(p.values[0].domain, p.values[0].op) for p in params}
     # pagedkit.fused::SiluMul: tests/test_fuse.py compares fused graphs with onnxruntime on the unfused ones
     # pagedkit.fused::SelectRows: tests/test_logit_rows.py compares the rows with onnxruntime on the unfused graph
+    # pagedkit.fused::Linear / NormLinear / SiluLinear: tests/test_decode_linear.py compares a fused block with
+    # onnxruntime on the unfused graph (test_fused_block_against_onnxruntime)
     # pagedkit.ort::Segment: runs onnxruntime itself (tests/test_delegate.py checks the whole session against HF)
     # com.microsoft::AllReduce / AllGather: onnxruntime's CPU build has no collective kernels; tests/test_tp_collectives.py
     # checks them on two gloo ranks against numpy sums / concatenations
     return tested | {("", "If"), ("pagedkit.fused", "SiluMul"), ("pagedkit.fused", "SelectRows"),
+                     ("pagedkit.fused", "Linear"), ("pagedkit.fused", "NormLinear"), ("pagedkit.fused", "SiluLinear"),
                      ("pagedkit.ort", "Segment"),
                      ("com.microsoft", "AllReduce"), ("com.microsoft", "AllGather")}
 
