@@ -7,8 +7,9 @@ contiguous), with the op before the product folded into the loads of x:
             (SkipSimplifiedLayerNormalization / SimplifiedLayerNormalization / RMSNormalization as kernels/triton/
             norm.py computes them; `want_sum`: s rounded to a's dtype, written once by program 0)
 
-One program per BLOCK_N output columns reads its [BLOCK_N, K] slab of W^T once (x: L2) and accumulates x @ W^T
-in float32 through tl.dot (rows padded to 16). The x rows are rounded to the activation dtype exactly where the
+One program per BLOCK_N output columns reads its [BLOCK_N, K] slab of W^T once, a [BLOCK_N, BLOCK_K] tile a step,
+and for each row (unrolled; rows padded to a power of two) multiplies it by that row's x tile (from the L2) and
+sums over K in float32: a GEMV per row, no tensor-core tile. The x rows are rounded to the activation dtype exactly where the
 unfused ops round them, so the fused product equals norm / SiluMul then the product up to the summation order.
 
 Why: at batch 1-8 a decode step's products are memory-bound GEMVs, and the norms and SiluMul between them are
@@ -25,11 +26,11 @@ import torch
 
 from . import common
 
-MAX_ROWS = 16  # rows served (tl.dot pads to 16)
+MAX_ROWS = 8  # rows served (a GEMV per row: registers grow with the rows)
 KINDS = ("plain", "silu", "rms")
-# (block_n, block_k, num_warps, num_stages) per kind; plain / rms products of K = hidden, silu: the down product
-TILES: dict[str, tuple[int, int, int, int]] = {"plain": (16, 256, 4, 4), "silu": (16, 256, 4, 4),
-                                                "rms": (16, 256, 4, 4)}
+# (block_n, block_k, num_warps, num_stages) per kind
+TILES: dict[str, tuple[int, int, int, int]] = {"plain": (8, 512, 4, 3), "silu": (8, 512, 4, 3),
+                                                "rms": (8, 512, 4, 3)}
 PREFETCH = True  # request the program's weight slab into the L2 before the PDL wait (sm_90; not interpreted)
 PREFETCH_CHUNK = 4096  # bytes per bulk request
 _ASM = f"cp.async.bulk.prefetch.L2.global [$1], {PREFETCH_CHUNK}; mov.u32 $0, 0;"
@@ -46,41 +47,41 @@ if common.HAVE_TRITON:
             tl.inline_asm_elementwise(ASM, "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def _x_tile(a_ptr, s_ptr, g_ptr, rm, kk, msk, K, stride_a, stride_s, rstd, out_dt,
-                KIND: tl.constexpr, HAS_SKIP: tl.constexpr):
-        """Rows of x for columns kk as out_dt (KIND 0 plain, 1 silu, 2 rms; module doc)."""
+    def _x_row(a_ptr, s_ptr, g_ptr, r, kk, ok, K, stride_a, stride_s, rstd_r, out_dt,
+               KIND: tl.constexpr, HAS_SKIP: tl.constexpr):
+        """Row r of x at columns kk as out_dt (KIND 0 plain, 1 silu, 2 rms; module doc), float32."""
         if KIND == 0:
-            x = tl.load(a_ptr + rm[:, None] * stride_a + kk[None, :], mask=msk, other=0.0)
+            x = tl.load(a_ptr + r * stride_a + kk, mask=ok, other=0.0).to(tl.float32)
         elif KIND == 1:
-            gt = tl.load(a_ptr + rm[:, None] * stride_a + kk[None, :], mask=msk, other=0.0).to(tl.float32)
-            up = tl.load(a_ptr + rm[:, None] * stride_a + K + kk[None, :], mask=msk, other=0.0).to(tl.float32)
-            x = (gt / (1.0 + tl.exp(-gt)) * up).to(out_dt)
+            gt = tl.load(a_ptr + r * stride_a + kk, mask=ok, other=0.0).to(tl.float32)
+            up = tl.load(a_ptr + r * stride_a + K + kk, mask=ok, other=0.0).to(tl.float32)
+            x = (gt / (1.0 + tl.exp(-gt)) * up).to(out_dt).to(tl.float32)
         else:
-            s = tl.load(a_ptr + rm[:, None] * stride_a + kk[None, :], mask=msk, other=0.0).to(tl.float32)
+            sm = tl.load(a_ptr + r * stride_a + kk, mask=ok, other=0.0).to(tl.float32)
             if HAS_SKIP:
-                s += tl.load(s_ptr + rm[:, None] * stride_s + kk[None, :], mask=msk, other=0.0).to(tl.float32)
-            g = tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            x = (s * rstd[:, None] * g[None, :]).to(out_dt)
+                sm += tl.load(s_ptr + r * stride_s + kk, mask=ok, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + kk, mask=ok, other=0.0).to(tl.float32)
+            x = (sm * rstd_r * g).to(out_dt).to(tl.float32)
         return x
 
     @triton.jit
     def _linear_kernel(a_ptr, s_ptr, g_ptr, w_ptr, y_ptr, sum_ptr, M, N, K, stride_a, stride_s, stride_y, eps,
-                       KIND: tl.constexpr, HAS_SKIP: tl.constexpr, WRITE_SUM: tl.constexpr, BN: tl.constexpr,
-                       BK: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, CHUNK: tl.constexpr,
-                       ASM: tl.constexpr, INTERP: tl.constexpr):
+                       KIND: tl.constexpr, HAS_SKIP: tl.constexpr, WRITE_SUM: tl.constexpr, MP: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                       CHUNK: tl.constexpr, ASM: tl.constexpr):
         pid = tl.program_id(0)
         rn = pid * BN + tl.arange(0, BN)
         n_ok = rn < N
-        rm = tl.arange(0, 16)
+        rm = tl.arange(0, MP)  # the rows, padded to a power of two
         m_ok = rm < M
         if PREFETCH:
             _prefetch_rows(w_ptr, rn, n_ok, K, CHUNK, ASM)
         if PDL:
             common.pdl_gate(PDL)
         out_dt = y_ptr.dtype.element_ty
-        rstd = tl.zeros([16], dtype=tl.float32)
+        rstd = tl.zeros([MP], dtype=tl.float32)
         if KIND == 2:  # pass 1: the rows' mean square (and the sum output, program 0)
-            acc_sq = tl.zeros([16], dtype=tl.float32)
+            acc_sq = tl.zeros([MP], dtype=tl.float32)
             for k0 in range(0, K, BK):
                 kk = k0 + tl.arange(0, BK)
                 msk = m_ok[:, None] & (kk < K)[None, :]
@@ -91,15 +92,18 @@ if common.HAVE_TRITON:
                     tl.store(sum_ptr + rm[:, None] * K + kk[None, :], s.to(out_dt), mask=msk & (pid == 0))
                 acc_sq += tl.sum(s * s, axis=1)
             rstd = 1.0 / tl.sqrt(acc_sq / K + eps)
-        acc = tl.zeros([16, BN], dtype=tl.float32)
+        acc = tl.zeros([MP, BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
             k_ok = kk < K
             w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            x = _x_tile(a_ptr, s_ptr, g_ptr, rm, kk, m_ok[:, None] & k_ok[None, :], K, stride_a, stride_s, rstd,
-                        out_dt, KIND, HAS_SKIP)
-            acc = common.mma(x, tl.trans(w), acc, INTERP)
+                        other=0.0).to(tl.float32)  # [BN, BK] of W^T: K contiguous, read once for every row
+            for r in tl.static_range(MP):  # a GEMV per row (no tensor-core tile): x row [BK] from the L2
+                rstd_r = tl.sum(tl.where(rm == r, rstd, 0.0), axis=0)
+                x = _x_row(a_ptr, s_ptr, g_ptr, r, kk, k_ok & (r < M), K, stride_a, stride_s, rstd_r, out_dt,
+                           KIND, HAS_SKIP)
+                part = tl.sum(w * x[None, :], axis=1)  # [BN]
+                acc += tl.where(rm[:, None] == r, part[None, :], 0.0)
         tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], acc.to(out_dt), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -141,6 +145,7 @@ def linear(kind: str, a: torch.Tensor, w_nk: torch.Tensor, *, skip: torch.Tensor
     y = torch.empty((*a.shape[:-1], n), dtype=a.dtype, device=a.device)
     s = torch.empty(a.shape, dtype=a.dtype, device=a.device) if (kind == "rms" and want_sum) else None
     bn, bk, warps, stages = TILES[kind]
+    mp = max(1, triton.next_power_of_2(rows))
     bk = min(bk, max(16, triton.next_power_of_2(k)))
     grid = (triton.cdiv(n, bn),)
     pdl = common.pdl_launch(a.device, grid[0])
@@ -148,7 +153,7 @@ def linear(kind: str, a: torch.Tensor, w_nk: torch.Tensor, *, skip: torch.Tensor
                     and w_nk.data_ptr() % 16 == 0 and torch.cuda.get_device_capability(a.device)[0] >= 9)
     _linear_kernel[grid](a, skip if skip is not None else a, gamma if gamma is not None else a, w_nk, y,
                          s if s is not None else y, rows, n, k, a.shape[-1], a.shape[-1], n, float(eps),
-                         KIND=KINDS.index(kind), HAS_SKIP=skip is not None, WRITE_SUM=s is not None, BN=bn, BK=bk,
-                         PDL=common.pdl_mode(pdl), PREFETCH=prefetch, CHUNK=PREFETCH_CHUNK, ASM=_ASM,
-                         INTERP=bool(common.INTERPRET), num_warps=warps, num_stages=stages, **pdl)
+                         KIND=KINDS.index(kind), HAS_SKIP=skip is not None, WRITE_SUM=s is not None, MP=mp, BN=bn,
+                         BK=bk, PDL=common.pdl_mode(pdl), PREFETCH=prefetch, CHUNK=PREFETCH_CHUNK, ASM=_ASM,
+                         num_warps=warps, num_stages=stages, **pdl)
     return y, s
