@@ -134,6 +134,10 @@ def test_rewrite_folds_each_product_and_keeps_the_logits(fused_models):
     assert "SiluMul" not in kinds and "MatMul" not in kinds
     assert fused.session.fused.get("decode_linear") == 4 * layers + 1
     assert kinds.count("SkipSimplifiedLayerNormalization") + kinds.count("SimplifiedLayerNormalization") == 1  # final
+    graph = fused.session._main.graph
+    weights = [s.inputs[-1] for s in graph.steps if s.op_type in ("Linear", "NormLinear", "SiluLinear")]
+    assert all(w.endswith("::t") for w in weights)
+    assert not any(w.removesuffix("::t") in graph.consts for w in weights)  # the [K, N] originals are gone
     got, ref = _logits(fused, _prompts(), 4, 9), _logits(plain, _prompts(), 4, 9)
     for i, (a, b) in enumerate(zip(got, ref)):
         rel = float((a - b).abs().max() / b.abs().max())
@@ -248,3 +252,56 @@ def test_fused_block_against_onnxruntime(tmp_path, monkeypatch, rows):
     ref = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(
         None, {"x": x, "skip": skip})[0].astype(np.float64)
     assert np.abs(got - ref).max() <= 1e-2 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("variant", ["norm_read_twice", "skip_bias", "axis_0", "inv_std_read", "stash_double"])
+def test_norms_that_must_not_fold(tmp_path, monkeypatch, variant):
+    """A norm whose output another step reads, a SkipSimplifiedLayerNormalization with a bias, a norm over another
+    axis, one whose inv_std_var is read, or a double stash: the product stays a plain Linear, the norm its own step;
+    the session still equals onnxruntime on the graph."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from pagedkit.runtime import InferenceSession
+
+    ort = pytest.importorskip("onnxruntime")
+    k, n = 32, 24
+    rng = np.random.default_rng(1)
+    inits = [numpy_helper.from_array((rng.standard_normal((k, n)) / k ** 0.5).astype(np.float16), "w"),
+             numpy_helper.from_array((rng.random(k) + 0.5).astype(np.float16), "g"),
+             numpy_helper.from_array((rng.standard_normal(k) * 0.1).astype(np.float16), "b")]
+    outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["T", n])]
+    ms = "com.microsoft"
+    if variant == "skip_bias":
+        norm = helper.make_node("SkipSimplifiedLayerNormalization", ["x", "x", "g", "b"], ["h"], domain=ms,
+                                epsilon=1e-5)
+    elif variant == "inv_std_read":
+        norm = helper.make_node("SimplifiedLayerNormalization", ["x", "g"], ["h", "inv"], epsilon=1e-5, axis=-1)
+        outs.append(helper.make_tensor_value_info("inv", TensorProto.FLOAT, ["T", 1]))
+    else:
+        norm = helper.make_node("SimplifiedLayerNormalization", ["x", "g"], ["h"], epsilon=1e-5,
+                                axis=0 if variant == "axis_0" else -1,
+                                **({"stash_type": 11} if variant == "stash_double" else {}))
+    nodes = [norm, helper.make_node("MatMul", ["h", "w"], ["y"])]
+    if variant == "norm_read_twice":
+        outs.append(helper.make_tensor_value_info("h", TensorProto.FLOAT16, ["T", k]))
+    g = helper.make_graph(nodes, "n", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["T", k])], outs, inits)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ms, 1)]),
+              tmp_path / "m.onnx")
+    monkeypatch.setattr(fuse_linear, "ENABLED", True)
+    monkeypatch.setattr(fuse_linear, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(fuse_linear, "MIN_BYTES", 1)
+    sess = InferenceSession(str(tmp_path / "m.onnx"), cpu_backend="torch")
+    kinds = [s.op_type for s in sess._main.graph.steps]
+    assert "NormLinear" not in kinds and kinds.count("Linear") == 1, kinds
+    if variant in ("axis_0", "stash_double"):
+        return  # onnxruntime's CPU kernels take neither
+    x = rng.standard_normal((3, k)).astype(np.float16)
+    got = sess.run(["y"], {"x": x})[0].astype(np.float64)
+    ref = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(["y"], {"x": x})[0]
+    assert np.abs(got - ref).max() <= 1e-2 * np.abs(ref).max()
+
+
+def test_min_bytes_default():
+    assert fuse_linear.MIN_BYTES == 1 << 20 and fuse_linear.MAX_N == 65536

@@ -59,13 +59,20 @@ def test_engine_tokens_equal_the_generators(gqa_model):
     row = Row(batch=3, context=40, decode_steps=6)
     vocab = json.loads((gqa_model / "genai_config.json").read_text())["model"]["vocab_size"]
     prompts = [[int(t) for t in rng.integers(3, vocab, size=n)] for n in (row.prompt_tokens, 9, 21)]
+    import time
+
+    t = time.perf_counter()
     rec = runner.run_row(row, prompts)
+    wall_ms = (time.perf_counter() - t) * 1e3
     assert [len(t) for t in rec["tokens"]] == [row.decode_steps + 1] * 3
     for p, got in zip(prompts, rec["tokens"]):
         assert got == _generator_greedy(gqa_model, p, row.decode_steps + 1)
     assert rec["decode_tokens"] == 3 * row.decode_steps and rec["decode_steps_run"] >= row.decode_steps
     assert 0 < rec["ttft_first_ms"] <= rec["ttft_ms"] and rec["prefill_steps"] >= 1
     assert rec["ms_per_step"] > 0 and rec["tokens_per_s"] > 0
+    assert rec["ttft_ms"] + rec["ms_per_step_mean"] * rec["decode_steps_run"] <= wall_ms  # milliseconds, in the call
+    assert rec["ms_per_step"] <= rec["ms_per_step_mean"] * rec["decode_steps_run"]
+    assert rec["ttft_ms"] >= 0.01 and rec["ms_per_step"] >= 0.01  # not seconds
     assert rec["tokens_per_s"] == pytest.approx(rec["decode_tokens"] / (rec["ms_per_step_mean"] / 1e3
                                                                         * rec["decode_steps_run"]))
     too_many = Row(batch=runner.max_batch_size + 1, context=40, decode_steps=2)
