@@ -218,7 +218,7 @@ def _norm_graph(path, k=64, n=48, f=96):
                          epsilon=1e-5),
         helper.make_node("MatMul", ["h", "wq"], ["q"]),
         helper.make_node("MatMul", ["q", "wo"], ["o"]),  # plain Linear
-        helper.make_node("SimplifiedLayerNormalization", ["o", "g2"], ["h2"], epsilon=1e-5, axis=-1),
+        helper.make_node("SimplifiedLayerNormalization", ["o", "g2"], ["h2"], epsilon=1e-5),  # axis: -1 by default
         helper.make_node("MatMul", ["h2", "wg"], ["gate"]), helper.make_node("MatMul", ["h2", "wu"], ["up"]),
         helper.make_node("Sigmoid", ["gate"], ["sg"]), helper.make_node("Mul", ["gate", "sg"], ["act"]),
         helper.make_node("Mul", ["act", "up"], ["hm"]), helper.make_node("MatMul", ["hm", "wd"], ["d"]),
