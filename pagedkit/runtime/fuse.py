@@ -29,13 +29,8 @@ import torch
 
 from ..interface.names import LOGITS
 from ..kernels.cpu.logits import BY_CONSTANT, HEADS, ROW_WISE, ROWS_INPUT
-from .steps import Graph, Step, value_readers
+from .steps import Graph, Step, plain_step, value_readers
 from .ops.registry import FUSED_DOMAIN, lookup
-
-
-def _plain(step: Step, op: str, n_in: int) -> bool:
-    return (step.domain == "" and step.op_type == op and step.impl is not None and not step.has_subgraph
-            and len(step.inputs) == n_in and all(step.inputs) and len(step.outputs) == 1)
 
 
 def swiglu_mlp(g: Graph) -> int:
@@ -46,18 +41,18 @@ def swiglu_mlp(g: Graph) -> int:
     gone: set[int] = set()  # id() of the steps a rewrite replaced (Steps compare by value: never `in` / index)
     placed: dict[int, list[Step]] = {}  # id(gate step) -> the steps that take its place
     for mul in g.steps:
-        if not _plain(mul, "Mul", 2) or id(mul) in gone:
+        if not plain_step(mul, "Mul", 2) or id(mul) in gone:
             continue
         # h = Mul(a, up), either order; a = Mul(gate, s); s = Sigmoid(gate); gate / up = MatMul(x, const)
         for a_name, up_name in (mul.inputs, mul.inputs[::-1]):
             act, up = producer.get(a_name), producer.get(up_name)
-            if act is None or up is None or not _plain(act, "Mul", 2) or not _plain(up, "MatMul", 2):
+            if act is None or up is None or not plain_step(act, "Mul", 2) or not plain_step(up, "MatMul", 2):
                 continue
             match = None
             for gate_name, s_name in (act.inputs, act.inputs[::-1]):
                 sig, gate = producer.get(s_name), producer.get(gate_name)
-                if (sig is not None and gate is not None and _plain(sig, "Sigmoid", 1) and sig.inputs[0] == gate_name
-                        and _plain(gate, "MatMul", 2)):
+                if (sig is not None and gate is not None and plain_step(sig, "Sigmoid", 1)
+                        and sig.inputs[0] == gate_name and plain_step(gate, "MatMul", 2)):
                     match = (gate, sig)
                     break
             if match is None:

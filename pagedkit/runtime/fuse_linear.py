@@ -20,7 +20,7 @@ import torch
 
 from .. import settings
 from .ops.registry import FUSED_DOMAIN, MS_DOMAIN, lookup
-from .steps import Graph, Step, value_readers
+from .steps import Graph, Step, plain_step, value_readers
 
 ENABLED: bool = settings.read("PAGEDKIT_DECODE_LINEAR")
 DEVICES = ("cuda",)  # where the rule applies (the CPU tests add "cpu": the ops then run in Triton's interpreter)
@@ -32,8 +32,7 @@ NORMS = {(MS_DOMAIN, "SkipSimplifiedLayerNormalization"): 1e-12, ("", "Simplifie
 
 def _weight(g: Graph, step: Step):
     """MatMul step's constant weight when the rule takes it, else None."""
-    if (step.domain != "" or step.op_type != "MatMul" or step.impl is None or step.has_subgraph
-            or len(step.inputs) != 2 or len(step.outputs) != 1 or not all(step.inputs)):
+    if not plain_step(step, "MatMul", 2):
         return None
     w = g.consts.get(step.inputs[1])
     if (not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype not in (torch.float16, torch.bfloat16)

@@ -81,9 +81,9 @@ def _launch(weight: torch.Tensor, nbytes: int, mode: str) -> None:
 class Prefetcher:
     """The side stream of one session and whether the run in progress forked it."""
 
-    def __init__(self, prods: list[Product]):
+    def __init__(self, prods: list[Product], side=None):
         self.prods = prods
-        self.side = None  # torch.cuda.Stream (attach makes it)
+        self.side = side  # torch.cuda.Stream, made by attach (a capture may not create streams)
         self.forked = False
         self.launched = 0  # prefetch launches made (captures)
 
@@ -107,10 +107,7 @@ class Prefetcher:
     def fork(self, items: list, mode: str) -> None:
         if not items:
             return
-        main = torch.cuda.current_stream()
-        if self.side is None:
-            self.side = torch.cuda.Stream(device=main.device)
-        self.side.wait_stream(main)  # the fork: the side stream starts where the step's stream is now
+        self.side.wait_stream(torch.cuda.current_stream())  # the fork: it starts where the step's stream is
         with torch.cuda.stream(self.side):
             for weight, nbytes in items:
                 _launch(weight, nbytes, mode)
@@ -131,8 +128,7 @@ def attach(prog, device: torch.device) -> Prefetcher | None:
     prods = products(prog)
     if len(prods) < 2:
         return None
-    pf = Prefetcher(prods)
-    pf.side = torch.cuda.Stream(device=device)  # made here: a capture may not create streams
+    pf = Prefetcher(prods, torch.cuda.Stream(device=device))
     for k, p in enumerate(prods):
         op = prog.ops[p.op]
         op.run = pf.wrap(k, op.run)

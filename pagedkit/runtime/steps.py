@@ -59,3 +59,9 @@ def value_readers(g: Graph) -> dict[str, int]:
     for name in g.outputs:
         n[name] = n.get(name, 0) + 1
     return n
+
+
+def plain_step(step: Step, op: str, n_in: int) -> bool:
+    """step is the ai.onnx op `op` with an implementation, no subgraph, n_in inputs all given and one output."""
+    return (step.domain == "" and step.op_type == op and step.impl is not None and not step.has_subgraph
+            and len(step.inputs) == n_in and all(step.inputs) and len(step.outputs) == 1)

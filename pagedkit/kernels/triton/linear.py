@@ -9,8 +9,9 @@ contiguous), with the op before the product folded into the loads of x:
 
 One program per BLOCK_N output columns reads its [BLOCK_N, K] slab of W^T once, a [BLOCK_N, BLOCK_K] tile a step,
 and for each row (unrolled; rows padded to a power of two) multiplies it by that row's x tile (from the L2) and
-sums over K in float32: a GEMV per row, no tensor-core tile. The x rows are rounded to the activation dtype exactly where the
-unfused ops round them, so the fused product equals norm / SiluMul then the product up to the summation order.
+sums over K in float32: a GEMV per row, no tensor-core tile. The x rows are rounded to the activation dtype
+exactly where the unfused ops round them, so the fused product equals norm / SiluMul then the product up to the
+summation order.
 
 Why: at batch 1-8 a decode step's products are memory-bound GEMVs, and the norms and SiluMul between them are
 separate launches of a few microseconds each (33 + 16 of the ~180 launches of a Llama-3.2-1B step; 95 us of
@@ -107,6 +108,17 @@ if common.HAVE_TRITON:
         tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], acc.to(out_dt), mask=m_ok[:, None] & n_ok[None, :])
 
 
+_SM90: dict[str, bool] = {}
+
+
+def _sm90(device: torch.device) -> bool:
+    """Compute capability >= 9.0 (bulk L2 prefetch), asked once per device."""
+    key = str(device)
+    if key not in _SM90:
+        _SM90[key] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _SM90[key]
+
+
 def serves(kind: str, a: torch.Tensor, w_nk: torch.Tensor, *, skip: torch.Tensor | None = None,
            gamma: torch.Tensor | None = None) -> str | None:
     """None when `linear` serves these operands, else why not."""
@@ -150,7 +162,7 @@ def linear(kind: str, a: torch.Tensor, w_nk: torch.Tensor, *, skip: torch.Tensor
     grid = (triton.cdiv(n, bn),)
     pdl = common.pdl_launch(a.device, grid[0])
     prefetch = bool(PREFETCH and a.is_cuda and not common.INTERPRET and (2 * k) % PREFETCH_CHUNK == 0
-                    and w_nk.data_ptr() % 16 == 0 and torch.cuda.get_device_capability(a.device)[0] >= 9)
+                    and w_nk.data_ptr() % 16 == 0 and _sm90(a.device))
     _linear_kernel[grid](a, skip if skip is not None else a, gamma if gamma is not None else a, w_nk, y,
                          s if s is not None else y, rows, n, k, a.shape[-1], a.shape[-1], n, float(eps),
                          KIND=KINDS.index(kind), HAS_SKIP=skip is not None, WRITE_SUM=s is not None, MP=mp, BN=bn,

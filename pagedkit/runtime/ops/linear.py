@@ -16,49 +16,41 @@ import torch.nn.functional as F
 from .registry import FUSED_DOMAIN, register
 from .util import triton_kernels
 
-TRITON = True  # run served products on the Triton kernel (benchmarks/step_profile.py --sweep nolinear turns it off)
+TRITON = True  # run served products on the Triton kernel (benchmarks/step_profile.py --sweep nolin turns it off)
 
 
-def _kernel(kind, x, wt, **kw):
-    """kernels/triton/linear.py when it serves this call (CUDA, or CPU tensors under the interpreter), else None."""
-    if not TRITON:
-        return None
-    tk = triton_kernels("linear")
-    if tk is None or tk.serves(kind, x, wt, skip=kw.get("skip"), gamma=kw.get("gamma")):
-        return None
-    return tk
+def _product(kind: str, a, wt, unfused, **kw):
+    """(y, the rms sum or None): kernels/triton/linear.py when it serves the call (CUDA, or CPU tensors under the
+    interpreter), else F.linear on what `unfused()` returns: (x, sum or None) from the replaced op(s)."""
+    tk = triton_kernels("linear") if TRITON else None
+    if tk is not None and tk.serves(kind, a, wt, skip=kw.get("skip"), gamma=kw.get("gamma")) is None:
+        return tk.linear(kind, a, wt, **kw)
+    x, s = unfused()
+    return F.linear(x, wt), s
 
 
 @register("Linear", domain=FUSED_DOMAIN)
 def linear(inputs, attrs, ctx):
     x, wt = inputs[0], inputs[1]
-    tk = _kernel("plain", x, wt)
-    if tk is not None:
-        return [tk.linear("plain", x, wt)[0]]
-    return [F.linear(x, wt)]
+    return [_product("plain", x, wt, lambda: (x, None))[0]]
 
 
 @register("SiluLinear", domain=FUSED_DOMAIN)
 def silu_linear(inputs, attrs, ctx):
     y, wt = inputs[0], inputs[1]
-    tk = _kernel("silu", y, wt)
-    if tk is not None:
-        return [tk.linear("silu", y, wt)[0]]
-    h = attrs["silu_impl"]([y], {"split": attrs["split"]}, ctx)[0]
-    return [F.linear(h, wt)]
+    return [_product("silu", y, wt, lambda: (attrs["silu_impl"]([y], {"split": attrs["split"]}, ctx)[0], None))[0]]
 
 
 @register("NormLinear", domain=FUSED_DOMAIN)
 def norm_linear(inputs, attrs, ctx):
     x, skip, gamma, wt = inputs[0], inputs[1], inputs[2], inputs[3]
-    want_sum = ctx.wants(1) if ctx is not None and ctx.num_outputs > 1 else False
-    tk = _kernel("rms", x, wt, skip=skip, gamma=gamma)
-    if tk is not None:
-        y, s = tk.linear("rms", x, wt, skip=skip, gamma=gamma, eps=attrs["epsilon"], want_sum=want_sum)
-        return [y, s] if ctx is None or ctx.num_outputs > 1 else [y]
-    norm_in = [x, skip, gamma] if attrs["norm_op"] == "SkipSimplifiedLayerNormalization" else [x, gamma]
-    outs = attrs["norm_impl"](norm_in, attrs["norm_attrs"], attrs["norm_ctx"])
-    y = F.linear(outs[0], wt)
-    if ctx is not None and ctx.num_outputs > 1:
-        return [y, outs[3] if len(outs) > 3 else None]
-    return [y]
+    two = ctx is not None and ctx.num_outputs > 1  # the sum output (the norm's output 3) is read
+
+    def unfused():
+        norm_in = [x, skip, gamma] if attrs["norm_op"] == "SkipSimplifiedLayerNormalization" else [x, gamma]
+        outs = attrs["norm_impl"](norm_in, attrs["norm_attrs"], attrs["norm_ctx"])
+        return outs[0], (outs[3] if len(outs) > 3 else None)
+
+    y, s = _product("rms", x, wt, unfused, skip=skip, gamma=gamma, eps=attrs["epsilon"],
+                    want_sum=two and ctx.wants(1))
+    return [y, s] if two else [y]
