@@ -218,7 +218,8 @@ def _export(holder: list, output_dir, opts, *, weights, source, tokenizer_dir, w
                               max_shard_bytes=parse_size(max_shard_size), int4=int4, stats=stats)
     params = sum(p.numel() for p in hf_model.parameters())
     if streamed:
-        notes.append("weights read from the checkpoint tensor by tensor while written (streamed)")
+        notes.append("random weights drawn tensor by tensor while written (streamed)" if weights == "random" else
+                     "weights read from the checkpoint tensor by tensor while written (streamed)")
     prequant = stats["prequant"]
     if prequant:
         notes.append(f"int4 checkpoint: {prequant} linears -> MatMulNBits over the checkpoint's own codes")

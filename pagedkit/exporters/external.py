@@ -3,7 +3,9 @@
 `ExternalData(first_file, max_shard_bytes)` appends each tensor's bytes to the current data file and returns the
 TensorProto that points at them (location / offset / length; no data in the proto). A lazy initializer larger
 than CHUNK_BYTES is written CHUNK_BYTES of rows at a time, each chunk evaluated through `slicing.narrow` (only
-the checkpoint rows it needs are read); the bytes are exactly those `graph.tensor_proto` would hold. With
+the checkpoint rows it needs are read); the bytes are exactly those `graph.tensor_proto` would hold. The file
+writes run on one writer thread, at most PENDING chunks behind, so that evaluating the next chunk (reading a
+checkpoint, drawing random weights, transposing) overlaps writing the last one. With
 `max_shard_bytes`, a tensor that would take the current file past it starts the next file: `model.onnx.data`,
 `model.onnx.data.1`, `model.onnx.data.2`, ... (ONNX keeps a location per tensor; a tensor is never split).
 """
@@ -11,6 +13,8 @@ the checkpoint rows it needs are read); the bytes are exactly those `graph.tenso
 from __future__ import annotations
 
 import math
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import onnx
@@ -21,6 +25,7 @@ from . import slicing
 from .lazy import LazyTensor, materialize
 
 CHUNK_BYTES = 64 << 20
+PENDING = 2  # chunks handed to the writer thread and not yet written, at most
 
 
 def parse_size(text: str | int | None) -> int | None:
@@ -77,14 +82,30 @@ class ExternalData:
         self.first, self.max = Path(first), max_shard_bytes
         self.files: list[Path] = []
         self._sink = None
+        self._pos = 0  # bytes handed to the current file
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="pagedkit-write")
+        self._pending: deque[Future] = deque()
         self._open(0)
 
+    def _drain(self, keep: int = 0) -> None:
+        """Wait until at most `keep` writes are pending (a failed write raises here)."""
+        while len(self._pending) > keep:
+            self._pending.popleft().result()
+
+    def _put(self, data: memoryview) -> int:
+        self._drain(PENDING - 1)
+        self._pending.append(self._writer.submit(self._sink.write, data))  # data keeps its tensor alive
+        self._pos += len(data)
+        return len(data)
+
     def _open(self, k: int) -> None:
+        self._drain()
         if self._sink is not None:
             self._sink.close()
         path = self.first.with_name(shard_name(self.first.name, k))
         self.files.append(path)
         self._sink = open(path, "wb")
+        self._pos = 0
 
     def __enter__(self):
         return self
@@ -93,16 +114,21 @@ class ExternalData:
         self.close()
 
     def close(self) -> None:
-        if self._sink is not None:
-            self._sink.close()
-            self._sink = None
+        try:
+            self._drain()
+        finally:
+            self._pending.clear()
+            self._writer.shutdown(wait=True)
+            if self._sink is not None:
+                self._sink.close()
+                self._sink = None
 
     def write(self, name: str, value, elem_type: int) -> onnx.TensorProto:
         """Write one initializer; returns its TensorProto (external)."""
         dtype = dtypes.torch_dtype(elem_type)
         shape = [int(d) for d in value.shape]
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        pos = self._sink.tell()
+        pos = self._pos
         if self.max is not None and pos and pos + size > self.max:
             self._open(len(self.files))
             pos = 0
@@ -110,13 +136,13 @@ class ExternalData:
             if isinstance(value, LazyTensor) and size > CHUNK_BYTES and len(shape) >= 1 and shape[0] > 1:
                 step = max(1, CHUNK_BYTES // (size // shape[0]))
                 for a in range(0, shape[0], step):
-                    self._sink.write(_bytes_of(slicing.narrow(value, 0, a, min(shape[0], a + step)), dtype))
+                    self._put(_bytes_of(slicing.narrow(value, 0, a, min(shape[0], a + step)), dtype))
                     slicing.end_chunk()
             else:
-                self._sink.write(_bytes_of(torch.as_tensor(materialize(value)), dtype))
+                self._put(_bytes_of(torch.as_tensor(materialize(value)), dtype))
         finally:
             slicing.clear()  # what this initializer's evaluation kept (tensors read whole for slicing)
-        written = self._sink.tell() - pos
+        written = self._pos - pos
         if written != size:
             raise RuntimeError(f"{name}: wrote {written} bytes, expected {size}")
         proto = onnx.TensorProto()

@@ -147,8 +147,14 @@ def _hf_cache_snapshot(repo: str | None) -> Path | None:
     return path if any(path.glob("*.safetensors")) else None
 
 
-def _random_model(config, name: str, dtype: torch.dtype, seed: int, why: str) -> LoadedModel:
+def _random_model(config, name: str, dtype: torch.dtype, seed: int, why: str, stream: bool = False) -> LoadedModel:
+    """Random weights drawn as the model's own init draws them (random_weights.py): lazy (drawn when the export
+    writes each tensor, in parallel blocks) when `stream`, else materialized, both the same values for a seed.
+    A model whose init cannot be recorded is built eagerly with from_config (its values then follow torch's
+    global generator seeded with `seed`)."""
     from transformers import AutoModelForCausalLM
+
+    from .random_weights import RandomInitUnsupported, lazy_random_model, materialized_random_model
 
     msg = (f"no local weights for {name!r} ({why}): exporting RANDOM weights built from its config. "
            "The model will produce noise; point --model at a local checkpoint folder for real weights.")
@@ -156,8 +162,12 @@ def _random_model(config, name: str, dtype: torch.dtype, seed: int, why: str) ->
     print(f"{banner}\nWARNING: {msg}\n{banner}", file=sys.stderr)
     warnings.warn(msg, RandomWeightsWarning, stacklevel=3)
     config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, attn_implementation="eager")
+    try:
+        model = (lazy_random_model if stream else materialized_random_model)(config, dtype, seed)
+    except RandomInitUnsupported as exc:
+        warnings.warn(f"{name}: random weights drawn eagerly by from_config ({exc})", stacklevel=3)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
     return LoadedModel(model.eval(), model.config, name, "random", None)
 
 
@@ -200,8 +210,9 @@ def load_model(name_or_path: str | os.PathLike, *, num_layers: int | None = None
                dtype: torch.dtype = torch.float32, seed: int = 0, stream: bool = False) -> LoadedModel:
     """The HF model an export starts from (see the module doc). Never touches the network. stream: a
     safetensors checkpoint becomes a meta-device model whose parameters are lazy readers of its files
-    (checkpoint.streamed_model: nothing is read until the export writes each weight); GGUF files and random
-    weights are loaded in memory either way."""
+    (checkpoint.streamed_model: nothing is read until the export writes each weight), and random weights one
+    whose parameters are drawn when written (random_weights.py; the same values as stream=False gives for the
+    seed); GGUF files are loaded in memory either way."""
     name = str(name_or_path)
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -222,7 +233,8 @@ def load_model(name_or_path: str | os.PathLike, *, num_layers: int | None = None
         if pickles:
             raise WeightsError(f"{path}: only pickle weights ({', '.join(sorted(pickles)[:3])}); pagedkit loads "
                                "safetensors or GGUF only (pickles can run code). Convert them to safetensors first.")
-        loaded = _random_model(config, name, dtype, 0 if seed is None else seed, "the folder has no *.safetensors")
+        loaded = _random_model(config, name, dtype, 0 if seed is None else seed, "the folder has no *.safetensors",
+                               stream)
         loaded.source_dir = path
         return loaded
     from .fetch import FETCHABLE, fetched, model_folder
@@ -241,7 +253,7 @@ def load_model(name_or_path: str | os.PathLike, *, num_layers: int | None = None
     snapshot = _hf_cache_snapshot(repo)
     if snapshot is not None:
         return _from_dir(snapshot, name, config, dtype, stream)
-    return _random_model(config, name, dtype, seed, f"{repo or 'its repo'} is not in the local HF cache")
+    return _random_model(config, name, dtype, seed, f"{repo or 'its repo'} is not in the local HF cache", stream)
 
 
 def copy_tokenizer_files(source_dir: Path | None, out_dir: Path) -> list[str]:
