@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -25,13 +24,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _provenance import provenance  # noqa: E402
+from _provenance import versions  # noqa: E402
 
-EAGER = ("import sys; from pagedkit.exporters import random_weights as rw\n"
+RUN = ("import resource, sys\n"
+       "from pagedkit.exporters.cli import main\n"
+       "try:\n    rc = main(sys.argv[1:])\n"
+       "finally:\n    print('peak_rss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+       "sys.exit(rc)\n")
+LAZY = RUN
+EAGER = ("from pagedkit.exporters import random_weights as rw\n"
          "def refuse(*a, **k): raise rw.RandomInitUnsupported('benchmark: the eager path')\n"
-         "rw._record = refuse\n"
-         "from pagedkit.exporters.cli import main; sys.exit(main(sys.argv[1:]))\n")
-LAZY = "import sys; from pagedkit.exporters.cli import main; sys.exit(main(sys.argv[1:]))\n"
+         "rw._record = refuse\n" + RUN)
 
 
 def write_bandwidth(folder: Path, nbytes: int) -> float:
@@ -55,12 +58,11 @@ def run_arm(arm: str, args, work: Path) -> dict:
     out = work / f"out_{kind}_{layers or 'all'}"
     argv = ["--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size), "--output", str(out),
             "--quiet"] + (["--num-layers", layers] if layers else [])
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", EAGER if kind == "eager" else LAZY] + argv,
                           capture_output=True, text=True)
     seconds = time.perf_counter() - start
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    rss = next((int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("peak_rss_kib")), 0)
     if done.returncode != 0:
         raise SystemExit(f"{arm}: paged-export failed: {done.stderr.strip().splitlines()[-1:]}")
     files = [p for p in out.iterdir() if p.name.startswith("model.onnx")]
@@ -70,7 +72,7 @@ def run_arm(arm: str, args, work: Path) -> dict:
     summary = [line.strip() for line in done.stdout.splitlines() if "parameters" in line]
     return {"arm": arm, "path": kind, "num_layers": int(layers) if layers else None, "seconds": round(seconds, 2),
             "bytes_written": nbytes, "write_floor_s": round(floor, 2), "fraction_of_floor": round(floor / seconds, 3),
-            "peak_rss_mib_upper": round(max(rss, before) / 1024, 1), "summary": summary}
+            "peak_rss_mib": round(rss / 1024, 1), "summary": summary}
 
 
 def main(argv=None) -> int:
@@ -92,16 +94,15 @@ def main(argv=None) -> int:
             rows.append(run_arm(arm, args, work))
             r = rows[-1]
             print(f"{arm:>10}: {r['seconds']:8.1f} s  {r['bytes_written'] / 2**20:10,.0f} MiB  floor "
-                  f"{r['write_floor_s']:6.1f} s ({r['fraction_of_floor']:.0%})  peak RSS <= {r['peak_rss_mib_upper']:,.0f} MiB")
+                  f"{r['write_floor_s']:6.1f} s ({r['fraction_of_floor']:.0%})  peak RSS {r['peak_rss_mib']:,.0f} MiB")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result = {"command": "python benchmarks/export_random.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "device": "cpu", "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "floor": "bytes written / this disk's measured sequential write bandwidth",
               "write_bandwidth_gb_s": round(args.write_bw / 1e9, 3), "rows": rows,
-              "note": "peak_rss_mib_upper: getrusage(RUSAGE_CHILDREN).ru_maxrss after the arm, the largest child so "
-                      "far (arms run smallest first give each arm's own peak)",
-              "versions": provenance()}
+              "note": "peak_rss_mib: the export process's own getrusage(RUSAGE_SELF).ru_maxrss",
+              "versions": versions(("transformers", "torch", "pagedkit"))}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

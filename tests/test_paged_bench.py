@@ -122,6 +122,51 @@ def test_prefill_floor_of_windowed_layers_and_experts():
     assert f["flops"] == 2 * 10 * 2 * 5 + 2 * 7 * 2 + f["attention_flops"]
 
 
+def test_moe_floor_counts_the_experts_a_step_touched(tmp_path, monkeypatch):
+    """A MoE model's decode floor reads the routed experts its real rows chose, not every expert: at batch 1
+    exactly k of E (a token's top-k are distinct), so the weight bytes are all of them less (1 - k/E) of every
+    per-expert initializer, counted here from the file by hand; at batch 2 between k and min(E, 2k)."""
+    from export_utils import export_tiny, tiny_model
+
+    monkeypatch.setenv("PAGEDKIT_CPU_BACKEND", "torch")  # the MoE nodes run in pagedkit's session, as on CUDA
+    export_tiny(tiny_model("MixtralConfig", num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
+                tmp_path / "m")
+    out = tmp_path / "out"
+    assert cli.main([str(tmp_path / "m"), "--device", "cpu", "--batches", "1", "2", "--contexts", "32",
+                     "--decode-steps", "3", "--no-progress", "--out", str(out)]) == 0
+    result = json.loads((out / "paged_bench.json").read_text())
+    model = onnx.load(str(tmp_path / "m" / "model.onnx"))
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    moe = [n for n in model.graph.node if n.op_type == "MoE"]
+    assert len(moe) == 2
+    per_expert = sum(inits[i].nbytes for n in moe for i in n.input[2:] if i in inits and inits[i].shape[0] == 4)
+    everything = sum(a.nbytes for a in inits.values())
+    rows = {r["batch"]: r for r in result["rows"]}
+    f1, f2 = rows[1]["floor"], rows[2]["floor"]
+    assert f1["weight_bytes_all"] == everything and f1["experts_touched"]["mean_per_node"] == 2
+    assert f1["weight_bytes"] == everything - per_expert // 2
+    assert f1["bytes_per_step"] == f1["weight_bytes"] + f1["kv_bytes"]
+    assert 2 <= f2["experts_touched"]["mean_per_node"] <= 4
+    assert everything - per_expert // 2 <= f2["weight_bytes"] <= everything
+    pk = rows[1]["arms"]["pagedkit"]
+    assert "experts_touched" not in pk and pk["fraction_of_floor"] == pytest.approx(pk["tokens_per_s"] / f1["tokens_per_s"])
+
+
+def test_touched_experts_reads_the_real_rows_of_decode_calls():
+    import torch
+
+    from pagedkit.apps.bench import floor
+
+    log = {"a": [torch.tensor([[0, 1], [2, 3], [5, 6]]),  # a decode call padded to 3 rows: the pad row is not counted
+                 torch.tensor([[0, 1], [1, 0], [7, 7]]),
+                 torch.arange(40).reshape(20, 2)],  # a prefill call (20 rows): not a decode step
+           "b": [torch.tensor([[4, 5]])]}  # only a call of another size
+    got = floor.touched_experts(log, batch=2, sizes={2, 3})
+    assert got == {"a": (4 + 2) / 2}
+    experts = {"a": (800, 8), "b": (100, 4)}
+    assert floor.weights_read(1000, experts, got) == 1000 - round(800 * (1 - 3 / 8))
+
+
 def test_context_beyond_length_skipped(bench):
     result, _ = bench
     skipped = [r for r in result["rows"] if r["context"] == 1000]

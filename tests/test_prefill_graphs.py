@@ -170,19 +170,57 @@ def test_which_steps_are_served(tiny_llama):
         _engine(tiny_llama, "padded", prefill_graph_tokens=-1)
 
 
-def test_moe_models_prefill_eagerly(tmp_path, monkeypatch):
-    """MoE layers read per-expert counts on the host beyond a few tokens (runtime/ops/moe.py): not capturable, so a
-    model whose session runs MoE nodes itself (as on CUDA; here the torch CPU backend) has no prefill graphs and
-    says why."""
+def _tiny_moe(tmp_path):
     from export_utils import export_tiny, tiny_model
-
-    monkeypatch.setenv("PAGEDKIT_CPU_BACKEND", "torch")
 
     export_tiny(tiny_model("MixtralConfig", num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
                 tmp_path)
-    model = _engine(tmp_path, "padded").model
-    assert model.prefill_graphs is None and model.graphs is not None
-    assert model.prefill_graphs_off_reason.startswith("the model's MoE layers read per-expert counts on the host")
+    return tmp_path
+
+
+def test_moe_off_the_fused_kernel_prefills_eagerly(tmp_path, monkeypatch):
+    """A MoE node that takes its grouped path (per-expert counts read on the host; here the torch CPU backend, where
+    the fused kernel does not serve CPU tensors) cannot be captured: the first padded step's eager run shows it,
+    prefill graphs turn off naming the node, the path and why the fused kernel did not serve it, and the later
+    steps run unpadded; the tokens are the plain engine's."""
+    monkeypatch.setenv("PAGEDKIT_CPU_BACKEND", "torch")
+    model_dir = _tiny_moe(tmp_path)
+    eng = _engine(model_dir, "padded")
+    pg = eng.model.prefill_graphs
+    assert pg is not None and eng.model.prefill_graphs_off_reason is None and len(eng.model.moe_nodes) == 2
+    prompts = _prompts([23, 9], seed=2)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    ref = _engine(model_dir, False).generate(prompts, params)
+    got = eng.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    why = pg.stats.capture_error
+    assert why is not None and "took its grouped path" in why and "not a CUDA tensor" in why, why
+    assert pg.stats.eager_padded == 1 and pg.key([("x", [1, 2, 3])]) is None
+
+
+def test_moe_on_the_fused_kernel_prefills_padded(tmp_path, monkeypatch):
+    """Where the fused MoE kernel serves every MoE node (no host read at any batch: on CUDA; here its interpreted
+    form on CPU tensors), prefill graphs stay on: the padded steps (pad tokens routed too) give the plain step's
+    logits and the same later decode logits."""
+    from pagedkit.runtime.ops import moe
+    from pagedkit.runtime.ops.util import triton_kernels
+
+    monkeypatch.setenv("PAGEDKIT_CPU_BACKEND", "torch")
+    monkeypatch.setattr(moe, "triton_moe_refusal", lambda xs, w, a: triton_kernels("moe").serves(xs, w, a))
+    model_dir = _tiny_moe(tmp_path)
+    plain = _engine(model_dir, False).model
+    padded = _engine(model_dir, "padded").model
+    lengths = [21, 6]
+    prompts = _prompts(lengths, seed=4)
+    rows = _last_rows(lengths)
+    ref_first, ref = _prefill_then_decode(plain, prompts, rows, 2, seed=1)
+    got_first, got = _prefill_then_decode(padded, prompts, rows, 2, seed=1)
+    st = padded.prefill_graphs.stats
+    assert st.capture_error is None and st.eager_padded == 1
+    assert all(moe.ROUTES[n] == "triton" for n in padded.moe_nodes)
+    assert _rel(got_first, ref_first) <= TOL
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert _rel(g, r) <= TOL, f"decode step {i}"
 
 
 # ---- the padded plan itself, by hand ------------------------------------------------------------------------

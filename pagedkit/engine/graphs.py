@@ -185,9 +185,16 @@ class GraphCapture:
     def first(self, graphs: dict, key, feeds, hint, stats, kind: str) -> torch.Tensor:
         """A key's first step: run eagerly (its result), then, with capture on, captured into graphs[key]
         (stats: captured, keys, eager_padded). A failed capture is recorded in stats.capture_error and logged;
-        this step's result stands and the caller's later steps of that kind run eagerly, unpadded."""
+        this step's result stands and the caller's later steps of that kind run eagerly, unpadded. So is a step
+        whose eager run took a path that reads the host (the model's host_routes(): a MoE node off the fused
+        kernel), before any capture is tried; on the CPU too (capture off), so that the steps run alike."""
         out = self.eager(feeds, hint)
         stats.eager_padded += 1
+        why = self.model.host_routes()
+        if why is not None:
+            stats.capture_error = why
+            log.warning("%s bucket %s is not captured, %s steps run eagerly: %s", kind, key, kind, why)
+            return out
         if self.enabled:
             try:
                 graphs[key] = self.capture(feeds, hint)

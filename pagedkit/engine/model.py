@@ -34,6 +34,7 @@ from ..runtime.kv.cache import KVCacheManager
 from ..runtime.kv.config import GroupConfig, KVCacheConfig
 from ..runtime.kv.plan import StepPlan
 from ..runtime.kv.staging import PinnedRing
+from ..runtime.ops import moe as moe_op
 from ..runtime.ops.moe import EXPERT_WEIGHT_INPUTS
 from ..runtime.session import ROWS_INPUT, InferenceSession, _cpu_backend
 from .graphs import DecodeGraphs
@@ -133,6 +134,8 @@ class PagedModel:
             self.session = InferenceSession(str(path), None, providers=providers,
                                             cpu_backend=_cpu_backend(None, "auto"))
         self.max_seq_len = cfg.context_length
+        names = getattr(self.session, "node_names", None)  # a tensor-parallel set runs eagerly: no graphs
+        self.moe_nodes = names(set(EXPERT_WEIGHT_INPUTS)) if names is not None else []
         over = {a.name for a in self.session.get_overridable_initializers()} if self.tp is None else set()
         self.rows = _RowFeed(self.session.device) if ROWS_INPUT in over else None  # the LM head on the rows read
         self.logits_name = cfg.outputs.get(N.LOGITS) or N.LOGITS
@@ -201,9 +204,17 @@ class PagedModel:
             return f"the model's head has no '{ROWS_INPUT}' input (its logits are not [tokens, vocab])"
         if any(g.windowed for g in self.groups.values()):
             return "the model has sliding-window layers"
-        moe = sorted(self.session.op_types() & set(EXPERT_WEIGHT_INPUTS))
-        if moe:  # runtime/ops/moe.py: beyond DENSE_MAX_TOKENS a CUDA step reads per-expert counts on the host
-            return f"the model's {'/'.join(moe)} layers read per-expert counts on the host (not capturable)"
+        return None  # MoE layers: each key's first (eager) step shows whether they can be captured (host_routes)
+
+    def host_routes(self) -> str | None:
+        """Why the step just run cannot be captured: a MoE node whose last call took a path that reads the host
+        (runtime/ops/moe.py: its grouped path, where the fused Triton kernel does not serve the node); None when
+        every MoE node ran on the device (the fused kernel, or the small-batch paths)."""
+        for name in self.moe_nodes:
+            route = moe_op.ROUTES.get(name)
+            if route in moe_op.HOST_ROUTES:
+                return (f"MoE node {name!r} took its {route} path, which reads per-expert counts on the host "
+                        f"(not capturable; the fused kernel did not serve it: {moe_op.REFUSED.get(name, '?')})")
         return None
 
     def pool_summary(self) -> str:

@@ -268,6 +268,10 @@ class InferenceSession:
         "Segment")."""
         return {op.step.op_type for op in self._main.ops}
 
+    def node_names(self, op_types) -> list[str]:
+        """The names of the nodes of these op types that this session runs itself, in graph order."""
+        return [op.step.name for op in self._main.ops if op.step.op_type in op_types]
+
     def single_segment(self):
         """(the onnxruntime Segment, its input names, its output names, {input: value} of those that are the model's
         constants, e.g. kernels/cpu/logits.py's row selection) when the whole model is one delegated segment (the

@@ -181,6 +181,7 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
     graphs = engine.model.graphs is not None and engine.model.graphs.capture
     pm = engine.model
     weights = floor.weight_bytes(model_path)
+    experts = floor.expert_bytes(model_path)  # MoE: the floor counts the experts a step touches
     products = floor.product_weights(model_path)
     layers = floor.cache_layers(pm.groups.values())
     bandwidth = args.bandwidth * 1e12
@@ -255,10 +256,12 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
                 progress.set_description(f"{arm} batch {row.batch} context {row.context}")
                 if not runs[arm] or "skipped" not in runs[arm][0]:
                     runs[arm].append(_arm(arm, engine, {"ort": (runner, ort_reason), "genai": (genai_runner, genai_reason)},
-                                          row, vocab, args, device, warm=k == 0))
+                                          row, vocab, args, device, warm=k == 0, routes=bool(experts) and k == 0))
                 progress.update(1)
         for arm in arms:
             rec["arms"][arm] = _combine(runs[arm])
+        if experts:
+            _moe_floor(rec, weights, experts, layers, row, bandwidth)
         if "tokens" in rec["arms"].get("pagedkit", {}) and "tokens" in rec["arms"].get("ort", {}):
             rec["parity"] = ort_arm.parity(rec["arms"]["pagedkit"]["tokens"], rec["arms"]["ort"]["tokens"],
                                            row.decode_steps)
@@ -273,6 +276,23 @@ def _run(args, model_dir, cfg, model_path, device, rows, skipped, arms) -> dict:
     skipped_by = {(s["batch"], s["context"]): s for s in skipped}
     result["rows"] = [measured.get(k) or skipped_by[k] for k in order]
     return result
+
+
+def _moe_floor(rec: dict, weights: int, experts: dict, layers, row, bandwidth: float) -> None:
+    """A MoE model's decode floor from the experts the pagedkit arm's decode steps touched (floor.py); without
+    that record (the arm skipped or no decode step logged) the floor keeps every expert, and says so."""
+    touched = rec["arms"].get("pagedkit", {}).pop("experts_touched", None)
+    if not touched:
+        rec["floor"]["experts_touched"] = "not measured: every expert's bytes counted"
+        return
+    read = floor.weights_read(weights, experts, touched)
+    rec["floor"] = floor.floor_row(read, layers, row.batch, row.context, bandwidth)
+    rec["floor"]["weight_bytes_all"] = weights
+    rec["floor"]["experts_touched"] = {
+        "mean_per_node": sum(touched.values()) / len(touched), "num_experts": max(e for _, e in experts.values()),
+        "nodes": len(touched), "expert_bytes_all": sum(b for b, _ in experts.values()),
+        "note": "distinct experts the real rows of a decode step chose, mean over the eager decode steps of the "
+                "warm-up (the first step of each graph key), per MoE node"}
 
 
 def _combine(runs: list[dict]) -> dict:
@@ -298,15 +318,30 @@ def _combine(runs: list[dict]) -> dict:
     return out
 
 
-def _arm(arm, engine, peers: dict, row, vocab, args, device, warm: bool = True) -> dict:
-    """One arm's record of one row (warm: after args.warmup untimed runs). peers: arm -> (runner, why not)."""
+def _arm(arm, engine, peers: dict, row, vocab, args, device, warm: bool = True, routes: bool = False) -> dict:
+    """One arm's record of one row (warm: after args.warmup untimed runs). peers: arm -> (runner, why not).
+    routes (pagedkit, a MoE model): the experts its first run's eager decode steps chose are recorded
+    (experts_touched, for the floor)."""
+    from ...runtime.ops import moe
+
     runner, why = peers.get(arm, (None, None))
     if arm != "pagedkit" and runner is None:
         return {"skipped": why}
+    touched = None
     for rep in range(args.warmup + 1 if warm else 1):
         prompts = engine_arm.prompts_for(row, vocab, args.seed * 1_000_003 + rep)
         try:
-            if arm == "pagedkit":
+            if arm == "pagedkit" and routes and rep == 0:  # untimed when args.warmup >= 1
+                moe.ROUTE_LOG = {}
+                try:
+                    rec = engine_arm.run_row(engine, row, prompts, device)
+                finally:
+                    log, moe.ROUTE_LOG = moe.ROUTE_LOG, None
+                graphs = engine.model.graphs
+                sizes = {row.batch} | ({next(b for b in graphs.buckets if b >= row.batch)}
+                                       if graphs is not None and row.batch <= graphs.buckets[-1] else set())
+                touched = floor.touched_experts(log, row.batch, sizes)
+            elif arm == "pagedkit":
                 rec = engine_arm.run_row(engine, row, prompts, device)
             elif arm == "genai":
                 rec = runner.run_row(row, prompts)
@@ -317,6 +352,8 @@ def _arm(arm, engine, peers: dict, row, vocab, args, device, warm: bool = True) 
                 raise
             return {"skipped": f"failed: {type(exc).__name__}: {one_line(str(exc))}"[:600]}
     rec["warmup_runs"] = args.warmup if warm else 0
+    if touched:
+        rec["experts_touched"] = touched
     return rec
 
 

@@ -6,6 +6,10 @@ once from device memory at the given read bandwidth (default 4.4 TB/s, an H200's
 
 weight_bytes: the bytes of the ONNX file's initializers (inline data, or the `length` of external data;
 a whole external file when no length is given). Constant nodes and activations are not counted.
+For a mixture-of-experts model a step reads the experts its tokens were routed to, not all of them: each MoE /
+QMoE node's per-expert initializers (weights, scales, biases, zero points: every one with a row per expert) count
+touched / num_experts of their bytes, `touched` the distinct experts the step's real rows chose, averaged over the
+decode steps the engine ran eagerly in the warm-up (`touched_experts`; paged-bench records it beside the floor).
 kv_bytes_per_token(layer) = Hkv x (K width + V width) x bytes per cache element (+ the PER_TOKEN scales):
 widths are the caches' last dimension (CACHE_FORMATS: int4 packs two channels a byte), LATENT layers
 have no value cache; windowed (sliding-window) layers read at most `window` tokens.
@@ -75,6 +79,43 @@ def _tensor_bytes(t: onnx.TensorProto, folder: Path, whole_files: set) -> int:
         return (n + 1) // 2
     itemsize = dtypes.numpy_dtype(t.data_type).itemsize if t.data_type != onnx.TensorProto.STRING else 0
     return n * itemsize
+
+
+def expert_bytes(model_path: str | Path) -> dict[str, tuple[int, int]]:
+    """node name -> (bytes of its per-expert initializers, number of experts) of every MoE / QMoE node of the
+    main graph: the inputs past the router whose first dimension is the expert count (fc1's)."""
+    model_path = Path(model_path)
+    model = onnx.load(str(model_path), load_external_data=False)
+    inits = {t.name: t for t in model.graph.initializer}
+    out, whole_files = {}, set()
+    for node in model.graph.node:
+        if node.op_type not in _EXPERTS:
+            continue
+        fc1 = inits.get(node.input[EXPERT_WEIGHT_INPUTS[node.op_type][0]])
+        if fc1 is None or not len(fc1.dims):
+            continue
+        e = int(fc1.dims[0])
+        per_expert = [inits[n] for n in node.input[2:] if n in inits and len(inits[n].dims) and inits[n].dims[0] == e]
+        out[node.name] = (sum(_tensor_bytes(t, model_path.parent, whole_files) for t in per_expert), e)
+    return out
+
+
+def touched_experts(log: dict, batch: int, sizes: Sequence[int]) -> dict[str, float]:
+    """node name -> the mean number of distinct experts the first `batch` rows (the real ones) chose, over the
+    logged calls of a decode step (runtime/ops/moe.py ROUTE_LOG: each call's experts [T, k]) — those whose T is
+    one of `sizes` (the step's batch, or the padded batch a decode graph runs)."""
+    out = {}
+    for name, calls in log.items():
+        counts = [int(c[:batch].reshape(-1).unique().numel()) for c in calls if c.shape[0] in sizes]
+        if counts:
+            out[name] = sum(counts) / len(counts)
+    return out
+
+
+def weights_read(weights: int, experts: dict[str, tuple[int, int]], touched: dict[str, float]) -> int:
+    """The weight bytes a decode step reads: all of them, less the experts no real row chose (module doc)."""
+    skipped = sum(b * (1 - min(touched[n], e) / e) for n, (b, e) in experts.items() if n in touched)
+    return int(round(weights - skipped))
 
 
 def layer_kv_bytes_per_token(spec) -> int:

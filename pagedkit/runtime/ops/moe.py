@@ -44,6 +44,11 @@ from .registry import MS_DOMAIN, RUNTIME, prepack, register
 from .util import opt, triton_kernels
 
 ROUTES: dict[str, str] = {}  # node name -> the path its last call took (module doc)
+HOST_ROUTES = ("grouped",)  # the paths that read the host (per-expert counts): a step taking one is not capturable
+REFUSED: dict[str, str] = {}  # node name -> why the fused kernel did not serve its last call
+# node name -> the experts [T, k] chosen at each call run eagerly, while a caller collects them (paged-bench's floor:
+# the experts a decode step touches); None: not collected. Calls inside a CUDA-graph capture are not collected.
+ROUTE_LOG: dict[str, list[torch.Tensor]] | None = None
 TRITON_FAILURE: list[str] = []  # why the fused kernel failed on this device, once it has: the torch path since
 
 
@@ -199,11 +204,16 @@ def moe(inputs, attrs, ctx):
         top_w, top_e = torch.topk(probs, k, dim=-1)  # [T, k]
         if attrs.get("normalize_routing_weights", 0):
             top_w = top_w / top_w.sum(-1, keepdim=True)
-    if triton_moe_refusal(xs, weights, attrs) is None:  # CUDA: two grouped GEMM launches, no host read
+    if ROUTE_LOG is not None and not (top_e.is_cuda and torch.cuda.is_current_stream_capturing()):
+        ROUTE_LOG.setdefault(ctx.node_name, []).append(top_e.detach().clone())
+    why = triton_moe_refusal(xs, weights, attrs)
+    if why is None:  # CUDA: two grouped GEMM launches, no host read
         out = _fused(xs, top_e, top_w, weights, attrs, where)
         if out is not None:
             ROUTES[ctx.node_name] = "triton"
             return [out.to(x.dtype).reshape(x.shape)]
+        why = f"the fused kernel failed: {TRITON_FAILURE[0]}"
+    REFUSED[ctx.node_name] = why
     weights = tuple(_dense(t, where) for t in weights)  # QMoE's packed experts (the fused path failed)
     rows = torch.arange(n_tok, device=x.device).repeat_interleave(k)  # [T*k] token of each route
     route_e, route_w = top_e.reshape(-1), top_w.reshape(-1)
