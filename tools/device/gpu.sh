@@ -24,33 +24,39 @@ json.dump(c, open('$M/llama1b_cfg/config.json','w'))"
   python3 -m pagedkit.exporters.cli --model "$M/llama1b_cfg" --output "$M/llama1b" --block-size 256 --quiet
 }
 
-dsv2() {  # DeepSeek-V2-Lite at its full shape (27 layers, 64 + 2 experts, top-6), random bf16, 64-token blocks
-  [ -f "$M/dsv2full/model.onnx" ] && return 0
-  python3 -m pagedkit.exporters.cli --model deepseek-v2-lite --dtype bf16 --block-size 64 --max-seq-len 8192 \
-    --output "$M/dsv2full" --quiet
+dsv2() {  # DeepSeek-V2-Lite at its full shape (27 layers, 64 + 2 experts, top-6), random weights, 64-token blocks;
+          # DSV2_DTYPE=fp16 when onnxruntime-gpu refuses the bf16 file (one export at a time: 31 GB of a 64 GB disk)
+  local dt="${DSV2_DTYPE:-bf16}"
+  [ -f "$M/dsv2full/model.onnx" ] && grep -q "\"$dt\"" "$M/dsv2full/dtype" 2>/dev/null && return 0
+  rm -rf "$M/dsv2full"
+  python3 -m pagedkit.exporters.cli --model deepseek-v2-lite --dtype "$dt" --block-size 64 --max-seq-len 8192 \
+    --output "$M/dsv2full" --quiet && echo "\"$dt\"" > "$M/dsv2full/dtype"
 }
 
 ort() {  # unpack onnxruntime-gpu from the parts copied to /tmp/ortc (../shared/tools/ort-gpu.md)
   [ -d /tmp/ortgpu/onnxruntime ] && return 0
   mkdir -p /tmp/ortgpu
-  cat /tmp/ortc/part.* | PYTHONPATH=/tmp/zs python3 -c "import sys,zstandard; \
-zstandard.ZstdDecompressor(max_window_size=2**31).copy_stream(sys.stdin.buffer, sys.stdout.buffer)" | tar x -C /tmp/ortgpu
+  cat /tmp/ortc/part.* | PYTHONPATH=/tmp/zs python3 -c "import sys,zstandard as z; \
+z.ZstdDecompressor(max_window_size=2**31).copy_stream(sys.stdin.buffer, sys.stdout.buffer)" | tar x -C /tmp/ortgpu
 }
 
 ortenv() { export PYTHONPATH="/tmp/ortgpu:$PYTHONPATH"; }
 
 case "${1:-}" in
-  part0)  # first call: the first part, zstandard for unpacking, then the background work (setsid: it outlives
-          # the call, which returns at its timeout_s; the tool waits on every process otherwise)
+  part0)  # first call: the first part, zstandard for unpacking, the background work (setsid: it outlives the call,
+          # which returns at its timeout_s: the tool waits on every process otherwise), then the GEMV probe (item 1)
     mkdir -p /tmp/ortc && cp .ortgpu0/part.* /tmp/ortc/
     python3 -m pip install -q --no-index --no-deps --target /tmp/zs .ortgpu0/*.whl
     deps
     setsid nohup bash tools/device/gpu.sh background > /tmp/bg.log 2>&1 < /dev/null &
-    sleep 5; cat /tmp/bg.log ;;
-  background)  # exports, then the full GPU test suite; /tmp/bg.done when finished
+    python3 benchmarks/probes/gemv_probe.py --bandwidth "${BW:-3.0}" --out "$OUT/gemv_probe.json" 2>&1 \
+      | tee "$OUT/gemv_probe.log"
+    touch /tmp/probe.done ;;
+  background)  # exports (CPU and disk), then, once the probe's timings are done, the full GPU test suite
     rm -f /tmp/bg.done
     (time llama1b) > /tmp/llama1b.log 2>&1
     (time dsv2) > /tmp/dsv2.log 2>&1
+    for _ in $(seq 1 600); do [ -f /tmp/probe.done ] && break; sleep 1; done
     python3 -m pytest -q -m gpu -p no:cacheprovider tests > /tmp/gpu_tests.log 2>&1; echo "rc $?" >> /tmp/gpu_tests.log
     touch /tmp/bg.done ;;
   part)  # calls 2..N: one more part
