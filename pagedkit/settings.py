@@ -254,6 +254,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "CUDA sessions run their products over constant weights as fused Triton GEMVs for decode-sized steps, with the "
        "norm or SiluMul before each folded in (`fuse_linear.ENABLED`, runtime/fuse_linear.py, "
        "kernels/triton/linear.py); off until measured against cuBLAS.", _is_one),
+    _S("PAGEDKIT_MOE_ROUTE_KERNEL", "tuning", "import", "`0` off, anything else on", "1",
+       "MoE routing (softmax, top-k, the grouped GEMMs' plan) as one Triton launch for decode-sized steps where the "
+       "fused expert kernel serves the node (`moe.ROUTE_KERNEL`, kernels/triton/moe_route.py), instead of a dozen "
+       "torch launches; not yet measured on a GPU.", _not_zero),
     _S("PAGEDKIT_L2_PREFETCH", "tuning", "import", "`off` or `MB[:early|late][:bulk|line][:dN]`", "4:late",
        "L2 prefetch of the next product's weight head (MB at most) on a side stream in captured decode steps "
        "(`prefetch.CONFIG`, runtime/prefetch.py; `step_profile.py --sweep pf4:late`): 2.5-3.8% off the H100 "

@@ -144,6 +144,10 @@ def _moe_and_prefetch():
             linear.linear(kind, a, torch.randn(64, k, generator=g).to(dtype),
                           skip=torch.randn(3, k, generator=g).to(dtype) if kind == "rms" else None,
                           gamma=torch.ones(k, dtype=dtype) if kind == "rms" else None, want_sum=kind == "rms")
+    from pagedkit.kernels.triton import moe_route
+
+    for t_, e_, k_, dtype in ((1, 64, 6, torch.float16), (32, 64, 6, torch.bfloat16), (24, 8, 2, torch.float32)):
+        moe_route.route_plan(torch.randn(t_, e_, generator=g).to(dtype), k_, dtype != torch.float16, moe.BLOCK_M)
     t = torch.zeros(1 << 16, dtype=torch.float16)
     for mode in prefetch.MODES:
         prefetch.prefetch_l2(t, 1 << 17, mode, marks=torch.zeros(1 << 10, dtype=torch.int32))
@@ -151,14 +155,15 @@ def _moe_and_prefetch():
 
 def record(out_path: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "record runs the launchers in the interpreter"
-    from pagedkit.kernels.triton import _decode_kernels, argmax, cache_write, linear, moe, norm, prefetch, swiglu
+    from pagedkit.kernels.triton import (_decode_kernels, argmax, cache_write, linear, moe, moe_route, norm, prefetch,
+                                         swiglu)
 
     out: list = []
     for mod, name in ((_decode_kernels, "_attn_kernel"), (_decode_kernels, "_reduce_kernel"),
                       (cache_write, "_write_kernel"), (norm, "_rms_kernel"),
                       (swiglu, "_silu_mul_kernel"), (argmax, "_argmax_chunk_kernel"),
                       (argmax, "_argmax_final_kernel"), (moe, "_fc1_kernel"), (moe, "_fc2_kernel"),
-                      (prefetch, "_prefetch_kernel"), (linear, "_linear_kernel")):
+                      (prefetch, "_prefetch_kernel"), (linear, "_linear_kernel"), (moe_route, "_route_kernel")):
         setattr(mod, name, _Recorder(getattr(mod, name), out))
     for part in (_scenarios, _moe_and_prefetch):
         try:

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -153,8 +154,9 @@ def test_unrecordable_init_falls_back_to_from_config(tmp_path, monkeypatch):
             base(self, module)
 
     monkeypatch.setattr(modeling_llama.LlamaPreTrainedModel, "_init_weights", skip_norms)
-    with pytest.raises(rw.RandomInitUnsupported, match="input_layernorm.weight: no init touches it"):
+    with pytest.raises(rw.RandomInitUnsupported, match="input_layernorm.weight: no init touches it") as exc:
         rw.lazy_random_model(tiny_model("LlamaConfig").config, torch.float32, 0)
+    assert str(exc.value).endswith(" ...")  # 5 norms untouched: 4 named, the rest elided
     with pytest.warns(UserWarning, match="drawn eagerly by from_config"):
         model = load_model(src, seed=2, stream=True).model
     assert all(p.device.type == "cpu" for p in model.parameters())
@@ -164,3 +166,43 @@ def test_unrecordable_init_falls_back_to_from_config(tmp_path, monkeypatch):
     ref = AutoModelForCausalLM.from_config(model.config, attn_implementation="eager")
     for (k, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
         assert torch.equal(a, b), k
+
+
+# The values of seed 0 for a tiny Llama (export_utils.tiny_model's config), pinned: the same seed gives the same
+# random export on every machine and release; a change here changes every random model users have exported.
+PINNED = {"model.embed_tokens.weight": ((1, slice(0, 3)), [0.004237995482981205, -0.03719547390937805, -0.0242439154535532]),
+          "model.layers.1.mlp.down_proj.weight": ((0, slice(0, 3)),
+                                                  [-0.012048696167767048, -0.01802697218954563, 0.016991324722766876]),
+          "lm_head.weight": ((-1, slice(-2, None)), [0.017372552305459976, 0.006966425105929375])}
+
+
+def test_values_of_a_seed_are_pinned():
+    model = dict(rw.lazy_random_model(tiny_model("LlamaConfig").config, torch.float32, 0).named_parameters())
+    embed = model["model.embed_tokens.weight"].materialize()
+    assert torch.equal(embed[0], torch.zeros(64)), "the padding row (pad_token_id 0) is zero"
+    assert embed[-1, -2:].tolist() == pytest.approx([0.009312796406447887, -0.01346495933830738], rel=1e-5)
+    for name, (idx, want) in PINNED.items():
+        got = model[name].materialize()[idx].tolist()
+        assert got == pytest.approx(want, rel=1e-5), name
+
+
+def test_rows_are_drawn_alone_not_through_the_whole_tensor(monkeypatch):
+    """A weight's row chunk is drawn by its leaf's slicer (only the blocks the rows lie in), not by evaluating the
+    whole tensor and cutting it: the streamed export's memory stays one chunk."""
+    monkeypatch.setattr(rw, "BLOCK_ELEMS", 128)
+    model = dict(rw.lazy_random_model(tiny_model("LlamaConfig").config, torch.float32, 3).named_parameters())
+    w = model["model.layers.0.mlp.up_proj.weight"]
+    whole = w.materialize()
+    rows = w._slicer(0, 5, 9)
+    assert rows is not None and torch.equal(rows, whole[5:9])
+    assert w._slicer(1, 0, 4) is None  # columns: evaluated whole (slicing.py)
+    calls = []
+    monkeypatch.setattr(rw, "_draw_rows", lambda *a, _f=rw._draw_rows: calls.append(a[4:]) or _f(*a))
+    w._slicer(0, 5, 9)
+    assert calls == [(5, 9)]
+
+
+def test_transformers_without_recordable_init_is_refused(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers.initialization", None)  # transformers 4.x: no such module
+    with pytest.raises(rw.RandomInitUnsupported, match="no transformers.initialization"):
+        rw.lazy_random_model(tiny_model("LlamaConfig").config, torch.float32, 0)

@@ -276,6 +276,8 @@ CASES = [  # (variable, value in the environment or None (unset), what the code 
     ("PAGEDKIT_BLAS", "cublaslt", "cublaslt"), ("PAGEDKIT_BLAS", "", None), ("PAGEDKIT_BLAS", None, None),
     ("PAGEDKIT_DECODE_LINEAR", None, False), ("PAGEDKIT_DECODE_LINEAR", "1", True),
     ("PAGEDKIT_DECODE_LINEAR", "on", False),
+    ("PAGEDKIT_MOE_ROUTE_KERNEL", None, True), ("PAGEDKIT_MOE_ROUTE_KERNEL", "0", False),
+    ("PAGEDKIT_MOE_ROUTE_KERNEL", "1", True),
     ("PAGEDKIT_L2_PREFETCH", None, {"mb": 4.0, "at": "late", "mode": "bulk", "distance": 1}),
     ("PAGEDKIT_L2_PREFETCH", "off", None), ("PAGEDKIT_L2_PREFETCH", "0", None),
     ("PAGEDKIT_L2_PREFETCH", "16:early:d2", {"mb": 16.0, "at": "early", "mode": "bulk", "distance": 2}),

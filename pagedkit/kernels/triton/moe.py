@@ -292,9 +292,10 @@ def _weight_args(w) -> tuple[list, dict]:
 
 
 def fused_moe(xs: torch.Tensor, top_e: torch.Tensor, top_w: torch.Tensor, weights, attrs: dict,
-              block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+              block_n: int = 64, block_k: int = 64, plan=None) -> torch.Tensor:
     """out [T, H] float32 (see the module doc; `serves` must hold). weights: (fc1_w, fc1_b, fc2_w, fc2_b, fc3_w,
-    fc3_b) as runtime/ops/moe.py passes them, each weight a float tensor or PackedExperts."""
+    fc3_b) as runtime/ops/moe.py passes them, each weight a float tensor or PackedExperts. plan: (order, counts,
+    start, tiles, tile_end) of top_e with this BLOCK_M as moe_route.py builds them (None: built here)."""
     fc1_w, fc1_b, fc2_w, fc2_b, fc3_w, fc3_b = weights
     act = attrs.get("activation_type", "relu")
     n_tok, k = top_e.shape
@@ -303,13 +304,16 @@ def fused_moe(xs: torch.Tensor, top_e: torch.Tensor, top_w: torch.Tensor, weight
     dev = xs.device
     routes = n_tok * k
     # plan: routes sorted by expert, per-expert counts, first sorted positions and tiles (device ops, no host read)
-    route_e = top_e.reshape(-1).to(torch.int64)
-    order = torch.argsort(route_e, stable=True).to(torch.int32)
-    counts = torch.zeros(e, dtype=torch.int32, device=dev).scatter_add_(
-        0, route_e, torch.ones(routes, dtype=torch.int32, device=dev))
-    start = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).contiguous()
-    tiles = (counts + (BLOCK_M - 1)) // BLOCK_M
-    tile_end = torch.cumsum(tiles, 0, dtype=torch.int32)
+    if plan is not None:
+        order, counts, start, tiles, tile_end = plan
+    else:
+        route_e = top_e.reshape(-1).to(torch.int64)
+        order = torch.argsort(route_e, stable=True).to(torch.int32)
+        counts = torch.zeros(e, dtype=torch.int32, device=dev).scatter_add_(
+            0, route_e, torch.ones(routes, dtype=torch.int32, device=dev))
+        start = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).contiguous()
+        tiles = (counts + (BLOCK_M - 1)) // BLOCK_M
+        tile_end = torch.cumsum(tiles, 0, dtype=torch.int32)
     grid_m = triton.cdiv(routes, BLOCK_M) + e
     ep = triton.next_power_of_2(e)
     act_buf = torch.empty(max(routes, 1), inter, dtype=xs.dtype, device=dev)

@@ -38,6 +38,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ... import settings
 from . import nbits
 from .quant import unpack_bits
 from .registry import MS_DOMAIN, RUNTIME, prepack, register
@@ -49,6 +50,10 @@ REFUSED: dict[str, str] = {}  # node name -> why the fused kernel did not serve 
 # node name -> the experts [T, k] chosen at each call run eagerly, while a caller collects them (paged-bench's floor:
 # the experts a decode step touches); None: not collected. Calls inside a CUDA-graph capture are not collected.
 ROUTE_LOG: dict[str, list[torch.Tensor]] | None = None
+# route with kernels/triton/moe_route.py (softmax, top-k and the grouped GEMMs' plan in one launch) where it and the
+# fused expert kernel serve the call; ROUTED_BY[node name]: "kernel" or "torch" for its last call
+ROUTE_KERNEL: bool = settings.read("PAGEDKIT_MOE_ROUTE_KERNEL")
+ROUTED_BY: dict[str, str] = {}
 TRITON_FAILURE: list[str] = []  # why the fused kernel failed on this device, once it has: the torch path since
 
 
@@ -62,11 +67,11 @@ def triton_moe_refusal(xs: torch.Tensor, weights, attrs: dict) -> str | None:
     return "triton is not available" if tk is None else tk.serves(xs, weights, attrs)
 
 
-def _fused(xs, top_e, top_w, weights, attrs, where: str) -> torch.Tensor | None:
+def _fused(xs, top_e, top_w, weights, attrs, where: str, plan=None) -> torch.Tensor | None:
     """The fused kernel's output, or None (recorded in TRITON_FAILURE, with a warning) when it fails to build or
     run on this device: the torch path serves this call and every later one."""
     try:
-        return triton_kernels("moe").fused_moe(xs.contiguous(), top_e, top_w, weights, attrs)
+        return triton_kernels("moe").fused_moe(xs.contiguous(), top_e, top_w, weights, attrs, plan=plan)
     except Exception as exc:  # a Triton compile / launch error on this device
         import warnings
 
@@ -74,6 +79,30 @@ def _fused(xs, top_e, top_w, weights, attrs, where: str) -> torch.Tensor | None:
         warnings.warn(f"{where}: the fused MoE kernel failed ({TRITON_FAILURE[0]}); MoE runs its torch path from "
                       "now on (runtime/ops/moe.py)", RuntimeWarning, stacklevel=2)
         return None
+
+
+def _route_kernel(router, k: int, attrs: dict, where: str):
+    """(top_e, top_w, plan) from kernels/triton/moe_route.py where it serves (ROUTE_KERNEL on; the fused expert
+    kernel serves this call), else (None, None, None): the op routes with torch. A kernel that fails on this
+    device warns once (ROUTE_FAILURE) and torch routes from then on."""
+    if not ROUTE_KERNEL or ROUTE_FAILURE:
+        return None, None, None
+    rk = triton_kernels("moe_route")
+    if rk is None or rk.serves(router, k, attrs) is not None:
+        return None, None, None
+    try:
+        return rk.route_plan(router, k, bool(attrs.get("normalize_routing_weights", 0)),
+                             triton_kernels("moe").BLOCK_M)
+    except Exception as exc:  # a Triton compile / launch error on this device
+        import warnings
+
+        ROUTE_FAILURE.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+        warnings.warn(f"{where}: the MoE routing kernel failed ({ROUTE_FAILURE[0]}); torch routes from now on "
+                      "(runtime/ops/moe.py)", RuntimeWarning, stacklevel=2)
+        return None, None, None
+
+
+ROUTE_FAILURE: list[str] = []  # why the routing kernel failed on this device, once it has
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -195,20 +224,22 @@ def moe(inputs, attrs, ctx):
     k = attrs.get("k", 1)
     xs = x.reshape(-1, x.shape[-1])  # [T, hidden]
     n_tok, n_exp = xs.shape[0], router.shape[-1]
-    if attrs.get("use_sparse_mixer", 0):
+    why = triton_moe_refusal(xs, weights, attrs)
+    top_e, top_w, plan = _route_kernel(router, k, attrs, where) if why is None else (None, None, None)
+    ROUTED_BY[ctx.node_name] = "torch" if top_e is None else "kernel"
+    if top_e is None and attrs.get("use_sparse_mixer", 0):
         if k != 2 or n_exp < 2:
             raise ValueError(f"{where}: use_sparse_mixer=1 routes k=2 of >= 2 experts, got k={k}, {n_exp} experts")
         top_w, top_e = sparse_mixer(router.reshape(n_tok, n_exp))
-    else:
+    elif top_e is None:
         probs = torch.softmax(router.reshape(n_tok, n_exp).float(), dim=-1)
         top_w, top_e = torch.topk(probs, k, dim=-1)  # [T, k]
         if attrs.get("normalize_routing_weights", 0):
             top_w = top_w / top_w.sum(-1, keepdim=True)
     if ROUTE_LOG is not None and not (top_e.is_cuda and torch.cuda.is_current_stream_capturing()):
         ROUTE_LOG.setdefault(ctx.node_name, []).append(top_e.detach().clone())
-    why = triton_moe_refusal(xs, weights, attrs)
     if why is None:  # CUDA: two grouped GEMM launches, no host read
-        out = _fused(xs, top_e, top_w, weights, attrs, where)
+        out = _fused(xs, top_e, top_w, weights, attrs, where, plan)
         if out is not None:
             ROUTES[ctx.node_name] = "triton"
             return [out.to(x.dtype).reshape(x.shape)]
