@@ -305,3 +305,24 @@ def test_norms_that_must_not_fold(tmp_path, monkeypatch, variant):
 
 def test_min_bytes_default():
     assert fuse_linear.MIN_BYTES == 1 << 20 and fuse_linear.MAX_N == 65536
+
+
+def test_shape_tiles_override_the_kind_tiles_for_that_shape_only(monkeypatch):
+    """kernels/triton/linear.py SHAPE_TILES[(kind, N, K)] (what gemv_probe.py measures per product) takes that
+    product's tiles; other shapes keep TILES[kind]. A tile the kernel cannot take (BLOCK_N 3: not a power of two)
+    shows which was used."""
+    from pagedkit.kernels.triton import linear as klin
+
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(2, 64, generator=g).half()
+    w_a, w_b = torch.randn(48, 64, generator=g).half(), torch.randn(40, 64, generator=g).half()
+    monkeypatch.setitem(klin.SHAPE_TILES, ("plain", 48, 64), (3, 64, 4, 3))
+    with pytest.raises(Exception):
+        klin.linear("plain", a, w_a)
+    y, _ = klin.linear("plain", a, w_b)  # another N: the kind's tiles
+    ref = a.double() @ w_b.double().T
+    assert float((y.double() - ref).abs().max() / ref.abs().max()) < 2e-3
+    monkeypatch.setitem(klin.SHAPE_TILES, ("plain", 48, 64), (16, 32, 4, 3))
+    y, _ = klin.linear("plain", a, w_a)
+    ref = a.double() @ w_a.double().T
+    assert float((y.double() - ref).abs().max() / ref.abs().max()) < 2e-3

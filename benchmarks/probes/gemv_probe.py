@@ -99,6 +99,7 @@ def main() -> int:
               "l2_bytes": l2, "bandwidth_bytes_per_s": bw,
               "what": "us per product (CUDA-graph replays, L2-cold), TB/s of weight bytes; chains in ms",
               "products": [], "best": {}, "chains": []}
+    lin.SHAPE_TILES.clear()  # the sweep sets TILES["plain"]; no shape override may mask it
     for (name, k, n), m in itertools.product((*LAYER, HEAD), args.rows):
         nbytes = k * n * 2
         copies = max(2, math.ceil(2.5 * l2 / nbytes))
@@ -136,6 +137,13 @@ def main() -> int:
               + f"  floor {nbytes / bw * 1e6:.2f} us", flush=True)
         del ws
         torch.cuda.empty_cache()
+    shapes = {}  # the SHAPE_TILES entries this run suggests: each product's best tiles at the most rows asked
+    for (name, k, n) in (*LAYER, HEAD):
+        best = result["best"].get(f"{name}/M{max(args.rows)}")
+        if best and best["us"] < best["cublas_us"]:
+            shapes[(FOLD.get(name, "plain") if name != "lm_head" else "plain", n, k)] = tuple(best["tiles"])
+    result["suggested_shape_tiles"] = {f"{kd}/{n}x{k}": v for (kd, n, k), v in shapes.items()}
+    print(f"SHAPE_TILES = {shapes!r}  # kernels/triton/linear.py (products where the kernel beat cuBLAS)", flush=True)
     for m in args.rows:
         layers = [[torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02 for _, k, n in LAYER]
                   for _ in range(16)]
@@ -157,7 +165,7 @@ def main() -> int:
                         kind = FOLD[name] if fold else "plain"
                         best = result["best"].get(f"{name}/M{m}")
                         if best:
-                            lin.TILES[kind] = tuple(best["tiles"])
+                            lin.SHAPE_TILES[(kind, _n, k)] = tuple(best["tiles"])
                         x = a_silu if kind == "silu" else xs[k]
                         _call(lin, kind, x, w, gamma, skip)
             return run

@@ -18,7 +18,9 @@ separate launches of a few microseconds each (33 + 16 of the ~180 launches of a 
 1.27 ms on an H100). Folded in, a step loses those launches, the split-K reduce cuBLAS adds to the down product,
 and every product joins the Triton kernels' PDL chain: with PREFETCH, a program first requests its weight slab
 into the L2 (bulk prefetch, sm_90), then waits for the previous kernel (PDL), so the weight fetch overlaps the
-previous kernel's tail. Tiles: TILES (per kind; `benchmarks/step_profile.py --sweep lnBNxBKxWxS` sets them in-process).
+previous kernel's tail. Tiles: SHAPE_TILES[(kind, N, K)] where a product's shape has its own (what
+`benchmarks/probes/gemv_probe.py` measures and prints), else TILES[kind] (`benchmarks/step_profile.py --sweep
+lnBNxBKxWxS` sets those in-process).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ KINDS = ("plain", "silu", "rms")
 # (block_n, block_k, num_warps, num_stages) per kind
 TILES: dict[str, tuple[int, int, int, int]] = {"plain": (8, 512, 4, 3), "silu": (8, 512, 4, 3),
                                                 "rms": (8, 512, 4, 3)}
+# (kind, N, K) -> tiles of one product shape, overriding TILES[kind] (empty until measured on a GPU)
+SHAPE_TILES: dict[tuple[str, int, int], tuple[int, int, int, int]] = {}
 PREFETCH = True  # request the program's weight slab into the L2 before the PDL wait (sm_90; not interpreted)
 PREFETCH_CHUNK = 4096  # bytes per bulk request
 _ASM = f"cp.async.bulk.prefetch.L2.global [$1], {PREFETCH_CHUNK}; mov.u32 $0, 0;"
@@ -156,7 +160,7 @@ def linear(kind: str, a: torch.Tensor, w_nk: torch.Tensor, *, skip: torch.Tensor
     rows = a.numel() // a.shape[-1]
     y = torch.empty((*a.shape[:-1], n), dtype=a.dtype, device=a.device)
     s = torch.empty(a.shape, dtype=a.dtype, device=a.device) if (kind == "rms" and want_sum) else None
-    bn, bk, warps, stages = TILES[kind]
+    bn, bk, warps, stages = SHAPE_TILES.get((kind, n, k), TILES[kind])
     mp = max(1, triton.next_power_of_2(rows))
     bk = min(bk, max(16, triton.next_power_of_2(k)))
     grid = (triton.cdiv(n, bn),)
