@@ -47,7 +47,7 @@ def _router(t, e, dtype, seed, stride_pad=0):
 
 
 CASES = [(1, 8, 2, True), (5, 8, 2, False), (16, 8, 2, True), (33, 64, 6, False), (7, 64, 6, True), (9, 3, 1, False),
-         (12, 3, 3, True), (64, 64, 6, False)]
+         (12, 3, 3, True), (64, 64, 6, False), (4, 2, 1, False), (3, 1, 1, True)]
 
 
 @pytest.mark.parametrize("t, e, k, normalize", CASES)
@@ -97,9 +97,15 @@ def test_a_row_stride_and_poisoned_outputs(monkeypatch):
     (torch.zeros(4, 8), 9, {}, "k=9 of 8 experts"),
     (torch.zeros(4, 8, dtype=torch.int32), 2, {}, "router torch.int32"),
     (torch.zeros(600, 64), 6, {}, "600 tokens x k 6 x 64 experts"),
+    (torch.zeros(100, 64), 6, {}, "100 tokens x k 6 x 64 experts"),  # the routes' cells alone exceed MAX_CELLS
 ])
 def test_refusals(router, k, attrs, why):
     assert why in route.serves(router, k, attrs)
+
+
+def test_the_largest_decode_steps_served():
+    assert route.serves(torch.zeros(64, 64), 6, {}) is None  # 384 routes -> 512 x 64 cells
+    assert route.serves(torch.zeros(16, 256), 8, {}) is None  # DeepSeek-V3's 256 experts, 128 routes
 
 
 def test_moe_op_routed_by_the_kernel_equals_the_torch_routing(monkeypatch):
