@@ -50,13 +50,17 @@ def _config(text: str) -> dict:
     reduced-precision split-K reductions), "pfSPEC" / "nopf" (L2 prefetch of the products' weights,
     runtime/prefetch.py, SPEC as PAGEDKIT_L2_PREFETCH: "pf16:late", "pf8:early:line:d2"), and with
     PAGEDKIT_DECODE_LINEAR=1 "nolin" (its products on F.linear), "lnpf0" (no weight-slab prefetch),
-    "lnBNxBKxWxS" (its tiles); "BNxNW@W" is also accepted."""
+    "lnBNxBKxWxS" (its tiles); "noroute" (MoE models: routing by torch instead of kernels/triton/moe_route.py);
+    "BNxNW@W" is also accepted."""
     if text in ("default", "dedup"):
         return {"name": text}
     out = {"name": text}
     for part in text.split("+"):
         if part in ("lt", "nored"):  # cuBLAS: the cublasLt heuristics / no reduced-precision split-K reductions
             out[part] = True
+            continue
+        if part == "noroute":  # MoE: torch routing instead of the routing kernel
+            out["noroute"] = True
             continue
         if part in ("nolin", "lnpf0"):  # decode_linear's products on F.linear / without the slab's L2 prefetch
             out[part] = True
@@ -109,6 +113,10 @@ def _applied(cfg: dict):
         prefetch.CONFIG = cfg["prefetch"]
     saved_linear = ops_linear.TRITON
     ops_linear.TRITON = not cfg.get("nolin")
+    from pagedkit.runtime.ops import moe as ops_moe
+
+    saved_route = ops_moe.ROUTE_KERNEL
+    ops_moe.ROUTE_KERNEL = saved_route and not cfg.get("noroute")
     klin = None
     if common.HAVE_TRITON:
         from pagedkit.kernels.triton import linear as klin
@@ -140,6 +148,7 @@ def _applied(cfg: dict):
     finally:
         prefetch.CONFIG = saved_prefetch
         ops_linear.TRITON = saved_linear
+        ops_moe.ROUTE_KERNEL = saved_route
         if klin is not None:
             klin.TILES, klin.PREFETCH = saved_ktiles
         torch.backends.cuda.preferred_blas_library(blas)

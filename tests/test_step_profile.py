@@ -18,8 +18,20 @@ def test_sweep_entries():
     assert sp._config("@6") == {"name": "@6", "waves": 6.0}
     assert sp._config("128x4@1.5") == {"name": "128x4@1.5", "tile": (128, 4), "waves": 1.5}
     assert sp._config("nopdl+64x4") == {"name": "nopdl+64x4", "pdl": False, "tile": (64, 4)}
+    assert sp._config("noroute") == {"name": "noroute", "noroute": True}
     with pytest.raises(ValueError):
         sp._config("64")
+
+
+def test_noroute_turns_the_routing_kernel_off_within_the_entry():
+    from pagedkit.runtime.ops import moe
+
+    before = moe.ROUTE_KERNEL
+    with sp._applied(sp._config("noroute")):
+        assert moe.ROUTE_KERNEL is False
+    assert moe.ROUTE_KERNEL == before
+    with sp._applied(sp._config("default")):
+        assert moe.ROUTE_KERNEL == before
 
 
 def _rows(*times):

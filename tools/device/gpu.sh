@@ -82,6 +82,11 @@ case "${1:-}" in
     shift; deps; llama1b
     python3 benchmarks/step_profile.py "$M/llama1b" --rows 1x1024 1x4096 8x1024 8x4096 --top 12 --sweep "$@" \
       --out "$OUT/step_profile.json" 2>&1 | tee "$OUT/step_profile.log" ;;
-  *) echo "usage: gpu.sh part0 | background | part K | wait [S] | bench1b [REPEATS] | benchds | profile SWEEP..."
+  profileds)  # DeepSeek-V2-Lite's decode step: where it goes, and the routing kernel against torch's routing
+    deps; dsv2
+    python3 benchmarks/step_profile.py "$M/dsv2full" --rows 1x1024 8x1024 32x1024 --top 15 --sweep noroute \
+      --out "$OUT/step_profile_ds.json" 2>&1 | tee "$OUT/step_profile_ds.log" ;;
+  *) echo "usage: gpu.sh part0 | background | part K | wait [S] | bench1b [REPEATS] | benchds | profile SWEEP... |"\
+          "profileds"
      exit 2 ;;
 esac
