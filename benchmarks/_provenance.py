@@ -4,6 +4,7 @@ copy of the tree may carry a stale .git, so the caller can name the commit in PA
 from __future__ import annotations
 
 import importlib
+import json
 import platform
 import sys
 from pathlib import Path
@@ -26,3 +27,10 @@ def versions(modules=("triton", "onnxruntime", "onnx", "pagedkit")) -> dict:
     out["pagedkit_commit"] = report.pagedkit_commit()
     out["settings_env"] = report.settings_env()  # the kernel settings the environment overrode, if any
     return out
+
+
+def write_result(path: Path, result: dict, indent: int = 1) -> None:
+    """A result file: JSON, its folder made when missing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=indent) + "\n")

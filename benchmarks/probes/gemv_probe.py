@@ -23,7 +23,6 @@ import argparse
 import datetime as dt
 import importlib
 import itertools
-import json
 import math
 import sys
 from pathlib import Path
@@ -92,6 +91,7 @@ def main() -> int:
         return dry_run(args, lin)
     time_graph = importlib.import_module("_timing").time_graph
     versions = importlib.import_module("_provenance").versions
+    write_result = importlib.import_module("_provenance").write_result
     bw = args.bandwidth * 1e12
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     result = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(0),
@@ -182,8 +182,7 @@ def main() -> int:
             print(f"chain M{m:<2d} {arm:24s} {ms * 1000:8.1f} us (floor {floor * 1000:.1f})", flush=True)
         del layers
         torch.cuda.empty_cache()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
     return 0
 
 

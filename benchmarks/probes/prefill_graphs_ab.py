@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib
-import json
 import random
 import statistics
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 versions = importlib.import_module("_provenance").versions
+write_result = importlib.import_module("_provenance").write_result
 ph = importlib.import_module("prefill_host")
 
 
@@ -83,8 +83,7 @@ def main(argv=None) -> int:
                               "capture_error": st.capture_error},
            "rows": rows}
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=1) + "\n")
+        write_result(args.out, out)
     return 0
 
 

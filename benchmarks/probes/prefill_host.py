@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 versions = importlib.import_module("_provenance").versions
+write_result = importlib.import_module("_provenance").write_result
 
 
 def summarize(trace: dict, layers: int, top: int = 20) -> dict:
@@ -134,8 +135,7 @@ def main(argv=None) -> int:
                    "one profiled prefill's chrome trace summarized (top-level cpu ops, gaps, kernels)",
            "rows": rows}
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=1) + "\n")
+        write_result(args.out, out)
     return 0
 
 

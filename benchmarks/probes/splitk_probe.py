@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib
-import json
 import math
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 time_graph = importlib.import_module("_timing").time_graph
 versions = importlib.import_module("_provenance").versions
+write_result = importlib.import_module("_provenance").write_result
 BANDWIDTH = importlib.import_module("_attention_cases").BANDWIDTH_TB_S * 1e12
 
 SHAPES = (("qkv", 2048, 3072), ("o", 2048, 2048), ("down", 8192, 2048), ("gate_up", 2048, 16384))
@@ -117,8 +117,7 @@ def main() -> int:
                       flush=True)
         del ws
         torch.cuda.empty_cache()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
     return 0
 
 
