@@ -1,7 +1,8 @@
 """A decode step's Triton kernels, which the CPU tests run only in the interpreter, compile for an H100 / H200
 (sm_90) too, without a GPU (tests/aot_compile.py: launches recorded in the interpreter, then triton.compile for
 GPUTarget("cuda", 90, 32)): the residual norm, the cache write, the split-KV attention and its reduce in float16 and
-bfloat16, SwiGLU, argmax, the fused MoE (float and QMoE 4 / 8-bit experts) and the L2 prefetch. Catches what the
+bfloat16, SwiGLU, argmax, the fused MoE (float and QMoE 4 / 8-bit experts), its routing kernel, the decode GEMV and the L2
+prefetch. Catches what the
 interpreter accepts and the compiler does not (with the device's triton 3.6 on the path too: the MoE weight tile's
 early constexpr return, which 3.8 compiles and 3.6 does not)."""
 
@@ -44,5 +45,6 @@ def test_kernels_compile_for_sm90(tmp_path):
             "_fc1_kernel [*fp16]", "_fc2_kernel [*fp16]", "_fc1_kernel [*bf16]", "_fc2_kernel [*bf16]",
             "_fc1_kernel [*fp16]", "_fc2_kernel [*fp16]", "_fc1_kernel [*fp16]", "_fc2_kernel [*fp16]",
             "_prefetch_kernel [*u8]", "_prefetch_kernel [*u8]", "_linear_kernel [*fp16]", "_linear_kernel [*fp16]",
-            "_linear_kernel [*fp16]", "_linear_kernel [*bf16]"]
+            "_linear_kernel [*fp16]", "_linear_kernel [*bf16]",
+            "_route_kernel [*fp16]", "_route_kernel [*bf16]", "_route_kernel [*fp32]"]
     assert sorted(ln.split(" ptx")[0].removeprefix("compiled ") for ln in lines) == sorted(want), out.stdout
