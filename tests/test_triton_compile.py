@@ -1,10 +1,9 @@
 """A decode step's Triton kernels, which the CPU tests run only in the interpreter, compile for an H100 / H200
 (sm_90) too, without a GPU (tests/aot_compile.py: launches recorded in the interpreter, then triton.compile for
 GPUTarget("cuda", 90, 32)): the residual norm, the cache write, the split-KV attention and its reduce in float16 and
-bfloat16, SwiGLU, argmax, the fused MoE (float and QMoE 4 / 8-bit experts), its routing kernel, the decode GEMV and the L2
-prefetch. Catches what the
-interpreter accepts and the compiler does not (with the device's triton 3.6 on the path too: the MoE weight tile's
-early constexpr return, which 3.8 compiles and 3.6 does not)."""
+bfloat16, SwiGLU, argmax, the fused MoE (float and QMoE 4 / 8-bit experts), its routing kernel, the decode GEMV and
+the L2 prefetch. Catches what the interpreter accepts and the compiler does not (with the device's triton 3.6 on
+the path too: the MoE weight tile's early constexpr return, which 3.8 compiles and 3.6 does not)."""
 
 from __future__ import annotations
 
