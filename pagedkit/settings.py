@@ -73,6 +73,13 @@ def _is_one(text: str) -> bool:
     return text == "1"
 
 
+def _decode_linear(text: str) -> bool | str:
+    value = text.strip().lower()
+    if value not in ("0", "1", "measured"):
+        raise ValueError("expected 0, 1 or measured")
+    return "measured" if value == "measured" else value == "1"
+
+
 def _not_zero(text: str) -> bool:
     return text != "0"
 
@@ -250,10 +257,12 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("PAGEDKIT_PDL_LATE", "tuning", "import", "`0` early, anything else late", "1",
        "a PDL launch releases its dependent launch as its programs exit (late) or right after its wait (early, "
        "`common.PDL_EARLY_RELEASE`; `--sweep late`).", _not_zero),
-    _S("PAGEDKIT_DECODE_LINEAR", "tuning", "import", "`1` on, anything else off", "0",
+    _S("PAGEDKIT_DECODE_LINEAR", "tuning", "import", "`1` every product, `0` none, `measured`", "measured",
        "CUDA sessions run their products over constant weights as fused Triton GEMVs for decode-sized steps, with the "
        "norm or SiluMul before each folded in (`fuse_linear.ENABLED`, runtime/fuse_linear.py, "
-       "kernels/triton/linear.py); off until measured against cuBLAS.", _is_one),
+       "kernels/triton/linear.py): every product, none, or (`measured`) those whose shape has tiles measured on a GPU "
+       "(`kernels/triton/linear.SHAPE_TILES`, empty until benchmarks/probes/gemv_probe.py has run: none today).",
+       _decode_linear),
     _S("PAGEDKIT_MOE_ROUTE_KERNEL", "tuning", "import", "`0` off, anything else on", "1",
        "MoE routing (softmax, top-k, the grouped GEMMs' plan) as one Triton launch for decode-sized steps where the "
        "fused expert kernel serves the node (`moe.ROUTE_KERNEL`, kernels/triton/moe_route.py), instead of a dozen "

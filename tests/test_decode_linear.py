@@ -184,7 +184,9 @@ def test_limits_leave_the_head_and_small_weights_alone(tiny_llama, monkeypatch):
     def kinds():
         return [s.op_type for s in steps()]
 
-    assert "Linear" not in kinds() and "NormLinear" not in kinds()  # ENABLED is off by default
+    # the default, "measured", with no measured shape: nothing changes
+    assert fuse_linear.ENABLED == "measured" and not L.SHAPE_TILES
+    assert "Linear" not in kinds() and "NormLinear" not in kinds()
     monkeypatch.setattr(fuse_linear, "ENABLED", True)
     monkeypatch.setattr(fuse_linear, "MAX_N", 143)  # the head's N is the vocabulary, 144
     got = steps()
@@ -194,6 +196,29 @@ def test_limits_leave_the_head_and_small_weights_alone(tiny_llama, monkeypatch):
     assert "MatMul" not in kinds()
     monkeypatch.setattr(fuse_linear, "MIN_BYTES", 1 << 40)
     assert "Linear" not in kinds() and "NormLinear" not in kinds()
+
+
+def test_measured_mode_fuses_only_the_shapes_with_tiles(tiny_llama, monkeypatch):
+    """PAGEDKIT_DECODE_LINEAR=measured: a product is fused only where kernels/triton/linear.SHAPE_TILES has its
+    (kind, N, K): here the down product after SwiGLU ("silu", N hidden 64, K intermediate 96) and nothing else;
+    an entry of another kind at the same shape does not count."""
+    from pagedkit.engine import Engine
+
+    monkeypatch.setenv("PAGEDKIT_CPU_BACKEND", "torch")
+    monkeypatch.setattr(fuse_linear, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(fuse_linear, "MIN_BYTES", 1)
+    monkeypatch.setattr(fuse_linear, "ENABLED", "measured")
+
+    def kinds():
+        steps = Engine(tiny_llama, "cpu", max_batch_size=2, max_num_tokens=64).model.session._main.graph.steps
+        return [s.op_type for s in steps]
+
+    monkeypatch.setattr(L, "SHAPE_TILES", {("plain", 64, 96): (8, 64, 4, 3)})
+    assert not {"Linear", "NormLinear", "SiluLinear"} & set(kinds())
+    monkeypatch.setattr(L, "SHAPE_TILES", {("silu", 64, 96): (8, 64, 4, 3)})
+    got = kinds()
+    assert got.count("SiluLinear") == 2 and "NormLinear" not in got and "Linear" not in got  # 2 layers
+    assert "SiluMul" not in got
 
 
 def _norm_graph(path, k=64, n=48, f=96):

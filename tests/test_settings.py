@@ -274,8 +274,8 @@ CASES = [  # (variable, value in the environment or None (unset), what the code 
     ("PAGEDKIT_PDL_MAX_PROGRAMS", None, 0), ("PAGEDKIT_PDL_MAX_PROGRAMS", "8", 8),
     ("PAGEDKIT_PDL_LATE", None, True), ("PAGEDKIT_PDL_LATE", "0", False), ("PAGEDKIT_PDL_LATE", "1", True),
     ("PAGEDKIT_BLAS", "cublaslt", "cublaslt"), ("PAGEDKIT_BLAS", "", None), ("PAGEDKIT_BLAS", None, None),
-    ("PAGEDKIT_DECODE_LINEAR", None, False), ("PAGEDKIT_DECODE_LINEAR", "1", True),
-    ("PAGEDKIT_DECODE_LINEAR", "on", False),
+    ("PAGEDKIT_DECODE_LINEAR", None, "measured"), ("PAGEDKIT_DECODE_LINEAR", "1", True),
+    ("PAGEDKIT_DECODE_LINEAR", "0", False), ("PAGEDKIT_DECODE_LINEAR", "Measured", "measured"),
     ("PAGEDKIT_MOE_ROUTE_KERNEL", None, True), ("PAGEDKIT_MOE_ROUTE_KERNEL", "0", False),
     ("PAGEDKIT_MOE_ROUTE_KERNEL", "1", True),
     ("PAGEDKIT_L2_PREFETCH", None, {"mb": 4.0, "at": "late", "mode": "bulk", "distance": 1}),
@@ -304,6 +304,7 @@ def test_every_variable_has_parsing_cases():
     ("PAGEDKIT_TP_TIMEOUT", "soon", "PAGEDKIT_TP_TIMEOUT='soon': could not convert"),
     ("PAGEDKIT_PDL_MAX_PROGRAMS", "x", "PAGEDKIT_PDL_MAX_PROGRAMS='x': invalid literal"),
     ("PAGEDKIT_L2_PREFETCH", "16:soon", "PAGEDKIT_L2_PREFETCH='16:soon': 'soon': expected early, late"),
+    ("PAGEDKIT_DECODE_LINEAR", "on", "PAGEDKIT_DECODE_LINEAR='on': expected 0, 1 or measured"),
     ("PAGEDKIT_QUANT_ASM", "int9:v", "PAGEDKIT_QUANT_ASM: cache format 'int9' should be one of"),
     ("PAGEDKIT_INT8_MMA", "q", "PAGEDKIT_INT8_MMA='q': the sides: expected k, v, kv or 0, got 'q'"),
 ])

@@ -7,7 +7,9 @@ bfloat16 weight W [K, N] (at least MIN_BYTES, N <= MAX_N: not an LM head) become
     SiluLinear(y, W^T) -> h                                 the SiluMul before it (fuse.py's swiglu_mlp), read by it
     Linear(x, W^T) -> y                                      otherwise
 
-with W transposed once to [N, K] (the original dropped when nothing else reads it). The fused ops
+with W transposed once to [N, K] (the original dropped when nothing else reads it). ENABLED: True every such
+product, False none, "measured" (the default) those whose (kind, N, K) has tiles measured on a GPU
+(kernels/triton/linear.SHAPE_TILES; kind "rms" for a folded norm, "silu", "plain"). The fused ops
 (runtime/ops/linear.py) run the Triton kernel for at most kernels/triton/linear.MAX_ROWS rows, and otherwise the
 ops they replaced (the norm / SiluMul, then F.linear on W^T): a prefill's products stay on cuBLAS.
 """
@@ -22,7 +24,7 @@ from .. import settings
 from .ops.registry import FUSED_DOMAIN, MS_DOMAIN, lookup
 from .steps import Graph, Step, plain_step, value_readers
 
-ENABLED: bool = settings.read("PAGEDKIT_DECODE_LINEAR")
+ENABLED: bool | str = settings.read("PAGEDKIT_DECODE_LINEAR")
 DEVICES = ("cuda",)  # where the rule applies (the CPU tests add "cpu": the ops then run in Triton's interpreter)
 MIN_BYTES = 1 << 20
 MAX_N = 65536
@@ -62,9 +64,37 @@ def _norm_fold(norm: Step, readers: dict, x_name: str) -> tuple[list[str], list[
     return ins, extra, float(norm.attrs.get("epsilon", NORMS[key]))
 
 
+def _measured() -> set:
+    """The (kind, N, K) shapes with measured tiles (kernels/triton/linear.SHAPE_TILES); empty without Triton."""
+    from .ops.util import triton_kernels
+
+    lin = triton_kernels("linear")
+    return set(lin.SHAPE_TILES) if lin is not None else set()
+
+
+def _fold(g: Graph, producer: dict, readers: dict, gone: set, x: str) -> tuple[str, Step | None, tuple | None]:
+    """(the kernel kind the product reading x becomes: "silu", "rms" or "plain"; the step it folds, None for
+    plain; the norm's (inputs, extra outputs, epsilon) for rms)."""
+    prev = producer.get(x)
+    if prev is None or id(prev) in gone or readers.get(x, 0) != 1 or x in g.outputs:
+        return "plain", None, None
+    if prev.domain == FUSED_DOMAIN and prev.op_type == "SiluMul" and prev.impl is not None:
+        return "silu", prev, None
+    fold = _norm_fold(prev, readers, x)
+    return ("rms", prev, fold) if fold is not None else ("plain", None, None)
+
+
+def _wanted(measured: set, kind: str, w: torch.Tensor) -> bool:
+    k, n = w.shape  # W [K, N]
+    return (kind, int(n), int(k)) in measured
+
+
 def decode_linear(g: Graph, device: torch.device) -> int:
     """The rewrite (module docstring) when ENABLED on one of DEVICES; the rewrites made."""
     if not (ENABLED and device.type in DEVICES):
+        return 0
+    measured = _measured() if ENABLED == "measured" else None
+    if measured is not None and not measured:
         return 0
     readers = value_readers(g)
     producer = {o: s for s in g.steps for o in s.outputs if o}
@@ -77,29 +107,27 @@ def decode_linear(g: Graph, device: torch.device) -> int:
         if w is None or id(mm) in gone:
             continue
         x, w_name = mm.inputs
+        kind, prev, fold = _fold(g, producer, readers, gone, x)
+        if measured is not None and not _wanted(measured, kind, w):
+            continue
         if w_name not in transposed:
             transposed[w_name] = f"{w_name}::t"
             g.consts[transposed[w_name]] = w.T.contiguous()  # [N, K]
         wt = transposed[w_name]
-        prev = producer.get(x)
         ctx = replace(mm.ctx, num_outputs=1, requested=(True,)) if mm.ctx else None
         new = None
-        if prev is not None and id(prev) not in gone and readers.get(x, 0) == 1 and x not in g.outputs:
-            if prev.domain == FUSED_DOMAIN and prev.op_type == "SiluMul" and prev.impl is not None:
-                new = Step(f"{prev.name}+{mm.name}", "SiluLinear", FUSED_DOMAIN, [prev.inputs[0], wt], list(mm.outputs),
-                           {"split": int(prev.attrs["split"]), "silu_impl": prev.impl},
-                           impl=lookup(FUSED_DOMAIN, "SiluLinear", 1, mm.name), ctx=ctx)
-            else:
-                fold = _norm_fold(prev, readers, x)
-                if fold is not None:
-                    ins, extra, eps = fold
-                    new = Step(f"{prev.name}+{mm.name}", "NormLinear", FUSED_DOMAIN, ins + [wt],
-                               list(mm.outputs) + extra,
-                               {"epsilon": eps, "norm_impl": prev.impl, "norm_attrs": dict(prev.attrs),
-                                "norm_ctx": prev.ctx, "norm_op": prev.op_type},
-                               impl=lookup(FUSED_DOMAIN, "NormLinear", 1, mm.name),
-                               ctx=replace(mm.ctx, num_outputs=1 + len(extra),
-                                           requested=(True,) * (1 + len(extra))) if mm.ctx else None)
+        if kind == "silu":
+            new = Step(f"{prev.name}+{mm.name}", "SiluLinear", FUSED_DOMAIN, [prev.inputs[0], wt], list(mm.outputs),
+                       {"split": int(prev.attrs["split"]), "silu_impl": prev.impl},
+                       impl=lookup(FUSED_DOMAIN, "SiluLinear", 1, mm.name), ctx=ctx)
+        elif kind == "rms":
+            ins, extra, eps = fold
+            new = Step(f"{prev.name}+{mm.name}", "NormLinear", FUSED_DOMAIN, ins + [wt], list(mm.outputs) + extra,
+                       {"epsilon": eps, "norm_impl": prev.impl, "norm_attrs": dict(prev.attrs),
+                        "norm_ctx": prev.ctx, "norm_op": prev.op_type},
+                       impl=lookup(FUSED_DOMAIN, "NormLinear", 1, mm.name),
+                       ctx=replace(mm.ctx, num_outputs=1 + len(extra),
+                                   requested=(True,) * (1 + len(extra))) if mm.ctx else None)
         if new is not None:  # at the folded op's place: its inputs are ready there, the product's are constants
             gone.update((id(prev), id(mm)))
             placed[id(prev)] = new
