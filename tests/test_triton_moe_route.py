@@ -156,3 +156,19 @@ def test_op_routes_with_torch_once_the_kernel_fails(monkeypatch):
     assert moe.ROUTE_FAILURE == ["RuntimeError: PassManager::run failed"] and moe.ROUTED_BY["moe_rf"] == "torch"
     again = moe.moe([x, router, fc1, None, fc2], attrs, ctx)[0]
     assert torch.allclose(got, ok, rtol=1e-5, atol=1e-6) and torch.equal(got, again)
+
+
+def test_routed_moe_logits_minus_inf_outside_the_chosen_experts():
+    """exporters/moe.py `routed_moe` (DeepSeek-V3, GLM-4-MoE routing computed in the graph) feeds log(w) at the k
+    chosen experts and -inf elsewhere: the kernel must pick exactly those, with softmax weights w / sum(w)."""
+    g = torch.Generator().manual_seed(12)
+    t, e, k = 10, 64, 6
+    chosen = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=g) + 0.1
+    router = torch.full((t, e), float("-inf")).scatter(1, chosen, w.log()).half()
+    top_e, top_w, plan = route.route_plan(router, k, False, 16)
+    ref_e, ref_w, ref_plan = oracle(router, k, False, 16)
+    assert np.array_equal(top_e.numpy(), ref_e)
+    assert set(map(tuple, np.sort(top_e.numpy(), 1))) == set(map(tuple, np.sort(chosen.numpy(), 1)))
+    assert np.allclose(top_w.numpy(), ref_w, rtol=1e-6, atol=1e-7)
+    assert all(np.array_equal(a.numpy(), b) for a, b in zip(plan, ref_plan))
