@@ -116,10 +116,10 @@ def test_prefill_floor_of_windowed_layers_and_experts():
     from pagedkit.apps.bench import floor
 
     layers = [floor.CacheLayer(0, 1), floor.CacheLayer(1, 1, window=3)]
-    f = floor.prefill_floor(0, (10, 7), layers, 2, 4, batch=2, tokens=5)
-    seen = (1 + 2 + 3 + 4 + 5) + (1 + 2 + 3 + 3 + 3)  # a query sees min(i, window) keys
+    f = floor.prefill_floor(0, (10, 7), layers, 2, 4, batch=2, tokens=7)
+    seen = (1 + 2 + 3 + 4 + 5 + 6 + 7) + (1 + 2 + 3 + 3 + 3 + 3 + 3)  # a query sees min(i, window) keys
     assert f["attention_flops"] == 2 * 4 * 2 * 4 * seen
-    assert f["flops"] == 2 * 10 * 2 * 5 + 2 * 7 * 2 + f["attention_flops"]
+    assert f["flops"] == 2 * 10 * 2 * 7 + 2 * 7 * 2 + f["attention_flops"]
 
 
 def test_moe_floor_counts_the_experts_a_step_touched(tmp_path, monkeypatch):
@@ -148,6 +148,14 @@ def test_moe_floor_counts_the_experts_a_step_touched(tmp_path, monkeypatch):
     assert f1["bytes_per_step"] == f1["weight_bytes"] + f1["kv_bytes"]
     assert 2 <= f2["experts_touched"]["mean_per_node"] <= 4
     assert everything - per_expert // 2 <= f2["weight_bytes"] <= everything
+    # the prefill floor's products: every MatMul weight but the head, the experts' k / E share, the head apart
+    from pagedkit.apps.bench import floor
+
+    head = next(n for n in model.graph.node if n.op_type == "MatMul" and n.name.startswith("/lm_head/"))
+    mats = sum(inits[n.input[1]].size for n in model.graph.node
+               if n.op_type == "MatMul" and n.input[1] in inits and n is not head)
+    experts = sum(inits[i].size for n in moe for i in (n.input[2], n.input[4]))  # fc1, fc2 [E, ...]
+    assert floor.product_weights(tmp_path / "m" / "model.onnx") == (mats + experts * 2 // 4, inits[head.input[1]].size)
     pk = rows[1]["arms"]["pagedkit"]
     assert "experts_touched" not in pk
     assert pk["fraction_of_floor"] == pytest.approx(pk["tokens_per_s"] / f1["tokens_per_s"])
