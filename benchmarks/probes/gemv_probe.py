@@ -137,6 +137,7 @@ def main() -> int:
               + f"  floor {nbytes / bw * 1e6:.2f} us", flush=True)
         del ws
         torch.cuda.empty_cache()
+        write_result(args.out, result)  # as it goes: a call cut at its time limit keeps what ran
     shapes = {}  # the SHAPE_TILES entries this run suggests: each product's best tiles at the most rows asked
     for (name, k, n) in (*LAYER, HEAD):
         best = result["best"].get(f"{name}/M{max(args.rows)}")
@@ -180,6 +181,7 @@ def main() -> int:
             lin.PREFETCH = True
             result["chains"].append({"m": m, "arm": arm, "ms": ms, "floor_ms": floor})
             print(f"chain M{m:<2d} {arm:24s} {ms * 1000:8.1f} us (floor {floor * 1000:.1f})", flush=True)
+            write_result(args.out, result)
         del layers
         torch.cuda.empty_cache()
     write_result(args.out, result)
