@@ -82,10 +82,6 @@ if common.HAVE_TRITON:
         tl.store(tile_end_ptr + e, tl.cumsum(tiles, axis=0), mask=e_ok)
 
 
-def _p2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def serves(router: torch.Tensor, k: int, attrs: dict) -> str | None:
     """None when `route_plan` serves this routing, else why not (the op then routes with torch)."""
     if not common.HAVE_TRITON:
@@ -100,7 +96,7 @@ def serves(router: torch.Tensor, k: int, attrs: dict) -> str | None:
     n_tok = router.numel() // max(n_exp, 1)
     if not 1 <= k <= n_exp:
         return f"k={k} of {n_exp} experts"
-    if n_tok < 1 or _p2(n_tok * k) * _p2(n_exp) > MAX_CELLS or _p2(n_tok) * _p2(n_exp) > MAX_CELLS:
+    if n_tok < 1 or common.next_pow2(n_tok * k) * common.next_pow2(n_exp) > MAX_CELLS or common.next_pow2(n_tok) * common.next_pow2(n_exp) > MAX_CELLS:
         return f"{n_tok} tokens x k {k} x {n_exp} experts (decode-sized steps: {MAX_CELLS} padded cells)"
     return None
 
@@ -118,11 +114,11 @@ def route_plan(router: torch.Tensor, k: int, normalize: bool, block_m: int):
     top_w = torch.empty(n_tok, k, dtype=torch.float32, device=dev)
     order = torch.empty(n_tok * k, dtype=torch.int32, device=dev)
     counts, start, tiles, tile_end = (torch.empty(n_exp, dtype=torch.int32, device=dev) for _ in range(4))
-    rp = _p2(n_tok * k)
+    rp = common.next_pow2(n_tok * k)
     _route_kernel[(1,)](logits, logits.stride(0), n_tok, n_exp, top_e, top_w, order, counts, start, tiles, tile_end,
-                        K=k, TP=max(2, _p2(n_tok)), EP=max(2, _p2(n_exp)), KP=max(2, _p2(k)), RP=max(2, rp),
+                        K=k, TP=max(2, common.next_pow2(n_tok)), EP=max(2, common.next_pow2(n_exp)), KP=max(2, common.next_pow2(k)), RP=max(2, rp),
                         RC=min(RANK_CHUNK, max(2, rp)), NORM=bool(normalize), BM=block_m,
-                        num_warps=4 if rp * _p2(n_exp) <= 8192 else 8)
+                        num_warps=4 if rp * common.next_pow2(n_exp) <= 8192 else 8)
     return top_e, top_w, (order, counts, start, tiles, tile_end)
 
 

@@ -55,6 +55,7 @@ ROUTE_LOG: dict[str, list[torch.Tensor]] | None = None
 ROUTE_KERNEL: bool = settings.read("PAGEDKIT_MOE_ROUTE_KERNEL")
 ROUTED_BY: dict[str, str] = {}
 TRITON_FAILURE: list[str] = []  # why the fused kernel failed on this device, once it has: the torch path since
+ROUTE_FAILURE: list[str] = []  # why the routing kernel failed on this device, once it has: torch routes since
 
 
 def triton_moe_refusal(xs: torch.Tensor, weights, attrs: dict) -> str | None:
@@ -67,42 +68,55 @@ def triton_moe_refusal(xs: torch.Tensor, weights, attrs: dict) -> str | None:
     return "triton is not available" if tk is None else tk.serves(xs, weights, attrs)
 
 
+def _failed(failures: list[str], exc: Exception, where: str, what: str, fallback: str) -> None:
+    """Record (once) and warn that a Triton kernel failed to build or run on this device: `fallback` serves from
+    now on."""
+    import warnings
+
+    failures.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+    warnings.warn(f"{where}: the {what} failed ({failures[0]}); {fallback} from now on (runtime/ops/moe.py)",
+                  RuntimeWarning, stacklevel=3)
+
+
 def _fused(xs, top_e, top_w, weights, attrs, where: str, plan=None) -> torch.Tensor | None:
     """The fused kernel's output, or None (recorded in TRITON_FAILURE, with a warning) when it fails to build or
     run on this device: the torch path serves this call and every later one."""
     try:
         return triton_kernels("moe").fused_moe(xs.contiguous(), top_e, top_w, weights, attrs, plan=plan)
     except Exception as exc:  # a Triton compile / launch error on this device
-        import warnings
-
-        TRITON_FAILURE.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
-        warnings.warn(f"{where}: the fused MoE kernel failed ({TRITON_FAILURE[0]}); MoE runs its torch path from "
-                      "now on (runtime/ops/moe.py)", RuntimeWarning, stacklevel=2)
+        _failed(TRITON_FAILURE, exc, where, "fused MoE kernel", "MoE runs its torch path")
         return None
 
 
 def _route_kernel(router, k: int, attrs: dict, where: str):
     """(top_e, top_w, plan) from kernels/triton/moe_route.py where it serves (ROUTE_KERNEL on; the fused expert
-    kernel serves this call), else (None, None, None): the op routes with torch. A kernel that fails on this
-    device warns once (ROUTE_FAILURE) and torch routes from then on."""
+    kernel serves this call), else None: the op routes with torch. A kernel that fails on this device warns once
+    (ROUTE_FAILURE) and torch routes from then on."""
     if not ROUTE_KERNEL or ROUTE_FAILURE:
-        return None, None, None
+        return None
     rk = triton_kernels("moe_route")
     if rk is None or rk.serves(router, k, attrs) is not None:
-        return None, None, None
+        return None
     try:
         return rk.route_plan(router, k, bool(attrs.get("normalize_routing_weights", 0)),
                              triton_kernels("moe").BLOCK_M)
     except Exception as exc:  # a Triton compile / launch error on this device
-        import warnings
-
-        ROUTE_FAILURE.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
-        warnings.warn(f"{where}: the MoE routing kernel failed ({ROUTE_FAILURE[0]}); torch routes from now on "
-                      "(runtime/ops/moe.py)", RuntimeWarning, stacklevel=2)
-        return None, None, None
+        _failed(ROUTE_FAILURE, exc, where, "MoE routing kernel", "torch routes")
+        return None
 
 
-ROUTE_FAILURE: list[str] = []  # why the routing kernel failed on this device, once it has
+def _route_torch(router, k: int, attrs: dict, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top_w [T, k] float32, top_e [T, k]) as onnxruntime routes (module doc): softmax top-k, or sparsemixer."""
+    n_exp = router.shape[-1]
+    logits = router.reshape(-1, n_exp)
+    if attrs.get("use_sparse_mixer", 0):
+        if k != 2 or n_exp < 2:
+            raise ValueError(f"{where}: use_sparse_mixer=1 routes k=2 of >= 2 experts, got k={k}, {n_exp} experts")
+        return sparse_mixer(logits)
+    top_w, top_e = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
+    if attrs.get("normalize_routing_weights", 0):
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+    return top_w, top_e
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -225,17 +239,12 @@ def moe(inputs, attrs, ctx):
     xs = x.reshape(-1, x.shape[-1])  # [T, hidden]
     n_tok, n_exp = xs.shape[0], router.shape[-1]
     why = triton_moe_refusal(xs, weights, attrs)
-    top_e, top_w, plan = _route_kernel(router, k, attrs, where) if why is None else (None, None, None)
-    ROUTED_BY[ctx.node_name] = "torch" if top_e is None else "kernel"
-    if top_e is None and attrs.get("use_sparse_mixer", 0):
-        if k != 2 or n_exp < 2:
-            raise ValueError(f"{where}: use_sparse_mixer=1 routes k=2 of >= 2 experts, got k={k}, {n_exp} experts")
-        top_w, top_e = sparse_mixer(router.reshape(n_tok, n_exp))
-    elif top_e is None:
-        probs = torch.softmax(router.reshape(n_tok, n_exp).float(), dim=-1)
-        top_w, top_e = torch.topk(probs, k, dim=-1)  # [T, k]
-        if attrs.get("normalize_routing_weights", 0):
-            top_w = top_w / top_w.sum(-1, keepdim=True)
+    routed = _route_kernel(router, k, attrs, where) if why is None else None
+    ROUTED_BY[ctx.node_name] = "torch" if routed is None else "kernel"
+    if routed is None:
+        (top_w, top_e), plan = _route_torch(router, k, attrs, where), None  # [T, k]
+    else:
+        top_e, top_w, plan = routed
     if ROUTE_LOG is not None and not (top_e.is_cuda and torch.cuda.is_current_stream_capturing()):
         ROUTE_LOG.setdefault(ctx.node_name, []).append(top_e.detach().clone())
     if why is None:  # CUDA: two grouped GEMM launches, no host read
