@@ -53,6 +53,11 @@ class _Op:
     kwargs: dict
     view: tuple | None = None  # (size, stride, storage_offset) of a view the op filled; None: the whole tensor
 
+    @property
+    def row_fill(self) -> bool:
+        """An elementwise fill of the whole tensor: drawn block by block."""
+        return self.view is None and self.name in _FILLS
+
 
 @dataclass
 class _Plan:
@@ -60,7 +65,7 @@ class _Plan:
     ops: list[_Op] = field(default_factory=list)
 
     def sliceable(self) -> bool:
-        return all(op.view is None and op.name in _FILLS for op in self.ops)
+        return all(op.row_fill for op in self.ops)
 
 
 def _seed(seed: int, name: str, k: int, block: int) -> int:
@@ -115,7 +120,11 @@ def _draw_rows(plan: _Plan, shape: tuple[int, ...], dtype: torch.dtype, seed: in
         out[lo - a:hi - a] = full[lo - block * rows:hi - block * rows]
 
     blocks = range(a // rows, -(-b // rows)) if b > a else range(0)
-    list(_pool().map(one, blocks)) if len(blocks) > 1 else [one(k) for k in blocks]
+    if len(blocks) > 1:
+        list(_pool().map(one, blocks))
+    else:
+        for block in blocks:
+            one(block)
     return out
 
 
@@ -127,10 +136,7 @@ def evaluate(plan: _Plan, shape: tuple[int, ...], dtype: torch.dtype, seed: int,
         return _draw_rows(plan, shape, dtype, seed, a, b)
     if rows is not None:
         raise ValueError(f"{plan.name}: row slices of a whole-tensor init")
-    fills = [op for op in plan.ops if op.view is None and op.name in _FILLS]
-    first = 0
-    while first < len(plan.ops) and plan.ops[first] in fills:
-        first += 1
+    first = next((i for i, op in enumerate(plan.ops) if not op.row_fill), len(plan.ops))  # the leading fills
     out = _draw_rows(_Plan(plan.name, plan.ops[:first]), shape, dtype, seed, 0, shape[0] if shape else 0)
     for k, op in enumerate(plan.ops[first:], start=first):  # in order, on the whole tensor or the view filled
         target = out if op.view is None else out.as_strided(*op.view)
@@ -238,14 +244,11 @@ def _leaves(model: torch.nn.Module, config, dtype: torch.dtype, seed: int) -> di
 
 def lazy_random_model(config, dtype: torch.dtype, seed: int) -> torch.nn.Module:
     """The meta-device model of `config` whose parameters are lazy random tensors (module doc)."""
-    from .checkpoint import meta_model
+    from .checkpoint import install, meta_model
 
     model = meta_model(config, dtype)
     made = _leaves(model, config, dtype, seed)
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None:
-                module._parameters[name] = made[id(p)]
+    install(model, {n: made[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}, "random weights")
     return model
 
 
