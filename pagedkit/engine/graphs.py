@@ -102,8 +102,11 @@ class DecodeGraphs:
             if n != 1 or length < 1 or mgr.seqs[sid].pending_draft:
                 return None
             longest = max(longest, length + 1)
-        bucket = next(b for b in self.buckets if b >= len(batch))
-        return bucket, kv_bucket(longest, mgr.config.max_seq_len)
+        return self.batch_bucket(len(batch)), kv_bucket(longest, mgr.config.max_seq_len)
+
+    def batch_bucket(self, n: int) -> int | None:
+        """The rows a decode step of n sequences runs padded to (None: more than the largest bucket)."""
+        return next((b for b in self.buckets if b >= n), None)
 
     def plan(self, batch: Sequence[tuple]):
         """The step's plan: padded with replay-wide bounds when graphs serve it, else the manager's plain plan."""

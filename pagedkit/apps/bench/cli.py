@@ -337,9 +337,8 @@ def _arm(arm, engine, peers: dict, row, vocab, args, device, warm: bool = True, 
                     rec = engine_arm.run_row(engine, row, prompts, device)
                 finally:
                     log, moe.ROUTE_LOG = moe.ROUTE_LOG, None
-                graphs = engine.model.graphs
-                sizes = {row.batch} | ({next(b for b in graphs.buckets if b >= row.batch)}
-                                       if graphs is not None and row.batch <= graphs.buckets[-1] else set())
+                graphs = engine.model.graphs  # a decode step runs the batch's rows, or its padded bucket's
+                sizes = {row.batch, graphs.batch_bucket(row.batch) if graphs is not None else None} - {None}
                 touched = floor.touched_experts(log, row.batch, sizes)
             elif arm == "pagedkit":
                 rec = engine_arm.run_row(engine, row, prompts, device)

@@ -28,6 +28,7 @@ for one row a prompt (the engine computes the logits of the rows it samples: run
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,10 +47,20 @@ _PRODUCTS = {"MatMul", "Gemm", "MatMulNBits"}
 _EXPERTS = set(EXPERT_WEIGHT_INPUTS)
 
 
+@functools.lru_cache(maxsize=4)
+def _graph_of(path: str, mtime_ns: int) -> onnx.ModelProto:
+    return onnx.load(path, load_external_data=False)
+
+
+def _model(model_path: str | Path) -> onnx.ModelProto:
+    """The ONNX file's proto without its external data, loaded once for the floors here (not to be modified)."""
+    return _graph_of(str(model_path), Path(model_path).stat().st_mtime_ns)
+
+
 def weight_bytes(model_path: str | Path) -> int:
     """Bytes of every initializer of the ONNX file (external data by its recorded length, without loading it)."""
     model_path = Path(model_path)
-    model = onnx.load(str(model_path), load_external_data=False)
+    model = _model(model_path)
     total, whole_files = 0, set()
     graphs = [model.graph]
     while graphs:  # initializers of subgraphs too (If / Loop bodies)
@@ -85,7 +96,7 @@ def expert_bytes(model_path: str | Path) -> dict[str, tuple[int, int]]:
     """node name -> (bytes of its per-expert initializers, number of experts) of every MoE / QMoE node of the
     main graph: the inputs past the router whose first dimension is the expert count (fc1's)."""
     model_path = Path(model_path)
-    model = onnx.load(str(model_path), load_external_data=False)
+    model = _model(model_path)
     inits = {t.name: t for t in model.graph.initializer}
     out, whole_files = {}, set()
     for node in model.graph.node:
@@ -162,7 +173,7 @@ def product_weights(model_path: str | Path) -> tuple[int, int]:
     """(multiply-adds a token makes in the products of the main graph, the LM head's): see the module docstring."""
     from ...kernels.cpu.logits import _head
 
-    model = onnx.load(str(model_path), load_external_data=False)
+    model = _model(model_path)
     g = model.graph
     dims = {t.name: [int(d) for d in t.dims] for t in g.initializer}
     head = _head(g, "logits")
