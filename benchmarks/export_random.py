@@ -14,7 +14,6 @@ removed afterwards.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _provenance import versions  # noqa: E402
+from _provenance import versions, write_result  # noqa: E402
 
 RUN = ("import resource, sys\n"
        "from pagedkit.exporters.cli import main\n"
@@ -104,7 +103,7 @@ def main(argv=None) -> int:
               "note": "peak_rss_mib: the export process's own getrusage(RUSAGE_SELF).ru_maxrss",
               "versions": versions(("transformers", "torch", "pagedkit"))}
     if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_result(args.out, result)
     return 0
 
 
